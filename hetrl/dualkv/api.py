@@ -1,0 +1,232 @@
+"""shared_prompt_logprobs: response log-probs of a Hugging Face causal LM over a PackedBatch.
+
+The model runs once on the packed stream (batch 1, shared position ids, no KV cache). Its
+attention goes through transformers' AttentionInterface under a name registered here, with a
+matching AttentionMaskInterface entry that builds the shared-prompt mask once per forward (not
+once per layer). The model's own attention implementation is switched only for the duration
+of the call and restored afterwards, even on error. The LM head runs only on the rows that
+predict response tokens (`logits_to_keep`), and log-probs are gathered without materialising
+a second [rows, vocab] tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from .impl import flex, reference, sdpa
+from .packing import PackedBatch
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "reference", "sdpa", "flex")
+_ATTN_NAME = {"sdpa": "hetrl_dualkv_sdpa", "flex": "hetrl_dualkv_flex"}
+
+
+@dataclass
+class _Active:
+    """What the registered attention/mask functions need during one packed forward."""
+
+    batch: PackedBatch
+    impl: str
+    max_context: int
+    mask: object = None
+    calls: int = 0
+    layers: set = field(default_factory=set)
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("hetrl_dualkv_active", default=None)
+
+
+def _mask_interface(**_ignored) -> _Active:
+    """Called by transformers once per forward (per mask type); builds our mask once and hands it on."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise RuntimeError(
+            "a model is set to a hetrl DualKV attention implementation outside shared_prompt_logprobs(); "
+            "call the model through hetrl.dualkv.shared_prompt_logprobs or set its attention back"
+        )
+    if active.mask is None:
+        active.mask = (sdpa.build_masks(active.batch) if active.impl == "sdpa"
+                       else flex.build_block_mask(active.batch))
+    return active
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """AttentionInterface entry: query [1, H, T, d], key/value [1, H_kv, T, d] -> ([1, T, H, d], None)."""
+    active = attention_mask
+    if not isinstance(active, _Active):
+        raise RuntimeError(
+            "hetrl DualKV attention got no shared-prompt layout (attention_mask is "
+            f"{type(attention_mask).__name__}); call the model through hetrl.dualkv.shared_prompt_logprobs"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"the packed stream has batch size 1, got query of shape {tuple(query.shape)}")
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) is not causal; "
+                         "shared-prompt packing is exact only for causal attention")
+    if dropout and module.training:
+        raise ValueError(
+            f"attention dropout ({dropout}) is on: the N prompt copies of the standard layout would get "
+            "different dropout masks, so there is nothing exact to share; set config.attention_dropout=0"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"attention logit softcapping ({kwargs['softcap']}) is not supported by DualKV")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < active.max_context:
+        raise ValueError(
+            f"layer {module.layer_idx} has a sliding window of {window} tokens, shorter than the longest "
+            f"sequence in the batch ({active.max_context} = prompt + response); the packed stream cannot "
+            f"express it. Use impl='reference' or keep prompt + response <= {window} tokens"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if active.impl == "sdpa":
+        out = sdpa.attend(query, key, value, active.mask, active.batch.group_bounds, scale)
+    else:
+        out = flex.attend(query, key, value, active.mask, scale)
+    active.calls += 1
+    active.layers.add(getattr(module, "layer_idx", None))
+    return out.transpose(1, 2).contiguous(), None
+
+
+for _impl, _name in _ATTN_NAME.items():
+    AttentionInterface.register(_name, _attention)
+    AttentionMaskInterface.register(_name, _mask_interface)
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: PreTrainedModel, name: str):
+    original = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+
+
+def _resolve_impl(impl: str, device: torch.device, needs_grad: bool) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        chosen = "flex" if device.type == "cuda" else "sdpa"
+        log.info("shared_prompt_logprobs: impl='auto' chose %r on %s", chosen, device.type)
+        return chosen
+    if impl == "flex" and device.type == "cpu" and needs_grad:
+        raise ValueError(
+            "impl='flex' cannot run here: torch refuses FlexAttention backward on CPU, and this call "
+            "tracks gradients. Use impl='sdpa' (exact, CPU default), or call under torch.no_grad() "
+            "for a forward-only pass"
+        )
+    return impl
+
+
+def _check_model(model, batch: PackedBatch, needs_grad: bool) -> None:
+    cfg = model.config.get_text_config()
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; DualKV needs a decoder-only causal LM")
+    if not type(model)._can_set_attn_implementation():
+        raise ValueError(
+            f"{name} does not route its attention through transformers' AttentionInterface, so the "
+            "shared-prompt attention cannot be plugged in; use impl='reference' or a model that does "
+            "(Llama, Qwen2, Qwen3, Mistral, ...)"
+        )
+    if not getattr(cfg, "is_causal", True):
+        raise ValueError(f"{name} is configured with non-causal attention (is_causal=False)")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{name} uses attention logit softcapping ({cfg.attn_logit_softcapping}), which the "
+            "shared-prompt attention does not implement; use impl='reference'"
+        )
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{name} uses final logit softcapping ({cfg.final_logit_softcapping}), which DualKV does "
+            "not support yet; use impl='reference'"
+        )
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ValueError(f"{name} has batch-statistic norms, which mix tokens across the batch")
+    if needs_grad and getattr(model, "is_activation_checkpointing", False):
+        raise ValueError(
+            "gradient checkpointing re-runs attention during backward, after shared_prompt_logprobs has "
+            "restored the model's own attention; disable it (model.gradient_checkpointing_disable())"
+        )
+
+
+def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: torch.Tensor,
+                    temperature: float, return_entropy: bool):
+    """logits [U, V], row_of_label [K], labels [K] -> logp [K] (and entropy [K])."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z[row_of_label, labels] - lse[row_of_label]
+    if not return_entropy:
+        return logp
+    p = torch.exp(z - lse[:, None])
+    entropy = lse - (p * z).sum(-1)
+    return logp, entropy[row_of_label]
+
+
+def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", temperature: float = 1.0,
+                           return_entropy: bool = False):
+    """Log π(token | prefix) of every response token of `batch`, exactly as the standard layout gives.
+
+    Args:
+      model: a Hugging Face causal LM whose attention goes through AttentionInterface.
+      batch: from `pack_groups`; moved to the model's device.
+      impl: "auto" (flex on CUDA, sdpa elsewhere), "reference", "sdpa" or "flex".
+      temperature: logits are divided by it before the softmax (> 0).
+      return_entropy: also return the entropy of each predicting row's distribution.
+
+    Returns:
+      logp [K] (autograd-enabled when grad is on), K = total response tokens, ordered group by
+      group, response by response, token by token; with return_entropy, (logp [K], entropy [K]).
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a Hugging Face PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch from pack_groups(), got {type(batch).__name__}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    device = model.get_input_embeddings().weight.device
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    impl = _resolve_impl(impl, device, needs_grad)
+    vocab = model.get_input_embeddings().num_embeddings
+    top = int(batch.input_ids.max())
+    if top >= vocab:
+        raise ValueError(f"batch holds token id {top}, but the model's vocabulary has {vocab} entries")
+    if impl != "reference":
+        _check_model(model, batch, needs_grad)
+    batch = batch.to(device)
+    dtype = model.get_input_embeddings().weight.dtype
+    if batch.labels.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.promote_types(dtype, torch.float32), device=device)
+        return (empty, empty.clone()) if return_entropy else empty
+
+    if impl == "reference":
+        logits = reference.standard_logits(model, batch)
+        row_of_label = torch.arange(batch.labels.numel(), device=device)
+    else:
+        active = _Active(batch=batch, impl=impl, max_context=batch.max_context)
+        token = _ACTIVE.set(active)
+        try:
+            with _attention_implementation(model, _ATTN_NAME[impl]):
+                out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                            use_cache=False, logits_to_keep=batch.logit_rows)
+        finally:
+            _ACTIVE.reset(token)
+        n_layers = model.config.get_text_config().num_hidden_layers
+        if active.calls != n_layers:
+            raise RuntimeError(
+                f"{type(model).__name__} has {n_layers} layers but only {active.calls} attention calls went "
+                "through AttentionInterface; the others would have computed the wrong thing"
+            )
+        logits = out.logits[0]
+        row_of_label = batch.row_of_label
+    return _token_logprobs(logits, row_of_label, batch.labels, temperature, return_entropy)
