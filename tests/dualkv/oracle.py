@@ -63,9 +63,9 @@ def standard_logprobs(model, groups, temperature: float = 1.0, entropy: bool = F
         for r in resps:
             if len(r) == 0:
                 continue
-            ids = torch.tensor([list(prompt) + list(r)])
+            ids = torch.tensor([list(prompt) + list(r)], device=model.device)
             logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1] / temperature
             logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-            out.append(logp_all.gather(-1, torch.tensor(r)[:, None]).squeeze(-1))
+            out.append(logp_all.gather(-1, torch.tensor(r, device=model.device)[:, None]).squeeze(-1))
             ent.append(-(logp_all.exp() * logp_all).sum(-1))
     return (torch.cat(out), torch.cat(ent)) if entropy else torch.cat(out)

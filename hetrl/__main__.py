@@ -1,0 +1,5 @@
+import sys
+
+from hetrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""The `hetrl` command: thin argument parsing, one library call per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _bench_dualkv(args) -> int:
+    from hetrl.bench import dualkv
+
+    cfg = (dualkv.DemoConfig(responses=8, max_new_tokens=32, repeats=3, few_shot=4, seed=args.seed) if args.quick
+           else dualkv.DemoConfig(responses=16, max_new_tokens=48, repeats=5, seed=args.seed))
+    result = dualkv.run_demo(cfg)
+    print(dualkv.format_result(result))
+    if args.out:
+        dualkv.write_result(result, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetrl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what auto choices picked")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="measure hetrl against the standard way, side by side")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    dk = bench_sub.add_parser("dualkv", help="DualKV vs the standard layout on one real group of the embedded model")
+    dk.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")
+    dk.add_argument("--seed", type=int, default=0)
+    dk.add_argument("--out", help="also write the result as JSON to this path")
+    dk.set_defaults(func=_bench_dualkv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Imports go one way: trainer -> {dualkv, planner, algo}; those never import each other, trainer or ray,
+and planner never imports torch. Checked in a fresh interpreter so that nothing is already loaded."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+FORBIDDEN = {
+    "hetrl.dualkv": {"hetrl.planner", "hetrl.algo", "hetrl.trainer", "ray"},
+    "hetrl.planner": {"hetrl.dualkv", "hetrl.algo", "hetrl.trainer", "ray", "torch", "transformers"},
+    "hetrl.algo": {"hetrl.dualkv", "hetrl.planner", "hetrl.trainer", "ray", "transformers"},
+}
+PRESENT = [name for name in FORBIDDEN if importlib.util.find_spec(name) is not None]
+
+
+def _modules_loaded_by(package: str) -> set[str]:
+    code = f"import json, sys, {package}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+def test_dualkv_is_present():
+    assert "hetrl.dualkv" in PRESENT
+
+
+@pytest.mark.parametrize("package", PRESENT)
+def test_one_way_imports(package):
+    loaded = _modules_loaded_by(package)
+    bad = {m for m in loaded for f in FORBIDDEN[package] if m == f or m.startswith(f + ".")}
+    assert not bad, f"{package} imports {sorted(bad)}"
