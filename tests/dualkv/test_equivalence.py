@@ -50,7 +50,7 @@ def test_fp64_logprobs_and_grads_equal_standard(family, p, impl):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("p", [1, 65, 128])
+@pytest.mark.parametrize("p", PROMPTS)
 def test_flex_forward_equals_standard_on_cpu(family, p):
     model = tiny_model(family)
     groups = _batch(p, 3, seed=p + 1)
