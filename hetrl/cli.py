@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -20,10 +21,32 @@ def _bench_dualkv(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from hetrl.trainer.config import load_config
+    from hetrl.trainer.loop import train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        result = train(cfg, resume=args.resume)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hetrl train: {e}", file=sys.stderr)
+        return 2
+    return 130 if result.get("interrupted") else 0
+
+
+DEFAULT_RUN = "examples/runs/default.yaml"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetrl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what auto choices picked")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="RL post-training (GRPO/DAPO) with the DualKV update")
+    tr.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
+    tr.add_argument("--resume", action="store_true", help="continue the run in out_dir from its latest checkpoint")
+    tr.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. steps=5")
+    tr.set_defaults(func=_train)
 
     bench = sub.add_parser("bench", help="measure hetrl against the standard way, side by side")
     bench_sub = bench.add_subparsers(dest="what", required=True)
@@ -37,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train" and args.config is None and os.path.isfile(DEFAULT_RUN):
+        args.config = DEFAULT_RUN
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     return args.func(args)
 

@@ -1,0 +1,225 @@
+"""`hetrl train`: the whole RL loop in one function you can read top to bottom.
+
+sample N responses per prompt -> verifiable reward -> group-relative advantages -> pack groups
+(DualKV) -> old and reference log-probs -> clipped policy update in `mini_batches` optimizer
+steps -> log. The rollout worker and the learner share one policy in this single-process loop,
+so the weight sync is a no-op; the Ray executor places them apart.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import pathlib
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hetrl.algo import group_advantages, token_weights
+from hetrl.models import load_model
+from hetrl.trainer import checkpoint, memory
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.learner import Learner
+from hetrl.trainer.metrics import MetricsLog, plot_curves
+from hetrl.trainer.rollout import RolloutWorker, Sample, chat_prompt_ids
+from hetrl.trainer.tasks import Score, Task
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class Rollout:
+    """One prompt with its N samples and their scores."""
+
+    problem: dict
+    prompt: list[int]
+    samples: list[Sample]
+    scores: list[Score]
+
+
+def collect_rollouts(cfg: RunConfig, task: Task, worker: RolloutWorker, tokenizer, next_problem: int):
+    """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
+    are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds."""
+    kept: list[Rollout] = []
+    sampled: list[Rollout] = []
+    rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
+    for _ in range(rounds):
+        if len(kept) >= cfg.prompts_per_step:
+            break
+        problems, next_problem = task.train_problems(next_problem, cfg.prompts_per_step - len(kept))
+        prompts = [chat_prompt_ids(tokenizer, task.messages(p)) for p in problems]
+        outputs = worker.generate(prompts, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        for problem, prompt, samples in zip(problems, prompts, outputs):
+            r = Rollout(problem, prompt, samples, [task.score(problem, s.text) for s in samples])
+            sampled.append(r)
+            if not cfg.dynamic_sampling or len({s.reward for s in r.scores}) > 1:
+                kept.append(r)
+    return kept, sampled, next_problem
+
+
+def evaluate(task: Task, worker: RolloutWorker, tokenizer, max_new_tokens: int, path: pathlib.Path) -> float:
+    """Greedy accuracy on the held-out set; every reply is written to `path` (JSONL) for inspection."""
+    prompts = [chat_prompt_ids(tokenizer, task.messages(p)) for p in task.eval_problems]
+    outputs = worker.generate(prompts, 1, max_new_tokens, greedy=True)
+    rows = []
+    for problem, (sample,) in zip(task.eval_problems, outputs):
+        score = task.score(problem, sample.text)
+        rows.append({"question": problem["question"], "answer": problem["answer"], "reply": sample.text,
+                     "correct": score.correct})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return sum(r["correct"] for r in rows) / len(rows)
+
+
+def _per_token(rollouts: list[Rollout], cfg: RunConfig):
+    """Per-token advantages and loss weights [K], in the order of the packed responses."""
+    rewards = torch.tensor([[s.reward for s in r.scores] for r in rollouts], dtype=torch.float64)
+    adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
+    lens = torch.tensor([len(s.tokens) for r in rollouts for s in r.samples])
+    keep = torch.tensor([not (cfg.overlong_filter and s.truncated) for r in rollouts for s in r.samples])
+    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
+
+
+class _StopAfterStep:
+    """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, *_):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def train(cfg: RunConfig, resume: bool = False) -> dict:
+    run_dir = pathlib.Path(cfg.out_dir)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    if metrics.exists() and not resume:
+        raise ValueError(f"{run_dir} already holds a run (metrics.jsonl); pass --resume to continue it or "
+                         f"out_dir=... to start a new one")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    task = Task(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, cfg.reward, cfg.format_reward, cfg.prompt_suffix)
+    prompt_len = max(len(chat_prompt_ids(tokenizer, task.messages(p))) for p in task.eval_problems)
+    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
+    mem = memory.check_fits(cfg, model, prompt_len, limit)
+    log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    learner = Learner(model, optimizer, impl=cfg.impl, temperature=cfg.temperature,
+                      micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                      kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
+    worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
+
+    step, next_problem, eval_before = 0, 0, None
+    if resume:
+        ckpt = checkpoint.latest(run_dir)
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without --resume")
+        state = checkpoint.load(ckpt, model, optimizer)
+        step, next_problem, eval_before = state["step"], state["next_problem"], state["eval_before"]
+        metrics.truncate_after(step)
+        tqdm.write(f"resumed from {ckpt} (step {step})")
+    if eval_before is None:
+        eval_before = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / "eval_step_0.jsonl")
+        metrics.write({"step": 0, "eval_accuracy": eval_before})
+        tqdm.write(f"held-out accuracy before training: {eval_before:.3f} ({len(task.eval_problems)} problems)")
+
+    def save(at_step):
+        return checkpoint.save(run_dir, at_step, model, tokenizer, optimizer,
+                               {"next_problem": next_problem, "eval_before": eval_before}, cfg.to_dict())
+
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
+    with _StopAfterStep() as stop:
+        while step < cfg.steps and not stop.requested:
+            t0 = time.perf_counter()
+            kept, sampled, next_problem = collect_rollouts(cfg, task, worker, tokenizer, next_problem)
+            t_gen = time.perf_counter() - t0
+            row = {"step": step + 1, **_rollout_stats(sampled, kept), "gen_s": t_gen}
+            if kept:
+                groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
+                old_logp = learner.logprobs(groups)
+                ref_logp = learner.logprobs(groups, reference) if reference is not None else None
+                t_update = time.perf_counter()
+                stats = []
+                for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
+                    tok = _token_slice(groups, part)
+                    advantages, weights = _per_token([kept[i] for i in part], cfg)
+                    stats.append(learner.update([groups[i] for i in part], advantages, weights, old_logp[tok],
+                                                None if ref_logp is None else ref_logp[tok]))
+                row |= _update_stats(stats, t_update - t0 - t_gen, time.perf_counter() - t_update)
+            step += 1
+            row["step_s"] = time.perf_counter() - t0
+            row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                row["eval_accuracy"] = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens,
+                                                run_dir / f"eval_step_{step}.jsonl")
+            metrics.write(row)
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
+                save(step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}")
+    bar.close()
+    if stop.requested and step < cfg.steps:
+        tqdm.write(f"stopped at step {step}; continue with: hetrl train ... out_dir={cfg.out_dir} --resume")
+        return {"stopped_at_step": step, "interrupted": True}
+
+    eval_after = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
+    metrics.write({"step": step, "eval_accuracy": eval_after})
+    final = save(step)
+    summary = {"eval_accuracy_before": eval_before, "eval_accuracy_after": eval_after, "steps": step,
+               "eval_problems": len(task.eval_problems), "checkpoint": str(final), "config": cfg.to_dict()}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_curves(metrics.read(), run_dir / "curves.png")
+    tqdm.write(f"held-out accuracy: before {eval_before:.3f}, after {eval_after:.3f} "
+               f"({len(task.eval_problems)} problems, greedy); results in {run_dir}")
+    return summary
+
+
+def _token_slice(groups, part) -> torch.Tensor:
+    """Bool mask [K] of the response tokens that belong to the groups with indices `part`."""
+    sizes = torch.tensor([sum(len(r) for r in resps) for _, resps in groups])
+    owner = torch.repeat_interleave(torch.arange(len(groups)), sizes)
+    return torch.isin(owner, torch.as_tensor(part))
+
+
+def _rollout_stats(sampled: list[Rollout], kept: list[Rollout]) -> dict:
+    scores = [s for r in sampled for s in r.scores]
+    samples = [s for r in sampled for s in r.samples]
+    return {
+        "reward_mean": float(np.mean([s.reward for s in scores])),
+        "accuracy": float(np.mean([s.correct for s in scores])),
+        "format_rate": float(np.mean([s.formatted for s in scores])),
+        "groups_sampled": len(sampled), "groups_kept": len(kept),
+        "response_len_mean": float(np.mean([len(s.tokens) for s in samples])),
+        "truncated_frac": float(np.mean([s.truncated for s in samples])),
+        "sample_tokens": sum(len(r.prompt) * len(r.samples) + sum(len(s.tokens) for s in r.samples) for r in sampled),
+    }
+
+
+def _update_stats(stats, logprob_s: float, update_s: float) -> dict:
+    packed = sum(s.packed_tokens for s in stats)
+    standard = sum(s.standard_tokens for s in stats)
+    n = len(stats)
+    return {"loss": sum(s.loss for s in stats) / n, "policy_loss": sum(s.policy_loss for s in stats) / n,
+            "kl": sum(s.kl for s in stats) / n, "clip_frac": sum(s.clip_frac for s in stats) / n,
+            "entropy": sum(s.entropy for s in stats) / n, "grad_norm": max(s.grad_norm for s in stats),
+            "packed_tokens": packed, "standard_tokens": standard, "rho": standard / packed,
+            "logprob_s": logprob_s, "update_s": update_s}

@@ -1,0 +1,61 @@
+"""metrics.jsonl (one JSON object per line, flushed every step) and the reward/accuracy plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+
+class MetricsLog:
+    def __init__(self, path: pathlib.Path):
+        self.path = pathlib.Path(path)
+
+    def exists(self) -> bool:
+        return self.path.is_file() and self.path.stat().st_size > 0
+
+    def write(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after `step` (a resumed run redoes them), keeping the file valid throughout."""
+        rows = [r for r in self.read() if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.path)
+
+
+def plot_curves(rows: list[dict], path: pathlib.Path) -> None:
+    """Train reward and accuracy per step, held-out accuracy where evaluated, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        steps = [r["step"] for r in train]
+        ax.plot(steps, [r["reward_mean"] for r in train], label="train reward (mean)")
+        ax.plot(steps, [r["accuracy"] for r in train], label="train accuracy (sampled)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylim(0, max([1.0] + [r["reward_mean"] for r in train]))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)

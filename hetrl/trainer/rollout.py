@@ -1,0 +1,74 @@
+"""Rollout worker: batched sampling with transformers `generate` (KV cache), cut at EOS.
+
+Prompts are left-padded into batches of at most `batch_size` sequences; every prompt yields
+`n` continuations. A continuation keeps its EOS token (its log-prob is trained too); one that
+hit `max_new_tokens` without EOS is marked truncated (DAPO's overlong filter drops those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: list[int]
+    text: str
+    truncated: bool
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+class RolloutWorker:
+    def __init__(self, model, tokenizer, batch_size: int = 64):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
+
+    def load_weights(self, state_dict: dict) -> None:
+        """Weight sync from a learner that holds a separate copy of the policy."""
+        self.model.load_state_dict(state_dict)
+
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False) -> list[list[Sample]]:
+        """prompts: lists of token ids -> for each prompt, n samples."""
+        per_call = max(1, self.batch_size // n)
+        out: list[list[Sample]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(prompts), per_call):
+                out += self._generate_batch(prompts[start : start + per_call], n, max_new_tokens, temperature,
+                                            top_p, greedy)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _generate_batch(self, prompts, n, max_new_tokens, temperature, top_p, greedy):
+        width = max(len(p) for p in prompts)
+        device = self.model.get_input_embeddings().weight.device
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        sampling = {} if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        with torch.no_grad():
+            generated = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                num_return_sequences=n, pad_token_id=self.pad, eos_token_id=self.eos,
+                **({"do_sample": False} if greedy else sampling))
+        rows = generated[:, width:].tolist()
+        samples = []
+        for row in rows:
+            if self.eos in row:
+                tokens, truncated = row[: row.index(self.eos) + 1], False
+            else:
+                tokens, truncated = row, True
+            samples.append(Sample(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), truncated))
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
