@@ -8,6 +8,7 @@ sampling and overlong filtering.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,19 @@ def _check_keys(keys, where: str) -> None:
         raise ValueError(f"unknown config key(s) {unknown} in {where}; valid keys: {', '.join(FIELDS)}")
 
 
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _yaml_value(raw: str):
+    """YAML 1.1 reads `2e-5` as a string; users mean the number."""
+    value = yaml.safe_load(raw) if raw else ""
+    return float(value) if isinstance(value, str) and _FLOAT.match(value) else value
+
+
+def _coerce_numbers(data: dict) -> dict:
+    return {k: (float(v) if isinstance(v, str) and _FLOAT.match(v) else v) for k, v in data.items()}
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """["steps=5", "task_config.max_digits=2"] -> {"steps": 5, "task_config": {"max_digits": 2}}."""
     out: dict[str, Any] = {}
@@ -147,7 +161,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value (e.g. steps=5)")
-        value = yaml.safe_load(raw) if raw else ""
+        value = _yaml_value(raw)
         head, _, sub = key.partition(".")
         if sub:
             out.setdefault(head, {})[sub] = value
@@ -167,7 +181,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
         if not isinstance(loaded, dict):
             raise ValueError(f"{path} must hold a mapping of config keys, got {type(loaded).__name__}")
         _check_keys(loaded, path)
-        data.update(loaded)
+        data.update(_coerce_numbers(loaded))
     extra = parse_overrides(list(overrides))
     _check_keys(extra, "the command line")
     for key, value in extra.items():

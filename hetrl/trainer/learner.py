@@ -74,13 +74,14 @@ class Learner:
             if self.kl_coef > 0:
                 kl = kl_k3(logp, ref_logp[sl].to(device, dtype))
                 loss_tok = pg + self.kl_coef * kl
-                totals["kl"] += float((w * kl).sum())
+                totals["kl"] += (w * kl).detach().sum().item()
             loss = (w * loss_tok).sum()
             loss.backward()
-            totals["loss"] += float(loss)
-            totals["policy"] += float((w * pg).sum())
-            totals["clip"] += float((w * clipped).sum())
-            totals["entropy"] += float((w * entropy.detach()).sum())
+            with torch.no_grad():
+                totals["loss"] += loss.item()
+                totals["policy"] += (w * pg).sum().item()
+                totals["clip"] += (w * clipped).sum().item()
+                totals["entropy"] += (w * entropy).sum().item()
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
         assert offset == weights.numel(), "micro-batches must cover every response token"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import pathlib
 import random
 import signal
@@ -64,8 +65,8 @@ def collect_rollouts(cfg: RunConfig, task: Task, worker: RolloutWorker, tokenize
     return kept, sampled, next_problem
 
 
-def evaluate(task: Task, worker: RolloutWorker, tokenizer, max_new_tokens: int, path: pathlib.Path) -> float:
-    """Greedy accuracy on the held-out set; every reply is written to `path` (JSONL) for inspection."""
+def evaluate(task: Task, worker: RolloutWorker, tokenizer, max_new_tokens: int, path: pathlib.Path) -> list[bool]:
+    """Greedy correctness on each held-out problem; every reply is written to `path` (JSONL) for inspection."""
     prompts = [chat_prompt_ids(tokenizer, task.messages(p)) for p in task.eval_problems]
     outputs = worker.generate(prompts, 1, max_new_tokens, greedy=True)
     rows = []
@@ -74,7 +75,17 @@ def evaluate(task: Task, worker: RolloutWorker, tokenizer, max_new_tokens: int, 
         rows.append({"question": problem["question"], "answer": problem["answer"], "reply": sample.text,
                      "correct": score.correct})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return sum(r["correct"] for r in rows) / len(rows)
+    return [r["correct"] for r in rows]
+
+
+def paired_comparison(before: list[bool], after: list[bool]) -> dict:
+    """Same problems before and after: how many flipped each way, and the exact two-sided sign-test
+    p-value on the flips (McNemar's exact test). Small p: the change is more than evaluation noise."""
+    gained = sum(a and not b for b, a in zip(before, after))
+    lost = sum(b and not a for b, a in zip(before, after))
+    n, k = gained + lost, min(gained, lost)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return {"gained": gained, "lost": lost, "sign_test_p": p}
 
 
 def _per_token(rollouts: list[Rollout], cfg: RunConfig):
@@ -109,7 +120,8 @@ class _StopAfterStep:
 def train(cfg: RunConfig, resume: bool = False) -> dict:
     run_dir = pathlib.Path(cfg.out_dir)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    if metrics.exists() and not resume:
+    evals = MetricsLog(run_dir / "eval.jsonl")
+    if (metrics.exists() or evals.exists()) and not resume:
         raise ValueError(f"{run_dir} already holds a run (metrics.jsonl); pass --resume to continue it or "
                          f"out_dir=... to start a new one")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,23 +139,24 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
                       kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
     worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
 
-    step, next_problem, eval_before = 0, 0, None
+    step, next_problem, before = 0, 0, None
     if resume:
         ckpt = checkpoint.latest(run_dir)
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without --resume")
         state = checkpoint.load(ckpt, model, optimizer)
-        step, next_problem, eval_before = state["step"], state["next_problem"], state["eval_before"]
+        step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
         metrics.truncate_after(step)
+        evals.truncate_after(step)
         tqdm.write(f"resumed from {ckpt} (step {step})")
-    if eval_before is None:
-        eval_before = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / "eval_step_0.jsonl")
-        metrics.write({"step": 0, "eval_accuracy": eval_before})
-        tqdm.write(f"held-out accuracy before training: {eval_before:.3f} ({len(task.eval_problems)} problems)")
+    if before is None:
+        before = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / "eval_step_0.jsonl")
+        evals.write({"step": 0, "eval_accuracy": _mean(before)})
+        tqdm.write(f"held-out accuracy before training: {_mean(before):.3f} ({len(before)} problems, greedy)")
 
     def save(at_step):
         return checkpoint.save(run_dir, at_step, model, tokenizer, optimizer,
-                               {"next_problem": next_problem, "eval_before": eval_before}, cfg.to_dict())
+                               {"next_problem": next_problem, "eval_before": before}, cfg.to_dict())
 
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     with _StopAfterStep() as stop:
@@ -167,10 +180,10 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             step += 1
             row["step_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                row["eval_accuracy"] = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens,
-                                                run_dir / f"eval_step_{step}.jsonl")
             metrics.write(row)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                correct = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
+                evals.write({"step": step, "eval_accuracy": _mean(correct)})
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 save(step)
             bar.update(1)
@@ -181,16 +194,24 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         tqdm.write(f"stopped at step {step}; continue with: hetrl train ... out_dir={cfg.out_dir} --resume")
         return {"stopped_at_step": step, "interrupted": True}
 
-    eval_after = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
-    metrics.write({"step": step, "eval_accuracy": eval_after})
+    after = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
+    evals.write({"step": step, "eval_accuracy": _mean(after)})
     final = save(step)
-    summary = {"eval_accuracy_before": eval_before, "eval_accuracy_after": eval_after, "steps": step,
-               "eval_problems": len(task.eval_problems), "checkpoint": str(final), "config": cfg.to_dict()}
+    rows = metrics.read()
+    summary = {"eval_accuracy_before": _mean(before), "eval_accuracy_after": _mean(after),
+               "eval_problems": len(after), **paired_comparison(before, after), "steps": step,
+               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "checkpoint": str(final),
+               "config": cfg.to_dict()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(metrics.read(), run_dir / "curves.png")
-    tqdm.write(f"held-out accuracy: before {eval_before:.3f}, after {eval_after:.3f} "
-               f"({len(task.eval_problems)} problems, greedy); results in {run_dir}")
+    plot_curves(rows, evals.read(), run_dir / "curves.png")
+    tqdm.write(f"held-out accuracy: before {summary['eval_accuracy_before']:.3f}, after "
+               f"{summary['eval_accuracy_after']:.3f} ({len(after)} problems, greedy; {summary['gained']} gained, "
+               f"{summary['lost']} lost, sign-test p = {summary['sign_test_p']:.3g}); results in {run_dir}")
     return summary
+
+
+def _mean(flags: list[bool]) -> float:
+    return sum(flags) / len(flags)
 
 
 def _token_slice(groups, part) -> torch.Tensor:
@@ -221,5 +242,5 @@ def _update_stats(stats, logprob_s: float, update_s: float) -> dict:
     return {"loss": sum(s.loss for s in stats) / n, "policy_loss": sum(s.policy_loss for s in stats) / n,
             "kl": sum(s.kl for s in stats) / n, "clip_frac": sum(s.clip_frac for s in stats) / n,
             "entropy": sum(s.entropy for s in stats) / n, "grad_norm": max(s.grad_norm for s in stats),
-            "packed_tokens": packed, "standard_tokens": standard, "rho": standard / packed,
+            "packed_tokens": packed, "standard_tokens": standard, "rho": standard / packed if packed else None,
             "logprob_s": logprob_s, "update_s": update_s}

@@ -1,4 +1,4 @@
-"""metrics.jsonl (one JSON object per line, flushed every step) and the reward/accuracy plot."""
+"""metrics.jsonl / eval.jsonl (one JSON object per line, flushed as written) and the reward/accuracy plot."""
 
 from __future__ import annotations
 
@@ -34,15 +34,14 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
 
-def plot_curves(rows: list[dict], path: pathlib.Path) -> None:
-    """Train reward and accuracy per step, held-out accuracy where evaluated, as a PNG."""
+def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None:
+    """Train reward and accuracy per step (`rows`), held-out accuracy where evaluated (`evals`), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train = [r for r in rows if "reward_mean" in r]
-    evals = [r for r in rows if "eval_accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         steps = [r["step"] for r in train]

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from hetrl.algo import clipped_policy_loss, group_advantages, kl_k3, token_weights
+
+
+def test_group_advantages_center_and_scale_per_group():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+    a = group_advantages(r)
+    assert torch.allclose(a[0], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) / (0.5773502691896257 + 1e-6))
+    assert torch.equal(a[1], torch.zeros(4, dtype=torch.float64))  # no signal in an all-equal group
+    assert torch.allclose(group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64))
+    with pytest.raises(ValueError, match="groups, responses_per_group"):
+        group_advantages(torch.zeros(4))
+
+
+def test_clipped_loss_matches_ppo_definition():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([0.5, 1.5, 0.5, 1.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, clipped = clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    # A>0: min(r, clip(r)) -> ratio 0.5 unclipped (0.5), ratio 1.5 clipped at 1.28
+    # A<0: min(-r, -clip(r)) -> ratio 0.5 clipped at 0.8 (-0.8), ratio 1.5 unclipped (-1.5)
+    assert torch.allclose(loss, torch.tensor([-0.5, -1.28, 0.8, 1.5]))
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_clipped_loss_gradient_is_policy_gradient_at_ratio_one():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    adv = torch.tensor([0.5, -2.0])
+    loss, _ = clipped_policy_loss(logp, logp.detach(), adv, 0.2, 0.2)
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, -adv)
+
+
+def test_kl_k3_is_nonnegative_and_zero_at_equality():
+    logp = torch.tensor([-1.0, -0.5, -3.0])
+    assert torch.equal(kl_k3(logp, logp), torch.zeros(3))
+    assert (kl_k3(logp, torch.tensor([-2.0, 0.0, -1.0])) > 0).all()
+
+
+def test_token_weights_sum_to_one_and_drop_left_out_responses():
+    lens = torch.tensor([2, 3, 0, 5])
+    keep = torch.tensor([True, True, True, False])
+    tm = token_weights(lens, keep, "token-mean")
+    assert tm.tolist() == pytest.approx([0.2] * 5 + [0.0] * 5)
+    sm = token_weights(lens, keep, "seq-mean-token-mean")
+    assert sm.tolist() == pytest.approx([0.25, 0.25] + [1 / 6] * 3 + [0.0] * 5)
+    with pytest.raises(ValueError, match="loss aggregation must be one of"):
+        token_weights(lens, keep, "sum")

@@ -1,0 +1,128 @@
+"""End-to-end tiny runs, exact resume, Ctrl-C, refusals, and the DualKV update against the standard one."""
+
+import copy
+import json
+import math
+import os
+import pathlib
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hetrl.algo import token_weights
+from hetrl.cli import main
+from hetrl.models import load_model
+from hetrl.trainer import loop
+from hetrl.trainer.learner import Learner
+
+from ..dualkv.oracle import _use_float64_norms
+
+TINY = str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml")
+
+
+def _weights(run_dir, step):
+    return load_file(pathlib.Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def _rows(run_dir, name="metrics.jsonl"):
+    return [json.loads(line) for line in (pathlib.Path(run_dir) / name).read_text().splitlines()]
+
+
+def test_tiny_run_learns_in_every_parameter_and_writes_its_files(tmp_path):
+    out = tmp_path / "tiny"
+    assert main(["train", "--config", TINY, f"out_dir={out}"]) == 0
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)
+    assert all(r["rho"] > 1 for r in rows)  # the update ran on packed groups
+    initial, _ = load_model("tiny", seed=0)
+    final = _weights(out, 3)
+    unchanged = [n for n, p in initial.named_parameters() if torch.equal(p.detach(), final[n])]
+    assert not unchanged, f"parameters that did not move: {unchanged}"
+    evals = _rows(out, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_problems"] == 100 and 0 <= summary["sign_test_p"] <= 1
+    assert (out / "curves.png").stat().st_size > 0
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
+def test_dapo_tiny_run(tmp_path):
+    out = tmp_path / "dapo"
+    assert main(["train", "--config", TINY, "algorithm=dapo", "kl_coef=0", f"out_dir={out}"]) == 0
+    rows = _rows(out)
+    assert len(rows) == 3 and all(r["groups_sampled"] >= r["groups_kept"] for r in rows)
+
+
+def test_resume_reproduces_the_next_step_exactly(tmp_path):
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--config", TINY, "steps=2", f"out_dir={straight}"]) == 0
+    assert main(["train", "--config", TINY, "steps=1", f"out_dir={resumed}"]) == 0
+    assert main(["train", "--config", TINY, "steps=2", f"out_dir={resumed}", "--resume"]) == 0
+    a, b = _weights(straight, 2), _weights(resumed, 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _rows(straight)[1] | {"gen_s": 0} == _rows(resumed)[1] | {"gen_s": 0} or \
+        _rows(straight)[1]["loss"] == _rows(resumed)[1]["loss"]
+    assert [r["step"] for r in _rows(resumed)] == [1, 2]
+
+
+def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "int"
+    real = loop.collect_rollouts
+    calls = []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "collect_rollouts", interrupting)
+    assert main(["train", "--config", TINY, f"out_dir={out}"]) == 130
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert [r["step"] for r in _rows(out)] == [1, 2]
+    monkeypatch.setattr(loop, "collect_rollouts", real)
+    assert main(["train", "--config", TINY, f"out_dir={out}", "--resume"]) == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+
+
+def test_refusals_say_what_to_do(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["train", "--config", TINY, "steps=1", f"out_dir={out}"]) == 0
+    assert main(["train", "--config", TINY, "steps=1", f"out_dir={out}"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'none'}", "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert main(["train", "--config", TINY, "memory_limit_gib=0.001", f"out_dir={tmp_path / 'm'}"]) == 2
+    assert "Lower micro_batch_tokens" in capsys.readouterr().err
+    assert main(["train", "--config", TINY, "warmup=3"]) == 2
+    assert "unknown config key(s) ['warmup']" in capsys.readouterr().err
+
+
+def test_one_dualkv_update_equals_the_standard_update():
+    model, tokenizer = load_model("tiny", dtype=torch.float64, seed=1)
+    _use_float64_norms(model)
+    g = torch.Generator().manual_seed(0)
+    groups = [(torch.randint(4, 100, (p,), generator=g).tolist(),
+               [torch.randint(4, 100, (r,), generator=g).tolist() for r in rs])
+              for p, rs in [(20, [5, 0, 9, 1]), (7, [12, 3])]]
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=g, dtype=torch.float64), lens)
+    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
+    results = {}
+    for impl in ("sdpa", "reference"):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
+        learner = Learner(m, opt, impl=impl, temperature=0.9, micro_batch_tokens=40, kl_coef=0.1)
+        old = learner.logprobs(groups)
+        ref = old - 0.05  # any fixed reference log-probs
+        learner.update(groups, advantages, weights, old + 0.01, ref)
+        results[impl] = dict(m.named_parameters())
+    for name, p in results["reference"].items():
+        diff = (results["sdpa"][name] - p).abs().max().item()
+        assert diff <= 1e-8 * p.abs().max().item(), f"{name}: {diff:.3e}"
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, results["sdpa"][n])]
+    assert len(moved) == len(list(model.parameters()))
