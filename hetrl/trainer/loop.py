@@ -97,6 +97,22 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
 
 
+def update_policy(cfg: RunConfig, learner: Learner, kept: list[Rollout], reference) -> dict:
+    """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups."""
+    t0 = time.perf_counter()
+    groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
+    old_logp = learner.logprobs(groups)
+    ref_logp = learner.logprobs(groups, reference) if reference is not None else None
+    t_update = time.perf_counter()
+    stats = []
+    for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
+        tok = _token_slice(groups, part)
+        advantages, weights = _per_token([kept[i] for i in part], cfg)
+        stats.append(learner.update([groups[i] for i in part], advantages, weights, old_logp[tok],
+                                    None if ref_logp is None else ref_logp[tok]))
+    return _update_stats(stats, t_update - t0, time.perf_counter() - t_update)
+
+
 class _StopAfterStep:
     """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once."""
 
@@ -166,17 +182,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             t_gen = time.perf_counter() - t0
             row = {"step": step + 1, **_rollout_stats(sampled, kept), "gen_s": t_gen}
             if kept:
-                groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
-                old_logp = learner.logprobs(groups)
-                ref_logp = learner.logprobs(groups, reference) if reference is not None else None
-                t_update = time.perf_counter()
-                stats = []
-                for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
-                    tok = _token_slice(groups, part)
-                    advantages, weights = _per_token([kept[i] for i in part], cfg)
-                    stats.append(learner.update([groups[i] for i in part], advantages, weights, old_logp[tok],
-                                                None if ref_logp is None else ref_logp[tok]))
-                row |= _update_stats(stats, t_update - t0 - t_gen, time.perf_counter() - t_update)
+                row |= update_policy(cfg, learner, kept, reference)
             step += 1
             row["step_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]

@@ -45,12 +45,12 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         steps = [r["step"] for r in train]
-        ax.plot(steps, [r["reward_mean"] for r in train], label="train reward (mean)")
-        ax.plot(steps, [r["accuracy"] for r in train], label="train accuracy (sampled)")
+        ax.plot(steps, [r["reward_mean"] for r in train], "--", lw=2.5, alpha=0.6, label="train reward (mean)")
+        ax.plot(steps, [r["accuracy"] for r in train], ".-", label="train accuracy (sampled)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
     ax.set_xlabel("step")
-    ax.set_ylim(0, max([1.0] + [r["reward_mean"] for r in train]))
+    ax.set_ylim(-0.02, max([1.0] + [r["reward_mean"] for r in train]))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,0 +1,52 @@
+"""GPU catalog: dense tensor throughput, memory and memory bandwidth per GPU type, each row with its source.
+
+Numbers are datasheet peaks without sparsity (several public tables quote sparse figures as "BF16";
+those are halved here). GPUs without bf16 (V100, T4) list their fp16 tensor peak and are flagged,
+so a bf16 workload on them is planned at fp16 speed and said so. Efficiency below peak is the cost
+model's business (cost.py), not the catalog's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+TB = 10**12
+
+
+@dataclass(frozen=True)
+class GPUType:
+    name: str
+    dense_bf16_flops: float      # FLOP/s, dense tensor-core peak (fp16 where bf16 is missing)
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float     # per-GPU NVLink bandwidth, one direction; 0 when the GPU has none
+    has_bf16: bool
+    source: str
+
+
+_NVIDIA = "NVIDIA datasheet"
+GPUS: dict[str, GPUType] = {g.name: g for g in [
+    GPUType("H100", 989e12, 80 * GB, 3.35 * TB, 450 * GB, True, f"{_NVIDIA}: H100 SXM5 (1,979 TF sparse / 2)"),
+    GPUType("H200", 989e12, 141 * GB, 4.8 * TB, 450 * GB, True, f"{_NVIDIA}: H200 SXM, same die as H100"),
+    GPUType("H20", 148e12, 96 * GB, 4.0 * TB, 450 * GB, True, "NVIDIA H20 spec sheet as quoted by RollMux/StreamRL-era reports"),
+    GPUType("A100-80G", 312e12, 80 * GB, 2.039 * TB, 300 * GB, True, f"{_NVIDIA}: A100 80GB SXM"),
+    GPUType("A100-40G", 312e12, 40 * GB, 1.555 * TB, 300 * GB, True, f"{_NVIDIA}: A100 40GB SXM"),
+    GPUType("L40S", 362e12, 48 * GB, 864 * GB, 0, True, f"{_NVIDIA}: L40S (733 TF sparse / 2)"),
+    GPUType("L4", 121e12, 24 * GB, 300 * GB, 0, True, f"{_NVIDIA}: L4 (242 TF sparse / 2)"),
+    GPUType("A10G", 70e12, 24 * GB, 600 * GB, 0, True, "AWS G5 A10G; tensor clocks below the A10's 125 TF (Baseten A10 vs A10G note; unverified)"),
+    GPUType("V100", 125e12, 32 * GB, 900 * GB, 150 * GB, False, f"{_NVIDIA}: V100 SXM2 32GB, fp16 tensor (no bf16)"),
+    GPUType("T4", 65e12, 16 * GB, 320 * GB, 0, False, f"{_NVIDIA}: T4, fp16 tensor (no bf16)"),
+]}
+
+ALIASES = {"H100-SXM": "H100", "H100-SXM5": "H100", "H200-SXM": "H200", "A100": "A100-80G",
+           "A100-80GB": "A100-80G", "A100-40GB": "A100-40G", "L40": "L40S"}
+
+
+def gpu(name: str) -> GPUType:
+    """Look a GPU type up by name or alias; unknown names list the known ones."""
+    key = ALIASES.get(name, name)
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU type {name!r}; known: {', '.join(GPUS)} "
+                         f"(aliases: {', '.join(f'{a}->{b}' for a, b in ALIASES.items())})")
+    return GPUS[key]

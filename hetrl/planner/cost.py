@@ -1,0 +1,327 @@
+"""Cost model: seconds per RL iteration of a plan, as named terms, and per-GPU memory as a hard constraint.
+
+Roofline-style, following the structure HetRL describes (per task type: compute, HBM traffic,
+pipeline bubble, TP/PP/DP communication; weight sync and cross-group transfer; dependency-ordered
+aggregation). Formulas and constants are in docs/cost_model.md; in short:
+
+  training   8·N_active FLOPs per token (full recompute) + causal attention, at MFU_TRAIN of the
+             slowest GPU of each pipeline stage; DP replicas get data in proportion to their speed;
+             bubble (pp-1)/m; TP 4 all-reduces per layer; PP activations; DP gradient all-reduce;
+             Adam step HBM traffic. ZeRO-1 (optimizer states sharded over DP).
+  inference  2·N_active FLOPs per token + attention; TP 2 all-reduces per layer; PP one way.
+  generation prefill once per prompt (prefix sharing) + decode for max-response-length steps: each
+             step reads the weights and the KV cache (HBM) or is compute-bound, whichever is slower;
+             a batch that does not fit the KV memory runs in waves.
+DualKV shrinks the token count of training and inference tasks from N(P+R) to P+NR per group
+and their attention pairs accordingly. Collectives use the slowest link of the GPU set.
+Memory is checked per GPU: resident weights of every model in the group, gradients and optimizer
+states of its training tasks, plus the largest working set of its tasks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from .plan import Group, Parallelism, Plan, check_structure, workload_tasks
+from .spec import INTRA_REGION_LATENCY_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
+
+MFU_TRAIN = 0.45     # Megatron-style 3D parallelism on A100/H100: 35-55% (peers_schedulers.md §6.1)
+MFU_INFER = 0.50     # prefill-like forward passes
+MFU_DECODE = 0.50    # compute-bound decode steps (large batches)
+HBM_EFF = 0.70       # achievable fraction of peak HBM bandwidth in decode (0.6-0.85, §6.2)
+MEM_UTIL = 0.90      # usable fraction of GPU memory (allocator, CUDA context, fragmentation)
+BYTES = 2            # bf16/fp16 weights, activations, gradients
+SAMPLE_BYTES_PER_TOKEN = 16  # token id, masks, old/ref log-probs, advantages moved between groups
+
+ROLE_OF = {"actor_gen": "actor", "actor_infer": "actor", "actor_train": "actor", "ref_infer": "reference",
+           "reward_infer": "reward", "critic_infer": "critic", "critic_train": "critic"}
+TRAIN_TASKS = ("actor_train", "critic_train")
+INFER_TASKS = ("actor_infer", "ref_infer", "reward_infer", "critic_infer")
+
+
+@dataclass
+class TaskCost:
+    seconds: float
+    terms: dict[str, float]
+
+
+@dataclass
+class Estimate:
+    feasible: bool
+    reason: str
+    iteration_time_s: float = math.inf
+    breakdown: dict[str, float] = field(default_factory=dict)
+    task_times_s: dict[str, float] = field(default_factory=dict)
+    memory_bytes: dict[int, float] = field(default_factory=dict)   # GPU id -> peak bytes
+
+    def throughput(self, workload: WorkloadSpec) -> tuple[float, float]:
+        """(samples/s, tokens/s); tokens are prompt + response of every sample."""
+        if not self.feasible:
+            return 0.0, 0.0
+        tokens = workload.samples * (workload.prompt_tokens.mean + workload.response_tokens.mean)
+        return workload.samples / self.iteration_time_s, tokens / self.iteration_time_s
+
+
+# ------------------------------------------------------------------------------------------ links
+
+
+def slowest_link(cluster: ClusterSpec, gpu_ids) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) of the slowest link inside a GPU set."""
+    return _slowest_link(cluster, frozenset(gpu_ids))
+
+
+@functools.lru_cache(maxsize=200_000)
+def _slowest_link(cluster: ClusterSpec, ids: frozenset) -> tuple[float, float]:
+    gpus = [cluster.gpus[i] for i in ids]
+    nodes = {g.node for g in gpus}
+    if len(nodes) == 1:
+        return cluster.link(gpus[0], gpus[0]) if len(gpus) > 1 else (0.0, math.inf)
+    node_bw = min(cluster.node(n).network_gbps for n in nodes) * GBIT
+    regions = sorted({g.region for g in gpus})
+    if len(regions) == 1:
+        return INTRA_REGION_LATENCY_S, node_bw
+    pairs = [r for r in cluster.regions if set(r.between) <= set(regions)]
+    return max(r.latency_ms for r in pairs) / 1e3, min(node_bw, min(r.bandwidth_gbps for r in pairs) * GBIT)
+
+
+def allreduce_s(nbytes: float, k: int, link: tuple[float, float], messages: int = 1) -> float:
+    """Ring all-reduce of `nbytes` over k ranks, `messages` times the latency term."""
+    if k <= 1:
+        return 0.0
+    lat, bw = link
+    return 2 * (k - 1) / k * nbytes / bw + 2 * (k - 1) * lat * messages
+
+
+# ------------------------------------------------------------------------------------------ work
+
+
+def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
+    """Tokens and causal attention (query, key) pairs one pass over the batch processes."""
+    p, r, n, g = w.prompt_tokens.mean, w.response_tokens.mean, w.responses_per_prompt, w.prompts_per_step
+    if w.dualkv:
+        return g * (p + n * r), g * (p * p / 2 + n * (r * p + r * r / 2))
+    s = p + r
+    return g * n * s, g * n * s * s / 2
+
+
+def _micro_batch_tokens(w: WorkloadSpec) -> float:
+    """Tokens of one micro-batch = one group (all N responses of a prompt), at maximum lengths."""
+    p, r, n = w.prompt_tokens.max, w.response_tokens.max, w.responses_per_prompt
+    return p + n * r if w.dualkv else n * (p + r)
+
+
+def _shards(group: Group, par: Parallelism):
+    """[replica][stage] -> GPU ids of that stage's tensor-parallel group."""
+    g, tp, pp = group.gpus, par.tp, par.pp
+    return [[g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)] for r in range(par.dp)]
+
+
+def _replica_speeds(cluster, shards, mfu) -> list[float]:
+    """FLOP/s of each DP replica: its pipeline runs at the pace of its slowest stage."""
+    return [len(stages) * min(len(ids) * min(cluster.gpus[i].type.dense_bf16_flops for i in ids) * mfu
+                              for ids in stages) for stages in shards]
+
+
+def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: str, train: bool) -> TaskCost:
+    par = group.par(task)
+    shards = _shards(group, par)
+    tokens, pairs = _tokens_and_pairs(w)
+    attn = 4 * model.layers * model.heads * model.head_dim * pairs
+    flops = (8 * model.active_params * tokens + 4 * attn) if train else (2 * model.active_params * tokens + attn)
+    speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
+    compute = flops / sum(speeds)
+    micro_batches = max(1, math.ceil(w.prompts_per_step / par.dp))
+    bubble = compute * (par.pp - 1) / micro_batches
+    layers_per_stage = model.layers / par.pp
+    tp_comm = pp_comm = 0.0
+    for speed, stages in zip(speeds, shards):
+        share = tokens * speed / sum(speeds)
+        act_bytes = share * model.hidden * BYTES
+        per_layer = 4 if train else 2
+        if par.tp > 1:
+            tp_comm = max(tp_comm, max(allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
+                                                   slowest_link(cluster, ids), int(per_layer * layers_per_stage
+                                                                                   * micro_batches))
+                                       for ids in stages))
+        for a, b in zip(stages, stages[1:]):
+            lat, bw = slowest_link(cluster, a + b)
+            pp_comm = max(pp_comm, (2 if train else 1) * (act_bytes / bw + micro_batches * lat))
+    terms = {"compute": compute, "pipeline_bubble": bubble, "tp_comm": tp_comm, "pp_comm": pp_comm}
+    if train:
+        shard_params = model.params / (par.tp * par.pp)
+        dp_comm = 0.0
+        if par.dp > 1:
+            for s in range(par.pp):
+                for t in range(par.tp):
+                    ids = [shards[r][s][t] for r in range(par.dp)]
+                    dp_comm = max(dp_comm, allreduce_s(BYTES * shard_params, par.dp, slowest_link(cluster, ids)))
+        slowest_hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in group.gpus)
+        terms["dp_comm"] = dp_comm
+        terms["optimizer"] = (16 * shard_params / par.dp + 4 * shard_params) / (slowest_hbm * HBM_EFF)
+    return TaskCost(sum(terms.values()), terms)
+
+
+def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_bytes: dict[int, float]) -> TaskCost:
+    par = group.par("actor_gen")
+    shards = _shards(group, par)
+    kv_seq = (w.prompt_tokens.max + w.response_tokens.max) * model.kv_bytes_per_token / (par.tp * par.pp)
+    caps = [min(min(cluster.gpus[i].type.hbm_bytes_per_s for i in ids) for ids in stages) * par.tp
+            for stages in shards]
+    worst, worst_terms = -1.0, {}
+    for cap, stages in zip(caps, shards):
+        ids = [i for s in stages for i in s]
+        batch = w.samples * cap / sum(caps)
+        fits = min(free_bytes[i] for i in ids) // kv_seq
+        if fits < 1:
+            return TaskCost(math.inf, {"infeasible": math.inf})
+        waves = math.ceil(batch / fits)
+        wave = batch / waves
+        hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in ids) * HBM_EFF
+        flops = min(cluster.gpus[i].type.dense_bf16_flops for i in ids)
+        p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
+        prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * flops * MFU_INFER)
+        weights_read = waves * r_max * model.params * BYTES / par.tp / hbm
+        kv_read = batch * r * (p + r / 2) * model.kv_bytes_per_token / par.tp / hbm
+        decode_compute = 2 * model.active_params * batch * r / (par.tp * flops * MFU_DECODE)
+        tp_comm = 0.0
+        if par.tp > 1:
+            tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * BYTES, par.tp,
+                                      slowest_link(cluster, s), 2 * model.layers * r_max * waves) for s in stages)
+        pp_comm = sum(r_max * waves * (lat + wave * model.hidden * BYTES / bw)
+                      for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
+        terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
+        if weights_read + kv_read >= decode_compute:
+            terms["hbm"] = weights_read + kv_read
+        else:
+            terms["compute"] += decode_compute
+        total = sum(terms.values())
+        if total > worst:
+            worst, worst_terms = total, terms
+    return TaskCost(worst, worst_terms)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def _memory(cluster, w: WorkloadSpec, plan: Plan) -> tuple[dict[int, float], dict[int, float], str]:
+    """Per GPU: (peak bytes, bytes left for the KV cache after everything resident), or a reason."""
+    peak, free = {}, {}
+    for group in plan.groups:
+        resident = dict.fromkeys(group.gpus, 0.0)
+        working = dict.fromkeys(group.gpus, 0.0)
+        for role in sorted({ROLE_OF[t] for t in group.tasks}):
+            model = w.model(role)
+            shard = max(model.params / (group.par(t).tp * group.par(t).pp) for t in group.tasks if ROLE_OF[t] == role)
+            for i in group.gpus:
+                resident[i] += BYTES * shard
+        for task in group.tasks:
+            model, par = w.model(ROLE_OF[task]), group.par(task)
+            shard = model.params / (par.tp * par.pp)
+            mb = _micro_batch_tokens(w)
+            logits = mb * model.vocab * 4 / par.tp if task in ("actor_train", "actor_infer", "ref_infer") else 0
+            if task in TRAIN_TASKS:
+                states = BYTES * shard + 12 * shard / par.dp
+                act = mb * model.hidden * BYTES * model.layers / par.pp + 34 * mb * model.hidden / par.tp + 2 * logits
+                for i in group.gpus:
+                    resident[i] += states
+                    working[i] = max(working[i], act)
+            elif task in INFER_TASKS:
+                for i in group.gpus:
+                    working[i] = max(working[i], 34 * mb * model.hidden / par.tp + logits)
+        for i in group.gpus:
+            usable = cluster.gpus[i].type.memory_bytes * MEM_UTIL
+            peak[i] = resident[i] + working[i]
+            free[i] = usable - resident[i]
+            if peak[i] > usable:
+                g = cluster.gpus[i]
+                return peak, free, (f"{g.name} ({g.type.name}) needs {peak[i] / 1e9:.1f} GB but has "
+                                    f"{usable / 1e9:.1f} GB usable")
+    return peak, free, ""
+
+
+# ------------------------------------------------------------------------------------------ iteration
+
+
+def _transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
+    """Seconds to move `nbytes` from group a to group b over the best path between them."""
+    if a is b:
+        return 0.0
+    regions_a = {cluster.gpus[i].region for i in a.gpus}
+    regions_b = {cluster.gpus[i].region for i in b.gpus}
+    nic = min(max(cluster.node(cluster.gpus[i].node).network_gbps for i in g.gpus) for g in (a, b)) * GBIT
+    if regions_a & regions_b:
+        lat, bw = INTRA_REGION_LATENCY_S, nic
+    else:
+        links = [r for r in cluster.regions if (r.between[0] in regions_a and r.between[1] in regions_b)
+                 or (r.between[1] in regions_a and r.between[0] in regions_b)]
+        best = max(links, key=lambda r: r.bandwidth_gbps)
+        lat, bw = best.latency_ms / 1e3, min(nic, best.bandwidth_gbps * GBIT)
+    return lat + nbytes / bw
+
+
+def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
+    """Predicted seconds per iteration of `plan`, with its breakdown; infeasible plans say why."""
+    check_structure(plan, cluster, w)
+    peak, free, why = _memory(cluster, w, plan)
+    if why:
+        return Estimate(False, f"out of memory: {why}", memory_bytes=peak)
+    costs: dict[str, TaskCost] = {}
+    for group in plan.groups:
+        for task in group.tasks:
+            model = w.model(ROLE_OF[task])
+            if task == "actor_gen":
+                costs[task] = _generation(cluster, w, model, group, free)
+            else:
+                costs[task] = _dense_pass(cluster, w, model, group, task, task in TRAIN_TASKS)
+            if math.isinf(costs[task].seconds):
+                return Estimate(False, f"{task}: not even one sequence's KV cache fits next to the resident "
+                                       "weights and optimizer states", memory_bytes=peak)
+    gen_group = plan.group_of("actor_gen")
+    train_group = plan.group_of("actor_train")
+    sample_bytes = w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
+    transfer = max([_transfer_s(cluster, gen_group, g, sample_bytes) for g in plan.groups], default=0.0)
+    actor_bytes = w.actor.params * BYTES
+    if gen_group is train_group:
+        sync = actor_bytes / (min(cluster.gpus[i].type.hbm_bytes_per_s for i in gen_group.gpus) * HBM_EFF) \
+            / len(gen_group.gpus)
+    else:
+        sync = _transfer_s(cluster, train_group, gen_group, actor_bytes)
+
+    def phase(tasks):
+        """Tasks of one phase: colocated ones add up, groups run side by side; -> (seconds, critical tasks)."""
+        best = (0.0, [])
+        for g in plan.groups:
+            mine = [t for t in g.tasks if t in tasks]
+            s = sum(costs[t].seconds for t in mine)
+            if s > best[0]:
+                best = (s, mine)
+        return best
+
+    breakdown: dict[str, float] = {}
+
+    def add(tasks):
+        for t in tasks:
+            for k, v in costs[t].terms.items():
+                breakdown[k] = breakdown.get(k, 0.0) + v
+
+    if w.mode == "sync":
+        t_gen = costs["actor_gen"].seconds
+        t_inf, inf_tasks = phase(INFER_TASKS)
+        t_train, train_tasks = phase(TRAIN_TASKS)
+        add(["actor_gen", *inf_tasks, *train_tasks])
+        total = t_gen + transfer + t_inf + t_train + sync
+    else:
+        busy = {id(g): sum(costs[t].seconds for t in g.tasks) for g in plan.groups}
+        critical = max(plan.groups, key=lambda g: busy[id(g)])
+        add(critical.tasks)
+        # async overlaps transfer and weight sync with work; only the excess is on the critical path
+        transfer, sync = max(0.0, transfer - busy[id(critical)]), max(0.0, sync - busy[id(critical)])
+        total = busy[id(critical)] + max(transfer, sync)
+    breakdown["transfer"] = transfer
+    breakdown["weight_sync"] = sync
+    return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak)
+
+
+__all__ = ["Estimate", "estimate", "slowest_link", "workload_tasks"]
