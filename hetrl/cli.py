@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -34,6 +35,21 @@ def _train(args) -> int:
     return 130 if result.get("interrupted") else 0
 
 
+def _plan(args) -> int:
+    from hetrl.planner import report
+
+    try:
+        result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
+                                    time_limit_s=args.time_limit, evaluate_path=args.evaluate)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hetrl plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else report.format_report(result))
+    if args.out:
+        report.write_json(result, args.out)
+    return 0
+
+
 DEFAULT_RUN = "examples/runs/default.yaml"
 
 
@@ -41,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetrl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what auto choices picked")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
+    pl.add_argument("--cluster", required=True, help="cluster YAML (examples/clusters/)")
+    pl.add_argument("--workload", required=True, help="workload YAML (examples/workloads/)")
+    pl.add_argument("--method", default="hybrid", help="hybrid | ilp | exhaustive | verl | streamrl | all")
+    pl.add_argument("--time-limit", type=float, help="seconds for hybrid / ilp (ilp default 120)")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pl.add_argument("--evaluate", metavar="PLAN.json", help="score this plan instead of searching")
+    pl.add_argument("--out", metavar="PLAN.json", help="also write the JSON result here")
+    pl.set_defaults(func=_plan)
 
     tr = sub.add_parser("train", help="RL post-training (GRPO/DAPO) with the DualKV update")
     tr.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")

@@ -2,25 +2,54 @@
 
     cluster = load_cluster("examples/clusters/paper-multi-region.yaml")
     workload = load_workload("examples/workloads/qwen3-8b-grpo-sync.yaml")
-    result = plan(cluster, workload, method="exhaustive")      # or "verl", "streamrl"
+    result = plan(cluster, workload, method="hybrid")          # exhaustive | hybrid | ilp | verl | streamrl
     estimate(cluster, workload, result.plan)                    # seconds per iteration, with breakdown
 """
 
 from .catalog import GPUS, gpu
 from .cost import Estimate, estimate
 from .plan import Plan, plan_from_dict, workload_tasks
-from .search import SearchResult, exhaustive, streamrl, verl
+from .ilp import ilp
+from .search import SearchResult, exhaustive, hybrid, streamrl, verl
 from .spec import PRESETS, ClusterSpec, WorkloadSpec, load_cluster, load_workload
 
-METHODS = {"exhaustive": exhaustive, "verl": verl, "streamrl": streamrl}
+METHODS = {"hybrid": hybrid, "ilp": ilp, "exhaustive": exhaustive, "verl": verl, "streamrl": streamrl}
 
 
-def plan(cluster: ClusterSpec, workload: WorkloadSpec, method: str = "exhaustive") -> SearchResult:
-    """Search a plan with one of METHODS; unknown methods list the valid ones."""
+def plan(cluster: ClusterSpec, workload: WorkloadSpec, method: str = "hybrid", *, seed: int = 0,
+         time_limit_s: float | None = None, budget: int | None = None) -> SearchResult:
+    """Search a plan with one of METHODS; unknown methods list the valid ones.
+
+    seed and budget steer `hybrid`; time_limit_s bounds `hybrid` and `ilp` (default 120 s for ilp).
+    Raises ValueError when no plan fits in memory, saying what to change.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    return METHODS[method](cluster, workload)
+    kwargs = {"seed": seed}
+    if budget is not None:
+        kwargs["budget"] = budget
+    if time_limit_s is not None:
+        kwargs["time_limit_s"] = time_limit_s
+    result = METHODS[method](cluster, workload, **kwargs)
+    if result.plan is None:
+        raise ValueError(_no_plan_message(cluster, workload, method))
+    return result
+
+
+def _no_plan_message(cluster: ClusterSpec, workload: WorkloadSpec, method: str) -> str:
+    biggest = max(g.type.memory_bytes for g in cluster.gpus) / 1e9
+    actor = workload.actor.params * 2 / 1e9
+    return (f"{method}: no plan fits in memory: the actor alone is {actor:.1f} GB of bf16 weights, and training "
+            f"needs ~16 bytes per parameter ({8 * actor:.0f} GB) spread over the GPUs of its group, next to "
+            f"the other models and the KV cache; the largest GPU has {biggest:.0f} GB and the cluster "
+            f"{len(cluster.gpus)} GPUs. Add GPUs, use a smaller model, or shorten prompt/response lengths")
+
+
+def evaluate(cluster: ClusterSpec, workload: WorkloadSpec, plan_: Plan) -> Estimate:
+    """Score a given plan (e.g. a user's current setup): predicted time with breakdown, or why it cannot run."""
+    return estimate(cluster, workload, plan_)
 
 
 __all__ = ["GPUS", "METHODS", "PRESETS", "ClusterSpec", "Estimate", "Plan", "SearchResult", "WorkloadSpec",
-           "estimate", "gpu", "load_cluster", "load_workload", "plan", "plan_from_dict", "workload_tasks"]
+           "estimate", "evaluate", "gpu", "ilp", "load_cluster", "load_workload", "plan", "plan_from_dict",
+           "workload_tasks"]

@@ -1,24 +1,28 @@
-"""Search methods over the plan space of space.py: the exhaustive oracle and the baselines users run today.
+"""Search methods over the plan space of space.py, and the baselines users run today.
 
-  exhaustive  every grouping x every GPU count per node and group (small clusters only: the oracle).
-  verl        all tasks colocated on one homogeneous pool (one GPU type, optionally one region),
-              with verl-style per-task parallelism chosen by the same level-4 rule; the best such pool.
-  streamrl    generation on one homogeneous pool, everything else on another (types and regions may
-              differ); the best such pair.
+  exhaustive  every grouping x every GPU count per pool and group: the oracle for small clusters.
+  hybrid      HetRL's search: successive halving over task groupings (level 1) with a doubling
+              budget; inside each surviving grouping a genetic search over GPU counts per pool and
+              group (levels 2-3: mutation, moves of GPUs between task groups, crossover, culling);
+              level 4 (TP/PP/DP) by space.configure; level 5 (shard order) is node-major.
+  verl        all tasks colocated on one homogeneous pool (one GPU type, all of it or one region's);
+              the best such pool.
+  streamrl    generation on one homogeneous pool, everything else on another; the best such pair.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from dataclasses import dataclass
 
 from .plan import Plan
-from .space import compositions, groupings, plan_from_counts, score
+from .space import GroupConfig, build_plan, compositions, configure, groupings, iteration_s, pools
 from .spec import ClusterSpec, WorkloadSpec
 
-EXHAUSTIVE_LIMIT = 300_000
+EXHAUSTIVE_LIMIT = 400_000
 
 
 @dataclass(frozen=True)
@@ -31,15 +35,31 @@ class SearchResult:
     optimality_gap: float | None = None
 
 
+def _score(cluster, w, grouping, counts) -> tuple[float, list[GroupConfig] | None]:
+    if any(sum(c) == 0 for c in counts):
+        return math.inf, None
+    configs = []
+    for tasks, c in zip(grouping, counts):
+        cfg = configure(cluster, w, tasks, c)
+        if cfg is None:
+            return math.inf, None
+        configs.append(cfg)
+    return iteration_s(cluster, w, configs), configs
+
+
+def _result(method, cluster, best_configs, best_t, t0, n, gap=None) -> SearchResult:
+    plan = build_plan(cluster, best_configs) if best_configs else None
+    return SearchResult(method, plan, best_t, time.perf_counter() - t0, n, gap)
+
+
+# ------------------------------------------------------------------------------------------ exhaustive
+
+
 def exhaustive_size(cluster: ClusterSpec, w: WorkloadSpec) -> int:
-    total = 0
-    for g in groupings(w):
-        k = len(g)
-        total += math.prod(math.comb(n.count + k, k) for n in cluster.nodes)
-    return total
+    return sum(math.prod(math.comb(p.steps + len(g), len(g)) for p in pools(cluster)) for g in groupings(w))
 
 
-def exhaustive(cluster: ClusterSpec, w: WorkloadSpec) -> SearchResult:
+def exhaustive(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:
     size = exhaustive_size(cluster, w)
     if size > EXHAUSTIVE_LIMIT:
         raise ValueError(f"exhaustive search would score {size:,} plans on {len(cluster.gpus)} GPUs (limit "
@@ -48,55 +68,177 @@ def exhaustive(cluster: ClusterSpec, w: WorkloadSpec) -> SearchResult:
     best, best_t, n = None, math.inf, 0
     for grouping in groupings(w):
         k = len(grouping)
-        per_node = [list(compositions(node.count, k)) for node in cluster.nodes]
-        for combo in itertools.product(*per_node):
+        for combo in itertools.product(*(list(compositions(p.steps, k)) for p in pools(cluster))):
             counts = tuple(tuple(c[g] for c in combo) for g in range(k))
-            if any(sum(c) == 0 for c in counts):
-                continue
-            plan = plan_from_counts(cluster, w, grouping, counts)
-            t = score(cluster, w, plan)
+            t, configs = _score(cluster, w, grouping, counts)
             n += 1
             if t < best_t:
-                best, best_t = plan, t
-    return SearchResult("exhaustive", best, best_t, time.perf_counter() - t0, n)
+                best, best_t = configs, t
+    return _result("exhaustive", cluster, best, best_t, t0, n)
 
 
-def homogeneous_pools(cluster: ClusterSpec) -> list[tuple[int, ...]]:
-    """Per GPU type: all its nodes, and the nodes of each single region, as node-count vectors."""
-    pools = set()
-    for gtype in {n.gpu for n in cluster.nodes}:
-        regions = {n.region for n in cluster.nodes if n.gpu == gtype}
+# ------------------------------------------------------------------------------------------ baselines
+
+
+def homogeneous_sets(cluster: ClusterSpec) -> list[tuple[int, ...]]:
+    """Count vectors of homogeneous GPU sets: per GPU type, all its pools, and each single region's."""
+    ps = pools(cluster)
+    out = set()
+    for gtype in {p.nodes[0].gpu for p in ps}:
+        regions = {p.nodes[0].region for p in ps if p.nodes[0].gpu == gtype}
         for region in [None, *regions]:
-            pools.add(tuple(n.count if n.gpu == gtype and region in (None, n.region) else 0
-                            for n in cluster.nodes))
-    return sorted(pools)
+            out.add(tuple(p.steps if p.nodes[0].gpu == gtype and region in (None, p.nodes[0].region) else 0
+                          for p in ps))
+    return sorted(out)
 
 
-def verl(cluster: ClusterSpec, w: WorkloadSpec) -> SearchResult:
+def verl(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:
     t0 = time.perf_counter()
-    (all_tasks,) = next(g for g in groupings(w) if len(g) == 1)
+    (tasks,) = next(g for g in groupings(w) if len(g) == 1)
     best, best_t, n = None, math.inf, 0
-    for pool in homogeneous_pools(cluster):
-        plan = plan_from_counts(cluster, w, (all_tasks,), (pool,))
-        t = score(cluster, w, plan)
+    for pool in homogeneous_sets(cluster):
+        t, configs = _score(cluster, w, (tasks,), (pool,))
         n += 1
         if t < best_t:
-            best, best_t = plan, t
-    return SearchResult("verl", best, best_t, time.perf_counter() - t0, n)
+            best, best_t = configs, t
+    return _result("verl", cluster, best, best_t, t0, n)
 
 
-def streamrl(cluster: ClusterSpec, w: WorkloadSpec) -> SearchResult:
+def streamrl(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:
     t0 = time.perf_counter()
     split = next(g for g in groupings(w) if len(g) == 2 and ("actor_gen",) in g)
-    gen_first = (("actor_gen",), next(b for b in split if b != ("actor_gen",)))
+    grouping = (("actor_gen",), next(b for b in split if b != ("actor_gen",)))
     best, best_t, n = None, math.inf, 0
-    pools = homogeneous_pools(cluster)
-    for a, b in itertools.permutations(pools, 2):
+    for a, b in itertools.permutations(homogeneous_sets(cluster), 2):
         if any(x and y for x, y in zip(a, b)):
-            continue   # pools must not share a node
-        plan = plan_from_counts(cluster, w, gen_first, (a, b))
-        t = score(cluster, w, plan)
+            continue   # the two sets must not share a pool
+        t, configs = _score(cluster, w, grouping, (a, b))
         n += 1
         if t < best_t:
-            best, best_t = plan, t
-    return SearchResult("streamrl", best, best_t, time.perf_counter() - t0, n)
+            best, best_t = configs, t
+    return _result("streamrl", cluster, best, best_t, t0, n)
+
+
+# ------------------------------------------------------------------------------------------ hybrid
+
+
+class _Arm:
+    """One task grouping and the population of GPU allocations found for it so far."""
+
+    def __init__(self, grouping, population_size: int):
+        self.grouping, self.size = grouping, population_size
+        self.population: list[tuple[float, tuple]] = []   # (seconds, counts), best first
+        self.seen: set = set()
+
+    @property
+    def best(self) -> float:
+        return self.population[0][0] if self.population else math.inf
+
+    def offer(self, t: float, counts) -> None:
+        self.population.append((t, counts))
+        self.population.sort(key=lambda x: (x[0], x[1]))
+        del self.population[self.size:]          # cull the worst
+
+
+def _random_counts(rng, cluster, k):
+    out = [[0] * len(pools(cluster)) for _ in range(k)]
+    for j, p in enumerate(pools(cluster)):
+        for _ in range(p.steps):
+            g = rng.randrange(k + 1)           # k = leave this step unused
+            if g < k:
+                out[g][j] += 1
+    return tuple(map(tuple, out))
+
+
+def _mutate(rng, cluster, counts):
+    """Move GPUs between task groups (or to/from the unused set): HetRL's level-3 swaps."""
+    k, m = len(counts), len(pools(cluster))
+    c = [list(x) for x in counts]
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        j = rng.randrange(m)
+        src = rng.randrange(k + 1)
+        dst = rng.randrange(k + 1)
+        if src == dst:
+            continue
+        free = pools(cluster)[j].steps - sum(x[j] for x in c)
+        have = free if src == k else c[src][j]
+        if have == 0:
+            continue
+        amount = rng.randint(1, max(1, have // 2)) if rng.random() < 0.3 else 1
+        if src < k:
+            c[src][j] -= amount
+        if dst < k:
+            c[dst][j] += amount
+    if rng.random() < 0.2 and k > 1:             # swap two groups' whole pools
+        j, a, b = rng.randrange(m), *rng.sample(range(k), 2)
+        c[a][j], c[b][j] = c[b][j], c[a][j]
+    return tuple(map(tuple, c))
+
+
+def _crossover(rng, cluster, a, b):
+    """Pool-wise mix of two allocations of the same grouping, repaired to fit the pools."""
+    k = len(a)
+    child = [[(a if rng.random() < 0.5 else b)[g][j] for j in range(len(pools(cluster)))] for g in range(k)]
+    for j, p in enumerate(pools(cluster)):
+        while sum(x[j] for x in child) > p.steps:
+            g = max(range(k), key=lambda g: child[g][j])
+            child[g][j] -= 1
+    return tuple(map(tuple, child))
+
+
+def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 6000, seed: int = 0,
+           time_limit_s: float | None = None, **_) -> SearchResult:
+    """Successive halving over groupings; genetic search over allocations inside each arm."""
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    arms = [_Arm(g, population_size=8) for g in groupings(w)]
+    rounds = max(1, math.ceil(math.log2(len(arms))))
+    per_arm = max(4, budget // (len(arms) * rounds * 2))
+    n = attempts = 0
+
+    def evaluate(arm, counts):
+        nonlocal n, attempts
+        attempts += 1
+        if counts in arm.seen:
+            return
+        arm.seen.add(counts)
+        t, _ = _score(cluster, w, arm.grouping, counts)
+        n += 1
+        if math.isfinite(t):
+            arm.offer(t, counts)
+
+    for arm in arms:      # seeds: whole pools per group (homogeneous groups), then random allocations
+        k, m = len(arm.grouping), len(pools(cluster))
+        owners = list(itertools.product(range(k + 1), repeat=m))
+        rng.shuffle(owners)
+        for owner in owners[: 4 * per_arm]:
+            evaluate(arm, tuple(tuple(p.steps if owner[j] == g else 0 for j, p in enumerate(pools(cluster)))
+                                for g in range(k)))
+        for _ in range(per_arm):
+            evaluate(arm, _random_counts(rng, cluster, k))
+    while True:
+        for arm in arms:
+            for _ in range(per_arm):
+                if arm.population and (len(arm.population) < 2 or rng.random() < 0.7):
+                    parent = arm.population[min(int(rng.expovariate(0.7)), len(arm.population) - 1)][1]
+                    child = _mutate(rng, cluster, parent)
+                elif len(arm.population) >= 2:
+                    a, b = rng.sample([c for _, c in arm.population], 2)
+                    child = _crossover(rng, cluster, a, b)
+                else:
+                    child = _random_counts(rng, cluster, len(arm.grouping))
+                evaluate(arm, child)
+        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+            break
+        if len(arms) == 1 and (n >= budget or attempts >= 20 * budget):
+            break
+        arms.sort(key=lambda a: (a.best, a.grouping))
+        arms = arms[: max(1, len(arms) // 2)]     # successive halving: keep the better half...
+        per_arm *= 2                               # ...and double their budget
+    best_arm = min(arms, key=lambda a: (a.best, a.grouping))
+    if not best_arm.population:
+        return SearchResult("hybrid", None, math.inf, time.perf_counter() - t0, n)
+    t, counts = best_arm.population[0]
+    _, configs = _score(cluster, w, best_arm.grouping, counts)
+    return _result("hybrid", cluster, configs, t, t0, n)
+

@@ -1,12 +1,16 @@
 """The plan space every method searches, and the per-group parallelism choice (HetRL's level 4).
 
-A plan is (1) a grouping of the placement units into task groups, (2) for each group how many GPUs
-of each node it takes, (3) TP/PP/DP per task. GPUs of one node are interchangeable (same type,
-same links), so (2) is a count per node, and shards are laid out node-major inside a group (TP
-groups fill a node before spanning two). Given (1) and (2), `configure_group` picks (3)
-deterministically: each task's fastest option, then more sharding for the task using the most
-memory until the group fits. Exhaustive search, the ILP and the hybrid search all score plans
-through this one function, so they search the same space.
+A plan is (1) a grouping of the placement units into task groups, (2) per group, how many GPUs
+it takes from each *pool* (nodes that are interchangeable: same GPU type, region, links and size),
+(3) TP/PP/DP per task. Counts come in steps of one GPU on small clusters (<= 16 GPUs) and of one
+node above that, where whole nodes are how such clusters are shared out. Shards are laid out
+node-major inside a group (TP groups fill a node before spanning two).
+
+Given (1) and (2), `configure` picks (3) deterministically: each task's fastest option, then more
+sharding for the task holding the most memory until the group fits. Everything about a group's
+own time and memory depends only on (tasks, counts); what crosses groups (sample transfer, weight
+sync) depends only on each group's `Signature` (its regions and network speed). Exhaustive search,
+the ILP and the hybrid search all go through these functions, so they search the same space.
 """
 
 from __future__ import annotations
@@ -14,23 +18,22 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from dataclasses import dataclass
 
-from .cost import ROLE_OF, TRAIN_TASKS, _dense_pass, _generation, _memory, estimate
+from .cost import (ROLE_OF, TRAIN_TASKS, _dense_pass, _generation, _memory, _transfer_s, INFER_TASKS,
+                   HBM_EFF, BYTES, SAMPLE_BYTES_PER_TOKEN)
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
-from .spec import ClusterSpec, WorkloadSpec
+from .spec import ClusterSpec, Node, WorkloadSpec
 
 MAX_TP = 8
+FINE_GRAINED_GPUS = 16
 
 
 def units(w: WorkloadSpec) -> list[tuple[str, ...]]:
-    """Placement units: a task and the tasks bound to it (old log-probs run where the actor trains)."""
+    """Placement units: a task plus the tasks bound to it (old log-probs run where the actor trains)."""
     tasks = workload_tasks(w)
-    out = []
-    for t in tasks:
-        if t in BOUND:
-            continue
-        out.append(tuple([*(b for b, owner in BOUND.items() if owner == t and b in tasks), t]))
-    return out
+    return [tuple([*(b for b, owner in BOUND.items() if owner == t and b in tasks), t])
+            for t in tasks if t not in BOUND]
 
 
 def set_partitions(items: list) -> list[list[list]]:
@@ -46,8 +49,50 @@ def set_partitions(items: list) -> list[list[list]]:
 
 
 def groupings(w: WorkloadSpec) -> list[tuple[tuple[str, ...], ...]]:
-    """Every way to split the units into task groups (Bell number of the unit count)."""
-    return [tuple(tuple(t for u in block for t in u) for block in part) for part in set_partitions(units(w))]
+    """Every way to split the units into task groups (a Bell number of them), in a fixed order."""
+    return [tuple(sorted(tuple(t for u in block for t in u) for block in part))
+            for part in set_partitions(units(w))]
+
+
+# ------------------------------------------------------------------------------------------ pools
+
+
+@dataclass(frozen=True)
+class Pool:
+    nodes: tuple[Node, ...]
+    step: int                      # GPUs per count step (1 GPU, or one node)
+
+    @property
+    def gpus(self) -> int:
+        return sum(n.count for n in self.nodes)
+
+    @property
+    def steps(self) -> int:
+        return self.gpus // self.step
+
+
+@functools.lru_cache(maxsize=64)
+def pools(cluster: ClusterSpec) -> tuple[Pool, ...]:
+    fine = len(cluster.gpus) <= FINE_GRAINED_GPUS
+    by_kind: dict[tuple, list[Node]] = {}
+    for n in cluster.nodes:
+        by_kind.setdefault((n.gpu, n.region, n.intra_node, n.network_gbps, n.count), []).append(n)
+    return tuple(Pool(tuple(ns), 1 if fine else ns[0].count) for ns in by_kind.values())
+
+
+def gpu_ids(cluster: ClusterSpec, counts: tuple[int, ...], offsets: list[int] | None = None) -> tuple[int, ...]:
+    """GPU ids for counts[k] steps of pool k (node-major), after `offsets[k]` GPUs already handed out."""
+    ids = []
+    for k, (pool, c) in enumerate(zip(pools(cluster), counts)):
+        start = offsets[k] if offsets else 0
+        flat = [g.id for n in pool.nodes for g in cluster.gpus if g.node == n.name]
+        ids += flat[start:start + c * pool.step]
+        if offsets is not None:
+            offsets[k] = start + c * pool.step
+    return tuple(ids)
+
+
+# ------------------------------------------------------------------------------------------ level 4
 
 
 def parallelisms(w: WorkloadSpec, task: str, n: int) -> list[Parallelism]:
@@ -63,67 +108,12 @@ def parallelisms(w: WorkloadSpec, task: str, n: int) -> list[Parallelism]:
     return out
 
 
-def gpus_from_counts(cluster: ClusterSpec, counts: tuple[int, ...], taken: dict[str, int]) -> tuple[int, ...]:
-    """GPU ids for `counts[k]` GPUs of node k, skipping the first `taken[node]` already used; node-major."""
-    ids = []
-    for node, k in zip(cluster.nodes, counts):
-        start = taken.get(node.name, 0)
-        first = next(g.id for g in cluster.gpus if g.node == node.name)
-        ids += range(first + start, first + start + k)
-        taken[node.name] = start + k
-    return tuple(ids)
-
-
-def _standalone(cluster, w, task, gpus, par) -> float:
-    group = Group((task,), gpus, ((task, par),))
+def _task_seconds(cluster, w, group: Group, task: str) -> float:
     model = w.model(ROLE_OF[task])
     if task == "actor_gen":
-        _, free, _ = _memory(cluster, w, _single_plan(group))
+        _, free, _ = _memory(cluster, w, Plan((group,)))
         return _generation(cluster, w, model, group, free).seconds
     return _dense_pass(cluster, w, model, group, task, task in TRAIN_TASKS).seconds
-
-
-def _single_plan(group: Group) -> Plan:
-    return Plan((group,))
-
-
-def configure_group(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], gpus: tuple[int, ...]) -> Group | None:
-    """Pick TP/PP/DP for every task of a group on `gpus`; None when no choice fits in memory."""
-    return _configure(cluster, w, tasks, gpus)
-
-
-@functools.lru_cache(maxsize=100_000)
-def _configure(cluster, w, tasks, gpus) -> Group | None:
-    n = len(gpus)
-    options = {}
-    for t in tasks:
-        opts = parallelisms(w, t, n)
-        if not opts:
-            return None
-        options[t] = sorted(opts, key=lambda p: (_standalone(cluster, w, t, gpus, p), p.pp, p.tp))
-    choice = {t: 0 for t in tasks}
-    for _ in range(4 * sum(len(o) for o in options.values())):
-        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks))
-        peak, _, why = _memory(cluster, w, _single_plan(group))
-        if not why:
-            if "actor_gen" in tasks and math.isinf(
-                    _generation(cluster, w, w.actor, group, _memory(cluster, w, _single_plan(group))[1]).seconds):
-                why = "kv"
-            else:
-                return group
-        # shard the heaviest task further: next option (in speed order) with a smaller per-GPU shard
-        heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
-        cur = options[heavy][choice[heavy]]
-        nxt = next((i for i in range(choice[heavy] + 1, len(options[heavy]))
-                    if _footprint(w, heavy, options[heavy][i]) < _footprint(w, heavy, cur)), None)
-        if nxt is None:
-            others = [t for t in tasks if t != heavy and choice[t] + 1 < len(options[t])]
-            if not others:
-                return None
-            choice[others[0]] += 1
-        else:
-            choice[heavy] = nxt
-    return None
 
 
 def _footprint(w: WorkloadSpec, task: str, p: Parallelism) -> float:
@@ -131,33 +121,108 @@ def _footprint(w: WorkloadSpec, task: str, p: Parallelism) -> float:
     return params * (4 + 12 / p.dp) if task in TRAIN_TASKS else params * 2
 
 
-def plan_from_counts(cluster, w, grouping, counts) -> Plan | None:
-    """Build a plan from a grouping and, per group, a GPU count per node; None if some group cannot fit."""
-    taken: dict[str, int] = {}
-    groups = []
-    for tasks, c in zip(grouping, counts):
-        gpus = gpus_from_counts(cluster, c, taken)
-        if not gpus:
+@dataclass(frozen=True)
+class GroupConfig:
+    """A configured task group on canonical GPUs: its parallelism and its tasks' seconds."""
+
+    tasks: tuple[str, ...]
+    counts: tuple[int, ...]
+    parallelism: tuple[tuple[str, Parallelism], ...]
+    seconds: tuple[tuple[str, float], ...]
+    local_sync_s: float            # weight sync when generation and actor training share this group
+
+    def time(self, tasks) -> float:
+        return sum(s for t, s in self.seconds if t in tasks)
+
+
+@functools.lru_cache(maxsize=500_000)
+def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...]) -> GroupConfig | None:
+    """Pick TP/PP/DP for every task of a group; None when no choice fits in memory."""
+    gpus = gpu_ids(cluster, counts)
+    n = len(gpus)
+    if n == 0:
+        return None
+    options = {}
+    for t in tasks:
+        opts = parallelisms(w, t, n)
+        if not opts:
             return None
-        group = configure_group(cluster, w, tasks, gpus)
-        if group is None:
+        options[t] = sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((t,), gpus, ((t, p),)), t), p.pp, p.tp))
+    choice = dict.fromkeys(tasks, 0)
+    for _ in range(sum(len(o) for o in options.values()) + 1):
+        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks))
+        _, _, why = _memory(cluster, w, Plan((group,)))
+        if not why:
+            seconds = tuple((t, _task_seconds(cluster, w, group, t)) for t in tasks)
+            if all(math.isfinite(s) for _, s in seconds):
+                local = 0.0
+                if "actor_gen" in tasks and "actor_train" in tasks:
+                    hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in gpus)
+                    local = w.actor.params * BYTES / (hbm * HBM_EFF) / n
+                return GroupConfig(tasks, counts, group.parallelism, seconds, local)
+        # shard the task holding the most memory further (next option with a smaller per-GPU share)
+        heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
+        cur = _footprint(w, heavy, options[heavy][choice[heavy]])
+        nxt = next((i for i in range(choice[heavy] + 1, len(options[heavy]))
+                    if _footprint(w, heavy, options[heavy][i]) < cur), None)
+        if nxt is None:
             return None
-        groups.append(group)
-    return Plan(tuple(groups))
+        choice[heavy] = nxt
+    return None
+
+
+# ------------------------------------------------------------------------------------------ plans
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What the cross-group terms see of a group: its regions and its fastest NIC."""
+
+    regions: frozenset
+    nic_gbps: float
+
+
+def signature(cluster: ClusterSpec, counts: tuple[int, ...]) -> Signature:
+    used = [p for p, c in zip(pools(cluster), counts) if c]
+    return Signature(frozenset(p.nodes[0].region for p in used), max(p.nodes[0].network_gbps for p in used))
+
+
+def _sig_group(cluster, counts) -> Group:
+    return Group((), gpu_ids(cluster, counts), ())
+
+
+def transfer_s(cluster, w, a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    """Samples from the generation group (counts a) to another group (counts b)."""
+    nbytes = w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
+    return _transfer_s(cluster, _sig_group(cluster, a), _sig_group(cluster, b), nbytes)
+
+
+def sync_s(cluster, w, train: tuple[int, ...], gen: tuple[int, ...]) -> float:
+    return _transfer_s(cluster, _sig_group(cluster, train), _sig_group(cluster, gen), w.actor.params * BYTES)
+
+
+def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
+    """The cost model's iteration time from configured groups (equals cost.estimate on the built plan)."""
+    gen = next(c for c in configs if "actor_gen" in c.tasks)
+    train = next(c for c in configs if "actor_train" in c.tasks)
+    transfer = max([transfer_s(cluster, w, gen.counts, c.counts) for c in configs if c is not gen], default=0.0)
+    sync = gen.local_sync_s if gen is train else sync_s(cluster, w, train.counts, gen.counts)
+    if w.mode == "sync":
+        return (gen.time(("actor_gen",)) + transfer + max(c.time(INFER_TASKS) for c in configs)
+                + max(c.time(TRAIN_TASKS) for c in configs) + sync)
+    return max(max(c.time(c.tasks) for c in configs), transfer, sync)
+
+
+def build_plan(cluster: ClusterSpec, configs: list[GroupConfig]) -> Plan:
+    offsets = [0] * len(pools(cluster))
+    return Plan(tuple(Group(c.tasks, gpu_ids(cluster, c.counts, offsets), c.parallelism) for c in configs))
 
 
 def compositions(total: int, parts: int):
-    """All ways to split `total` items into `parts` ordered non-negative counts (plus what stays unused)."""
+    """All ways to give `parts` groups non-negative counts summing to at most `total`."""
     for cut in itertools.combinations(range(total + parts), parts):
         prev, out = -1, []
         for c in cut:
             out.append(c - prev - 1)
             prev = c
         yield tuple(out)
-
-
-def score(cluster, w, plan: Plan | None) -> float:
-    if plan is None:
-        return math.inf
-    e = estimate(cluster, w, plan)
-    return e.iteration_time_s if e.feasible else math.inf

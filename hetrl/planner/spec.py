@@ -171,7 +171,8 @@ class ClusterSpec:
     name: str
     nodes: tuple[Node, ...]
     regions: tuple[RegionLink, ...] = ()
-    gpus: tuple[GPU, ...] = field(init=False, repr=False)
+    gpus: tuple[GPU, ...] = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.nodes:
@@ -196,6 +197,10 @@ class ClusterSpec:
         gpus = [(n, i) for n in self.nodes for i in range(n.count)]
         object.__setattr__(self, "gpus", tuple(GPU(k, f"{n.name}:{i}", n.name, n.region, gpu(n.gpu))
                                                for k, (n, i) in enumerate(gpus)))
+        object.__setattr__(self, "_hash", hash((self.name, self.nodes, self.regions)))
+
+    def __hash__(self):  # the cost model caches per cluster; hashing every field each call was its hot spot
+        return self._hash
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -259,6 +264,11 @@ class WorkloadSpec:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be an int >= 1, got {v!r}")
+
+    def __hash__(self):  # cached: every cost-model cache lookup hashes the workload
+        if "_hash" not in self.__dict__:
+            object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+        return self.__dict__["_hash"]
 
     @property
     def samples(self) -> int:

@@ -1,0 +1,132 @@
+"""Exact plan search as a mixed-integer program, solved by HiGHS (highspy, the open-source MIP solver).
+
+It searches the same space as exhaustive search (space.py): every group configuration a grouping
+can use is enumerated once and costed by the cost model, so the only non-linear parts left are the
+max over groups and the terms between two groups (sample transfer, weight sync), which depend on
+the pair of group *signatures* and are linearised with product variables. Sections:
+
+  1. candidates  x[b, c]: task block b runs on GPU counts c (pre-configured, memory-feasible)
+  2. variables   z[G] grouping chosen; x[b, c] binary; u[...] >= 0 pair products; T* continuous
+  3. constraints C1 one grouping; C2 each block of it gets one configuration; C3 pool capacity;
+                 C4 pair products u >= y_a + y_b - 1 (y: a block's signature indicator);
+                 C5 phase times >= each group's share (sync) / T >= each group's busy time (async)
+  4. objective   sync: gen + transfer + inference phase + training phase + weight sync
+                 async: T = max(busiest group, transfer, weight sync)
+  5. decode      the chosen configurations -> Plan; its cost-model time must equal the objective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+from .cost import INFER_TASKS, TRAIN_TASKS
+from .search import SearchResult
+from .space import build_plan, configure, groupings, iteration_s, pools, signature, sync_s, transfer_s
+from .spec import ClusterSpec, WorkloadSpec
+
+MAX_CANDIDATES = 200_000
+
+
+def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0, **_) -> SearchResult:
+    import highspy
+
+    t0 = time.perf_counter()
+    all_groupings = groupings(w)
+    blocks = sorted({b for g in all_groupings for b in g})
+    count_space = list(itertools.product(*(range(p.steps + 1) for p in pools(cluster))))
+    if len(blocks) * len(count_space) > MAX_CANDIDATES:
+        raise ValueError(f"the ILP would enumerate {len(blocks) * len(count_space):,} group configurations "
+                         f"(limit {MAX_CANDIDATES:,}) on {len(cluster.gpus)} GPUs; use method=hybrid")
+
+    # 1. candidates -------------------------------------------------------------------------------
+    cands = {b: [cfg for c in count_space if any(c) for cfg in [configure(cluster, w, b, c)] if cfg] for b in blocks}
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("random_seed", 0)
+    inf = highspy.kHighsInf
+
+    # 2. variables --------------------------------------------------------------------------------
+    z = {g: h.addBinary() for g in all_groupings}
+    x = {(b, i): h.addBinary() for b in blocks for i in range(len(cands[b]))}
+
+    # C1, C2, C3
+    h.addConstr(sum(z.values()) == 1)
+    for b in blocks:
+        h.addConstr(sum(x[b, i] for i in range(len(cands[b]))) - sum(z[g] for g in all_groupings if b in g) == 0)
+    for j, p in enumerate(pools(cluster)):
+        terms = [cfg.counts[j] * x[b, i] for b in blocks for i, cfg in enumerate(cands[b]) if cfg.counts[j]]
+        if terms:
+            h.addConstr(sum(terms) <= p.steps)
+
+    # C4: signature indicators and pair products
+    sigs = {b: {} for b in blocks}
+    for b in blocks:
+        for i, cfg in enumerate(cands[b]):
+            sigs[b].setdefault(signature(cluster, cfg.counts), []).append((i, cfg.counts))
+
+    def y(b, s):
+        return sum(x[b, i] for i, _ in sigs[b][s])
+
+    def pairs(a_has, b_pred):
+        """u variables for block pairs (a contains a_has, b satisfies b_pred, disjoint) and signature pairs."""
+        out = []
+        for a in blocks:
+            if a_has not in a:
+                continue
+            for b in blocks:
+                if b == a or set(a) & set(b) or not b_pred(b):
+                    continue
+                for sa, sb in itertools.product(sigs[a], sigs[b]):
+                    u = h.addVariable(lb=0, ub=1)
+                    h.addConstr(u - y(a, sa) - y(b, sb) >= -1)
+                    out.append((u, sigs[a][sa][0][1], sigs[b][sb][0][1]))
+        return out
+
+    transfers = [(u, transfer_s(cluster, w, ca, cb)) for u, ca, cb in pairs("actor_gen", lambda b: True)]
+    syncs = [(u, sync_s(cluster, w, ct, cg)) for u, ct, cg in
+             pairs("actor_train", lambda b: "actor_gen" in b)]
+    local_sync = sum(cfg.local_sync_s * x[b, i] for b in blocks for i, cfg in enumerate(cands[b]) if cfg.local_sync_s)
+
+    # C5 + 4. objective ---------------------------------------------------------------------------
+    def share(b, tasks):
+        return sum(cfg.time(tasks) * x[b, i] for i, cfg in enumerate(cands[b]) if cfg.time(tasks))
+
+    if w.mode == "sync":
+        t_tr, t_inf, t_train = (h.addVariable(lb=0, ub=inf) for _ in range(3))
+        for u, s in transfers:
+            h.addConstr(t_tr - s * u >= 0)
+        for b in blocks:
+            if any(t in INFER_TASKS for t in b):
+                h.addConstr(t_inf - share(b, INFER_TASKS) >= 0)
+            if any(t in TRAIN_TASKS for t in b):
+                h.addConstr(t_train - share(b, TRAIN_TASKS) >= 0)
+        gen = sum(share(b, ("actor_gen",)) for b in blocks if "actor_gen" in b)
+        objective = gen + t_tr + t_inf + t_train + sum(s * u for u, s in syncs) + local_sync
+    else:
+        objective = h.addVariable(lb=0, ub=inf)
+        for b in blocks:
+            h.addConstr(objective - share(b, b) >= 0)
+        for u, s in transfers + syncs:
+            h.addConstr(objective - s * u >= 0)
+        if not isinstance(local_sync, (int, float)):
+            h.addConstr(objective - local_sync >= 0)
+    h.minimize(objective)
+
+    # 5. decode -----------------------------------------------------------------------------------
+    status = h.modelStatusToString(h.getModelStatus())
+    info = h.getInfo()
+    chosen = [b for b in blocks for i in range(len(cands[b])) if h.val(x[b, i]) > 0.5]
+    if not chosen:
+        return SearchResult("ilp", None, math.inf, time.perf_counter() - t0, info.mip_node_count, None)
+    configs = [cands[b][i] for b in blocks for i in range(len(cands[b])) if h.val(x[b, i]) > 0.5]
+    seconds = iteration_s(cluster, w, configs)
+    assert math.isclose(seconds, info.objective_function_value, rel_tol=1e-6, abs_tol=1e-6), \
+        f"ILP objective {info.objective_function_value} != cost model {seconds} ({status})"
+    gap = 0.0 if status == "Optimal" else float(info.mip_gap)
+    return SearchResult("ilp", build_plan(cluster, configs), seconds, time.perf_counter() - t0,
+                        int(info.mip_node_count), gap)

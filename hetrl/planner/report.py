@@ -1,0 +1,113 @@
+"""`hetrl plan`: run the search (or score a given plan), compare with the baselines, report as JSON or a table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from . import METHODS, evaluate, plan
+from .plan import plan_from_dict
+from .search import exhaustive_size
+from .spec import ClusterSpec, WorkloadSpec, load_cluster, load_workload
+
+BASELINES = ("verl", "streamrl")
+
+
+def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: float, gap=None) -> dict:
+    e = evaluate(cluster, w, p)
+    if not e.feasible:
+        raise ValueError(f"{method}: the plan cannot run: {e.reason}")
+    samples_s, tokens_s = e.throughput(w)
+    return {"method": method, "iteration_time_s": e.iteration_time_s, "samples_per_s": samples_s,
+            "tokens_per_s": tokens_s, "search_time_s": search_s, "optimality_gap": gap,
+            "breakdown": e.breakdown, "task_times_s": e.task_times_s, "plan": p.to_dict(cluster)}
+
+
+def _methods_for(cluster, w, method: str) -> list[str]:
+    if method != "all":
+        return [method]
+    out = ["hybrid", "ilp"]
+    if exhaustive_size(cluster, w) <= 20_000:
+        out.append("exhaustive")
+    return out
+
+
+def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *, seed: int = 0,
+                time_limit_s: float | None = None, evaluate_path: str | None = None) -> dict:
+    """The object `hetrl plan --json` prints: the chosen plan with its numbers, plus the baselines."""
+    cluster, w = load_cluster(cluster_path), load_workload(workload_path)
+    if method != "all" and method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join([*METHODS, 'all'])}, got {method!r}")
+    results = {}
+    if evaluate_path:
+        with open(evaluate_path) as f:
+            data = json.load(f)
+        given = plan_from_dict(data.get("plan", data), cluster, w)
+        results["evaluate"] = _entry(cluster, w, "evaluate", given, 0.0)
+    else:
+        for m in _methods_for(cluster, w, method):
+            r = plan(cluster, w, m, seed=seed, time_limit_s=time_limit_s)
+            results[m] = _entry(cluster, w, m, r.plan, r.search_time_s, r.optimality_gap)
+    best = min(results.values(), key=lambda r: r["iteration_time_s"])
+    report = dict(best)
+    report["cluster"], report["workload"] = cluster.name, os.path.basename(workload_path)
+    if len(results) > 1:
+        report["methods"] = {k: {"iteration_time_s": v["iteration_time_s"], "search_time_s": v["search_time_s"],
+                                 "optimality_gap": v["optimality_gap"]} for k, v in results.items()}
+    report["baselines"] = {}
+    for b in BASELINES:
+        try:
+            r = plan(cluster, w, b)
+            report["baselines"][b] = {"iteration_time_s": r.iteration_time_s, "plan": r.plan.to_dict(cluster),
+                                      "speedup": r.iteration_time_s / report["iteration_time_s"]}
+        except ValueError as e:
+            report["baselines"][b] = {"iteration_time_s": math.inf, "plan": None, "error": str(e)}
+    return report
+
+
+def write_json(report: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['method']} plan for {r['workload']} on {r['cluster']}: {r['iteration_time_s']:.1f} s per iteration, "
+             f"{r['samples_per_s']:.1f} samples/s, {r['tokens_per_s']:,.0f} tokens/s "
+             f"(search {r['search_time_s']:.1f} s"
+             + (f", optimality gap {r['optimality_gap']:.2%}" if r.get("optimality_gap") is not None else "") + ")",
+             "", f"{'group':<6}{'GPUs':<34}{'task':<14}{'tp':>3}{'pp':>4}{'dp':>4}{'s/iter':>9}"]
+    for i, g in enumerate(r["plan"]["groups"]):
+        gpus = _compress(g["gpus"])
+        for j, t in enumerate(g["tasks"]):
+            p = g["parallelism"][t]
+            lines.append(f"{i if j == 0 else '':<6}{gpus if j == 0 else '':<34}{t:<14}{p['tp']:>3}{p['pp']:>4}"
+                         f"{p['dp']:>4}{r['task_times_s'][t]:>9.1f}")
+    lines += ["", "time breakdown (critical path): " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1]) if v >= 0.05)]
+    for name, m in r.get("methods", {}).items():
+        gap = f", gap {m['optimality_gap']:.2%}" if m.get("optimality_gap") is not None else ""
+        lines.append(f"  {name:<10} {m['iteration_time_s']:8.1f} s/iter  (search {m['search_time_s']:.1f} s{gap})")
+    lines.append("baselines:")
+    for name, b in r["baselines"].items():
+        if b.get("plan") is None:
+            lines.append(f"  {name:<10} no plan fits ({b.get('error', '')[:80]})")
+        else:
+            lines.append(f"  {name:<10} {b['iteration_time_s']:8.1f} s/iter  -> this plan is {b['speedup']:.2f}x faster")
+    return "\n".join(lines)
+
+
+def _compress(names: list[str]) -> str:
+    """['a:0', 'a:1', 'b:0'] -> 'a:0-1, b:0'."""
+    by_node: dict[str, list[int]] = {}
+    for n in names:
+        node, idx = n.rsplit(":", 1)
+        by_node.setdefault(node, []).append(int(idx))
+    parts = []
+    for node, idx in by_node.items():
+        parts.append(f"{node}:{idx[0]}-{idx[-1]}" if len(idx) > 1 and idx == list(range(idx[0], idx[-1] + 1))
+                     else f"{node}:{','.join(map(str, idx))}")
+    text = ", ".join(parts)
+    return text if len(text) <= 32 else text[:29] + "..."
