@@ -34,6 +34,7 @@ HBM_EFF = 0.70       # achievable fraction of peak HBM bandwidth in decode (0.6-
 MEM_UTIL = 0.90      # usable fraction of GPU memory (allocator, CUDA context, fragmentation)
 BYTES = 2            # bf16/fp16 weights, activations, gradients
 SAMPLE_BYTES_PER_TOKEN = 16  # token id, masks, old/ref log-probs, advantages moved between groups
+LOGIT_CHUNK_TOKENS = 4096    # log-probs computed over vocab chunks of this many tokens (fused linear-CE)
 
 ROLE_OF = {"actor_gen": "actor", "actor_infer": "actor", "actor_train": "actor", "ref_infer": "reference",
            "reward_infer": "reward", "critic_infer": "critic", "critic_train": "critic"}
@@ -98,18 +99,22 @@ def allreduce_s(nbytes: float, k: int, link: tuple[float, float], messages: int 
 
 
 def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
-    """Tokens and causal attention (query, key) pairs one pass over the batch processes."""
+    """Tokens and causal attention (query, key) pairs one pass over the batch processes.
+
+    With DualKV the prompt runs once per micro-batch of responses (a group larger than the micro-batch is
+    split into sub-groups that each carry the prompt), so rho is capped by the micro-batch."""
     p, r, n, g = w.prompt_tokens.mean, w.response_tokens.mean, w.responses_per_prompt, w.prompts_per_step
     if w.dualkv:
-        return g * (p + n * r), g * (p * p / 2 + n * (r * p + r * r / 2))
+        copies = math.ceil(n / min(n, w.micro_batch_responses))
+        return g * (copies * p + n * r), g * (copies * p * p / 2 + n * (r * p + r * r / 2))
     s = p + r
     return g * n * s, g * n * s * s / 2
 
 
 def _micro_batch_tokens(w: WorkloadSpec) -> float:
-    """Tokens of one micro-batch = one group (all N responses of a prompt), at maximum lengths."""
-    p, r, n = w.prompt_tokens.max, w.response_tokens.max, w.responses_per_prompt
-    return p + n * r if w.dualkv else n * (p + r)
+    """Tokens of one micro-batch of `micro_batch_responses` responses of one prompt, at maximum lengths."""
+    p, r, m = w.prompt_tokens.max, w.response_tokens.max, w.micro_batch_responses
+    return p + m * r if w.dualkv else m * (p + r)
 
 
 def _shards(group: Group, par: Parallelism):
@@ -132,7 +137,7 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     flops = (8 * model.active_params * tokens + 4 * attn) if train else (2 * model.active_params * tokens + attn)
     speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
     compute = flops / sum(speeds)
-    micro_batches = max(1, math.ceil(w.prompts_per_step / par.dp))
+    micro_batches = max(1, math.ceil(w.samples / par.dp / w.micro_batch_responses))
     bubble = compute * (par.pp - 1) / micro_batches
     layers_per_stage = model.layers / par.pp
     tp_comm = pp_comm = 0.0
@@ -220,7 +225,8 @@ def _memory(cluster, w: WorkloadSpec, plan: Plan) -> tuple[dict[int, float], dic
             model, par = w.model(ROLE_OF[task]), group.par(task)
             shard = model.params / (par.tp * par.pp)
             mb = _micro_batch_tokens(w)
-            logits = mb * model.vocab * 4 / par.tp if task in ("actor_train", "actor_infer", "ref_infer") else 0
+            logits = min(mb, LOGIT_CHUNK_TOKENS) * model.vocab * 4 / par.tp \
+                if task in ("actor_train", "actor_infer", "ref_infer") else 0
             if task in TRAIN_TASKS:
                 states = BYTES * shard + 12 * shard / par.dp
                 act = mb * model.hidden * BYTES * model.layers / par.pp + 34 * mb * model.hidden / par.tp + 2 * logits

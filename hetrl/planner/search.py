@@ -122,19 +122,25 @@ def streamrl(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:
 # ------------------------------------------------------------------------------------------ hybrid
 
 
+class _OutOfTime(Exception):
+    """The hybrid search's time limit passed; it returns the best plan found so far."""
+
+
 class _Arm:
     """One task grouping and the population of GPU allocations found for it so far."""
 
     def __init__(self, grouping, population_size: int):
         self.grouping, self.size = grouping, population_size
-        self.population: list[tuple[float, tuple]] = []   # (seconds, counts), best first
-        self.seen: set = set()
+        self.population: list[tuple[tuple, tuple]] = []   # ((seconds, busy seconds), counts), best first
+        self.scores: dict[tuple, tuple[float, float]] = {}
 
     @property
-    def best(self) -> float:
-        return self.population[0][0] if self.population else math.inf
+    def best(self) -> tuple[float, float]:
+        return self.population[0][0] if self.population else (math.inf, math.inf)
 
-    def offer(self, t: float, counts) -> None:
+    def offer(self, t: tuple[float, float], counts) -> None:
+        if any(c == counts for _, c in self.population):
+            return
         self.population.append((t, counts))
         self.population.sort(key=lambda x: (x[0], x[1]))
         del self.population[self.size:]          # cull the worst
@@ -175,6 +181,25 @@ def _mutate(rng, cluster, counts):
     return tuple(map(tuple, c))
 
 
+def _neighbours(cluster, counts):
+    """Every allocation one count step away: one step of one pool moved between two groups or the unused set."""
+    k = len(counts)
+    for j, p in enumerate(pools(cluster)):
+        free = p.steps - sum(c[j] for c in counts)
+        for src in range(k + 1):
+            if (free if src == k else counts[src][j]) == 0:
+                continue
+            for dst in range(k + 1):
+                if dst == src:
+                    continue
+                c = [list(x) for x in counts]
+                if src < k:
+                    c[src][j] -= 1
+                if dst < k:
+                    c[dst][j] += 1
+                yield tuple(map(tuple, c))
+
+
 def _crossover(rng, cluster, a, b):
     """Pool-wise mix of two allocations of the same grouping, repaired to fit the pools."""
     k = len(a)
@@ -186,59 +211,87 @@ def _crossover(rng, cluster, a, b):
     return tuple(map(tuple, child))
 
 
-def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 6000, seed: int = 0,
+def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int = 0,
            time_limit_s: float | None = None, **_) -> SearchResult:
-    """Successive halving over groupings; genetic search over allocations inside each arm."""
+    """Successive halving over groupings; inside each arm, genetic moves and local descents over allocations.
+
+    Each round, every surviving grouping spends its budget on descents: start from a fresh random
+    allocation, a mutated or crossed-over good one, then take the best one-step move (a step of GPUs
+    from one group to another) until none improves. Then the worse half of the groupings is dropped
+    and the survivors' budget doubles. `budget` counts distinct plans scored.
+    """
     t0 = time.perf_counter()
+    deadline = None if time_limit_s is None else t0 + time_limit_s
     rng = random.Random(seed)
     arms = [_Arm(g, population_size=8) for g in groupings(w)]
     rounds = max(1, math.ceil(math.log2(len(arms))))
-    per_arm = max(4, budget // (len(arms) * rounds * 2))
-    n = attempts = 0
+    per_arm = max(8, budget // (len(arms) * rounds))
+    n = 0
 
-    def evaluate(arm, counts):
-        nonlocal n, attempts
-        attempts += 1
-        if counts in arm.seen:
-            return
-        arm.seen.add(counts)
-        t, _ = _score(cluster, w, arm.grouping, counts)
-        n += 1
-        if math.isfinite(t):
-            arm.offer(t, counts)
+    def score(arm, counts) -> tuple[float, float]:
+        """(iteration seconds, total busy seconds): the second breaks the ties of a max-shaped objective,
+        so descents cross plateaus where only a non-critical group changed."""
+        nonlocal n
+        if counts not in arm.scores:
+            if deadline is not None and time.perf_counter() > deadline:
+                raise _OutOfTime
+            t, configs = _score(cluster, w, arm.grouping, counts)
+            arm.scores[counts] = (t, sum(c.time(c.tasks) for c in configs) if configs else math.inf)
+            n += 1
+            if math.isfinite(t):
+                arm.offer(arm.scores[counts], counts)
+        return arm.scores[counts]
 
-    for arm in arms:      # seeds: whole pools per group (homogeneous groups), then random allocations
+    def descend(arm, counts) -> None:
+        current = score(arm, counts)
+        while True:
+            moves = [(score(arm, nb), nb) for nb in _neighbours(cluster, counts)]
+            best = min(moves, default=((math.inf, math.inf), None))
+            if best[0] >= current:
+                return
+            current, counts = best
+
+    def start(arm):
+        k, op = len(arm.grouping), rng.random()
+        if arm.population and op < 0.4:
+            return _mutate(rng, cluster, arm.population[min(int(rng.expovariate(0.7)), len(arm.population) - 1)][1])
+        if len(arm.population) >= 2 and op < 0.6:
+            return _crossover(rng, cluster, *rng.sample([c for _, c in arm.population], 2))
+        return _random_counts(rng, cluster, k)
+
+    for arm in arms:      # seeds: whole pools per group (homogeneous groups)
         k, m = len(arm.grouping), len(pools(cluster))
-        owners = list(itertools.product(range(k + 1), repeat=m))
-        rng.shuffle(owners)
-        for owner in owners[: 4 * per_arm]:
-            evaluate(arm, tuple(tuple(p.steps if owner[j] == g else 0 for j, p in enumerate(pools(cluster)))
-                                for g in range(k)))
-        for _ in range(per_arm):
-            evaluate(arm, _random_counts(rng, cluster, k))
-    while True:
-        for arm in arms:
-            for _ in range(per_arm):
-                if arm.population and (len(arm.population) < 2 or rng.random() < 0.7):
-                    parent = arm.population[min(int(rng.expovariate(0.7)), len(arm.population) - 1)][1]
-                    child = _mutate(rng, cluster, parent)
-                elif len(arm.population) >= 2:
-                    a, b = rng.sample([c for _, c in arm.population], 2)
-                    child = _crossover(rng, cluster, a, b)
-                else:
-                    child = _random_counts(rng, cluster, len(arm.grouping))
-                evaluate(arm, child)
-        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
-            break
-        if len(arms) == 1 and (n >= budget or attempts >= 20 * budget):
-            break
-        arms.sort(key=lambda a: (a.best, a.grouping))
-        arms = arms[: max(1, len(arms) // 2)]     # successive halving: keep the better half...
-        per_arm *= 2                               # ...and double their budget
+        owners = [tuple(rng.randrange(k + 1) for _ in range(m)) for _ in range(per_arm)] if (k + 1) ** m > 4096 \
+            else rng.sample(list(itertools.product(range(k + 1), repeat=m)), min(per_arm, (k + 1) ** m))
+        for owner in owners:
+            try:
+                score(arm, tuple(tuple(p.steps if owner[j] == g else 0 for j, p in enumerate(pools(cluster)))
+                                 for g in range(k)))
+            except _OutOfTime:
+                break
+    last_n = -1
+    try:
+        while True:
+            for arm in arms:
+                target = n + per_arm
+                tries = 0
+                while n < target and tries < 4 * per_arm:
+                    before = n
+                    descend(arm, start(arm))
+                    tries += 1 + (n == before)
+            if len(arms) == 1:
+                if n >= budget or n == last_n:   # n == last_n: the arm has nothing new left to score
+                    break
+                last_n = n
+            else:
+                arms.sort(key=lambda a: (a.best, a.grouping))
+                arms = arms[: max(1, len(arms) // 2)]     # successive halving: keep the better half...
+                per_arm *= 2                               # ...and double their budget
+    except _OutOfTime:
+        pass
     best_arm = min(arms, key=lambda a: (a.best, a.grouping))
     if not best_arm.population:
         return SearchResult("hybrid", None, math.inf, time.perf_counter() - t0, n)
-    t, counts = best_arm.population[0]
+    (t, _), counts = best_arm.population[0]
     _, configs = _score(cluster, w, best_arm.grouping, counts)
     return _result("hybrid", cluster, configs, t, t0, n)
-

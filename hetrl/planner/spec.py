@@ -248,8 +248,13 @@ class WorkloadSpec:
     response_tokens: TokenLengths
     dualkv: bool = True
     precision: str = "bf16"
+    micro_batch_responses: int | None = None   # responses per training micro-batch; default: a whole group
 
     def __post_init__(self):
+        if self.micro_batch_responses is None:
+            object.__setattr__(self, "micro_batch_responses", self.responses_per_prompt)
+        if not isinstance(self.micro_batch_responses, int) or not 1 <= self.micro_batch_responses:
+            raise ValueError(f"micro_batch_responses must be an int >= 1, got {self.micro_batch_responses!r}")
         if self.algorithm not in ("grpo", "dapo", "ppo"):
             raise ValueError(f"algorithm must be grpo, dapo or ppo, got {self.algorithm!r}")
         if self.mode not in ("sync", "async"):
@@ -321,7 +326,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
     valid = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
-             "response_tokens", "dualkv", "precision")
+             "response_tokens", "dualkv", "precision", "micro_batch_responses")
     _reject_unknown(data, valid, where)
     models = data.get("models") or {}
     _reject_unknown(models, ROLES, f"{where} models")
@@ -339,7 +344,8 @@ def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
         actor=model_spec(models["actor"]), reference=model_spec(models.get("reference")),
         reward=model_spec(models.get("reward")), critic=model_spec(models.get("critic")),
         prompts_per_step=data.get("prompts_per_step", 128), responses_per_prompt=data.get("responses_per_prompt", 8),
-        dualkv=bool(data.get("dualkv", True)), precision=data.get("precision", "bf16"), **lengths)
+        dualkv=bool(data.get("dualkv", True)), precision=data.get("precision", "bf16"),
+        micro_batch_responses=data.get("micro_batch_responses"), **lengths)
 
 
 def load_cluster(path: str) -> ClusterSpec:

@@ -1,0 +1,116 @@
+"""Planner benchmark: the paper's 4 scenarios x 12 workloads (hybrid, ilp, verl, streamrl), then hybrid search
+time on synthetic clusters of 16-1024 GPUs. Writes benchmarks/results/planner.{json,md}.
+
+    python benchmarks/planner.py [--quick]
+
+Everything is the cost model's prediction (no GPU runs here); search times are wall-clock on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import time
+
+from tqdm import tqdm
+
+from hetrl.planner import estimate, load_cluster, load_workload, plan
+from hetrl.planner.spec import cluster_from_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCENARIOS = ["paper-single-region", "paper-multi-region", "paper-multi-country", "paper-multi-continent"]
+WORKLOADS = [f"qwen3-{s}-{a}-{m}" for s in ("4b", "8b", "14b") for a in ("grpo", "ppo") for m in ("sync", "async")]
+SYNTHETIC = [16, 64, 256, 1024]
+
+
+def synthetic_cluster(n_gpus: int):
+    """n GPUs in 8-GPU nodes, a quarter each of A100-80G, H100, L40S and L4, spread over 2 regions."""
+    kinds = [("A100-80G", "nvlink", 400), ("H100", "nvlink", 400), ("L40S", "pcie", 100), ("L4", "pcie", 100)]
+    nodes = []
+    for i in range(n_gpus // 8):
+        gpu, link, nic = kinds[i % 4]
+        nodes.append({"name": f"n{i}", "region": "us-east-1" if i % 8 < 4 else "us-west-2", "gpu": gpu,
+                      "count": 8, "intra_node": link, "network_gbps": nic})
+    regions = [{"between": ["us-east-1", "us-west-2"], "latency_ms": 30, "bandwidth_gbps": 10}] \
+        if len({n["region"] for n in nodes}) > 1 else []
+    return cluster_from_dict({"name": f"synthetic-{n_gpus}", "nodes": nodes, "regions": regions})
+
+
+def run(quick: bool) -> dict:
+    scenarios = SCENARIOS[:2] if quick else SCENARIOS
+    workloads = WORKLOADS[:4] if quick else WORKLOADS
+    rows = []
+    for sc in tqdm(scenarios, desc="scenarios"):
+        cluster = load_cluster(str(ROOT / "examples" / "clusters" / f"{sc}.yaml"))
+        for wl in tqdm(workloads, desc=sc, leave=False):
+            w = load_workload(str(ROOT / "examples" / "workloads" / f"{wl}.yaml"))
+            row = {"scenario": sc, "workload": wl}
+            found = {}
+            for method, kwargs in (("hybrid", {"time_limit_s": 15.0}), ("ilp", {"time_limit_s": 120.0}),
+                                   ("verl", {}), ("streamrl", {})):
+                r = found[method] = plan(cluster, w, method, **kwargs)
+                row[method] = {"iteration_time_s": r.iteration_time_s, "search_time_s": r.search_time_s,
+                               "optimality_gap": r.optimality_gap, "plan": r.plan.to_dict(cluster),
+                               "breakdown": estimate(cluster, w, r.plan).breakdown}
+            best = min(("hybrid", "ilp"), key=lambda m: row[m]["iteration_time_s"])
+            row["best"] = best
+            row["hybrid_vs_ilp"] = row["hybrid"]["iteration_time_s"] / row["ilp"]["iteration_time_s"]
+            row["speedup_vs_verl"] = row["verl"]["iteration_time_s"] / row[best]["iteration_time_s"]
+            row["speedup_vs_streamrl"] = row["streamrl"]["iteration_time_s"] / row[best]["iteration_time_s"]
+            rows.append(row)
+    scaling = []
+    w = load_workload(str(ROOT / "examples" / "workloads" / "qwen3-8b-grpo-async.yaml"))
+    for n in tqdm(SYNTHETIC[:2] if quick else SYNTHETIC, desc="scaling"):
+        cluster = synthetic_cluster(n)
+        t0 = time.perf_counter()
+        r = plan(cluster, w, "hybrid", time_limit_s=50.0)
+        scaling.append({"gpus": n, "search_time_s": time.perf_counter() - t0, "evaluated": r.evaluated,
+                        "iteration_time_s": r.iteration_time_s,
+                        "verl_iteration_time_s": plan(cluster, w, "verl").iteration_time_s})
+    return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": platform.python_version()},
+            "date": time.strftime("%Y-%m-%d"), "rows": rows, "scaling": scaling}
+
+
+def markdown(res: dict) -> str:
+    lines = ["# Planner benchmark", "",
+             f"Predicted seconds per iteration (cost model), {res['date']}, {res['machine']['cpus']} CPUs "
+             f"({res['machine']['platform']}). Search times are wall-clock here. `python benchmarks/planner.py`.", "",
+             "| scenario | workload | hybrid s (search s) | ilp s (search s, gap) | verl s | streamrl s | hybrid/ilp | "
+             "speedup vs verl | vs streamrl | verl critical terms -> plan critical terms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        top = lambda b: ", ".join(f"{k} {v:.0f}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])[:3] if v >= 0.5)
+        gap = r["ilp"]["optimality_gap"]
+        lines.append(
+            f"| {r['scenario'].removeprefix('paper-')} | {r['workload']} | {r['hybrid']['iteration_time_s']:.1f} "
+            f"({r['hybrid']['search_time_s']:.1f}) | {r['ilp']['iteration_time_s']:.1f} ({r['ilp']['search_time_s']:.1f}, "
+            f"{gap:.1%}) | {r['verl']['iteration_time_s']:.1f} | {r['streamrl']['iteration_time_s']:.1f} | "
+            f"{r['hybrid_vs_ilp']:.3f} | {r['speedup_vs_verl']:.2f}x | {r['speedup_vs_streamrl']:.2f}x | "
+            f"{top(r['verl']['breakdown'])} -> {top(r['ilp']['breakdown'])} |")
+    lines += ["", "Hybrid search time on synthetic clusters (qwen3-8b GRPO async; A100/H100/L40S/L4 nodes over two "
+              "regions):", "", "| GPUs | search s | plans scored | hybrid s/iter | verl s/iter |", "|---|---|---|---|---|"]
+    for s in res["scaling"]:
+        lines.append(f"| {s['gpus']} | {s['search_time_s']:.1f} | {s['evaluated']} | {s['iteration_time_s']:.1f} | "
+                     f"{s['verl_iteration_time_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 scenarios x 4 workloads, 16-64 GPUs")
+    args = parser.parse_args()
+    res = run(args.quick)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    name = "planner_quick" if args.quick else "planner"
+    (out / f"{name}.json").write_text(json.dumps(res, indent=2))
+    (out / f"{name}.md").write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
