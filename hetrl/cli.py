@@ -9,7 +9,7 @@ import os
 import sys
 
 
-def _bench_dualkv(args) -> int:
+def _bench_demo(args) -> int:
     from hetrl.bench import dualkv
 
     cfg = (dualkv.DemoConfig(responses=8, max_new_tokens=32, repeats=3, few_shot=4, seed=args.seed) if args.quick
@@ -19,6 +19,23 @@ def _bench_dualkv(args) -> int:
     if args.out:
         dualkv.write_result(result, args.out)
         print(f"wrote {args.out}")
+    return 0
+
+
+def _bench_dualkv(args) -> int:
+    from hetrl.bench import dualkv_grid
+
+    result = dualkv_grid.run(args.quick, args.repeats, memory=not args.no_memory)
+    text = dualkv_grid.markdown(result)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        name = "dualkv_cpu_quick" if args.quick else "dualkv_cpu"
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}/{name}.json and .md")
     return 0
 
 
@@ -77,11 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure hetrl against the standard way, side by side")
     bench_sub = bench.add_subparsers(dest="what", required=True)
-    dk = bench_sub.add_parser("dualkv", help="DualKV vs the standard layout on one real group of the embedded model")
-    dk.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")
-    dk.add_argument("--seed", type=int, default=0)
-    dk.add_argument("--out", help="also write the result as JSON to this path")
+    dk = bench_sub.add_parser("dualkv", help="DualKV vs padded (TRL), packed (verl) and prefix-grouper on CPU")
+    dk.add_argument("--quick", action="store_true", help="2 configurations (~3 min with memory on 2 cores; use --no-memory to skip)")
+    dk.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
+    dk.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
+    dk.add_argument("--out", help="directory for the JSON and markdown results (e.g. benchmarks/results)")
     dk.set_defaults(func=_bench_dualkv)
+    demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
+    demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", help="also write the result as JSON to this path")
+    demo.set_defaults(func=_bench_demo)
     return parser
 
 

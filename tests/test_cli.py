@@ -21,7 +21,7 @@ def test_unknown_subcommand_fails_cleanly(capsys):
 @pytest.mark.slow
 def test_bench_dualkv_quick_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    assert main(["bench", "dualkv", "--quick", "--out", str(out)]) == 0
+    assert main(["bench", "demo", "--quick", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "max |log-prob difference|" in text and "speedup" in text
     result = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""`hetrl bench dualkv`: DualKV against the standard layout on one real group of the embedded model.
+"""`hetrl bench demo`: DualKV against the standard layout on one real group of the embedded model.
 
 One prompt (a few-shot arithmetic chat), N responses sampled from SmolLM2-135M itself, then:
 the largest log-prob difference between the shared-prompt path and the standard forward (the

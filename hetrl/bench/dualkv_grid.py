@@ -1,0 +1,289 @@
+"""`hetrl bench dualkv`: the shared-prompt update against the layouts a user would otherwise run, side by side.
+
+For one group (a prompt of P tokens, N responses of R tokens) on the same model and batch:
+
+  padded     TRL's way: N rows of P+R tokens, logits only on the completion (`logits_to_keep`)
+  packed     verl's way (`use_remove_padding`): one row of N(P+R) tokens, position ids restarting per
+             sequence, no cache; attention per sequence (the CPU stand-in for flash-attn varlen)
+  prefix_grouper  the `prefix-grouper` package, where it runs
+  dualkv     hetrl `shared_prompt_logprobs(impl="sdpa")`
+  reference  hetrl's oracle (the prompt duplicated, the model's own attention)
+
+Each is timed on one policy-update micro-step (forward, GRPO clipped loss on the response tokens,
+backward) and one no-grad log-prob pass, interleaved, median of the repeats after a warm-up. Peak
+memory of the update is the peak RSS (VmHWM, reset just before the step) of a fresh subprocess per
+variant, minus its RSS before the step: tracemalloc cannot see torch's allocations.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+from hetrl.bench.dualkv import machine_info
+from hetrl.dualkv import pack_groups, shared_prompt_logprobs
+
+VARIANTS = ("padded", "packed", "prefix_grouper", "dualkv", "reference")
+QWEN3_SHAPED = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192,
+                    tie_word_embeddings=False)
+GRID = [(n, p, r) for n in (4, 8, 16) for p in (256, 1024, 2048) for r in (64, 256)]
+QUICK = [(4, 256, 64), (8, 1024, 64)]
+SMOLLM2_GRID = [(8, 256, 64), (16, 1024, 64)]
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    n: int
+    p: int
+    r: int
+
+    @property
+    def rho(self) -> float:
+        return self.n * (self.p + self.r) / (self.p + self.n * self.r)
+
+
+def build_model(name: str):
+    if name == "qwen3-shaped":
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(Qwen3Config(**QWEN3_SHAPED, attn_implementation="sdpa")).float()
+    from hetrl.models import load_model
+
+    return load_model(name)[0]
+
+
+def flop_ratio(model, case: Case) -> float:
+    """Forward FLOPs of the standard layout over the packed one: linear layers + causal attention."""
+    c = model.config
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    attn = lambda pairs: 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+    n, p, r = case.n, case.p, case.r
+    std = 2 * params * n * (p + r) + attn(n * (p + r) ** 2 / 2)
+    dkv = 2 * params * (p + n * r) + attn(p * p / 2 + n * (r * p + r * r / 2))
+    return std / dkv
+
+
+def make_group(case: Case, vocab: int):
+    g = torch.Generator().manual_seed(case.n * 7919 + case.p * 31 + case.r)
+    prompt = torch.randint(0, vocab, (case.p,), generator=g)
+    return prompt, [torch.randint(0, vocab, (case.r,), generator=g) for _ in range(case.n)]
+
+
+# ------------------------------------------------------------------------------------- packed (varlen)
+
+_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("hetrl_bench_segments", default=None)
+
+
+def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention inside each packed sequence: what flash-attn varlen does on GPU."""
+    bounds = _SEGMENTS.get()
+    gqa = query.shape[1] != key.shape[1]
+    out = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
+                                          scale=scaling, enable_gqa=gqa) for s, e in bounds]
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("hetrl_bench_varlen", _varlen_attention)
+AttentionMaskInterface.register("hetrl_bench_varlen", lambda **_: None)
+
+
+def _logp(logits, labels):
+    return torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+
+
+def variant_logprobs(variant: str, model, prompt, responses):
+    """-> a function computing the [N * R] response log-probs in this variant's layout."""
+    n, p, r = len(responses), prompt.numel(), responses[0].numel()
+    labels = torch.stack(responses)
+    if variant == "padded":
+        ids = torch.cat([prompt.expand(n, p), labels], dim=1)
+        return lambda: _logp(model(input_ids=ids, logits_to_keep=r + 1, use_cache=False).logits[:, :-1], labels).flatten()
+    if variant == "packed":
+        ids = torch.cat([torch.cat([prompt, x]) for x in responses])[None]
+        pos = torch.arange(p + r).repeat(n)[None]
+        keep = torch.cat([torch.arange(i * (p + r) + p - 1, (i + 1) * (p + r) - 1) for i in range(n)])
+        bounds = [(i * (p + r), (i + 1) * (p + r)) for i in range(n)]
+
+        def packed():
+            token = _SEGMENTS.set(bounds)
+            original = model.config._attn_implementation
+            model.set_attn_implementation("hetrl_bench_varlen")
+            try:
+                logits = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False).logits[0]
+            finally:
+                model.set_attn_implementation(original)
+                _SEGMENTS.reset(token)
+            return _logp(logits, labels.flatten())
+        return packed
+    if variant == "prefix_grouper":
+        return _prefix_grouper(model, prompt, responses)
+    batch = pack_groups([(prompt, responses)])
+    impl = "sdpa" if variant == "dualkv" else "reference"
+    return lambda: shared_prompt_logprobs(model, batch, impl=impl)
+
+
+def _prefix_grouper(model, prompt, responses):
+    """The prefix-grouper package through its own transformers integration, with SDPA as the inner attention
+    (its default, flash_attention_2, needs CUDA). Errors surface on the first call and are reported."""
+    try:
+        from prefix_grouper import PrefixGrouper
+        from prefix_grouper.utils.register_transformers import register_attention
+    except ImportError as e:
+        raise RuntimeError(f"prefix-grouper is not installed ({e}); pip install prefix-grouper==0.0.1.post1") from None
+    register_attention()
+    AttentionMaskInterface.register("prefix_grouper_attention", lambda **_: None)
+    n, p, r = len(responses), prompt.numel(), responses[0].numel()
+    labels = torch.stack(responses)
+    pg = PrefixGrouper([[p] + [r] * n], device="cpu")
+    ids = pg.concat_input(prompt[None], torch.ones(1, p, dtype=torch.bool), labels, torch.ones(n, r, dtype=torch.bool))
+    pos = torch.cat([torch.arange(p)] + [torch.arange(p, p + r)] * n)[None]
+
+    def grouped():
+        original = model.config._attn_implementation
+        model.set_attn_implementation("prefix_grouper_attention")
+        try:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, prefix_grouper=pg,
+                           prefix_grouper_attn_func="sdpa").logits
+        finally:
+            model.set_attn_implementation(original)
+        suffix = pg.split_output(logits, include_prefix_last=1)[2]
+        return _logp(suffix[:, :-1], labels).flatten()
+    return grouped
+
+
+def update_step(fn, advantages):
+    """One GRPO micro-step: forward, clipped loss on response tokens, backward."""
+    logp = fn()
+    ratio = torch.exp(logp - logp.detach())
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).mean()
+    loss.backward()
+
+
+def _median(fns: dict, repeats: int) -> dict:
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure_times(model, case: Case, repeats: int) -> dict:
+    prompt, responses = make_group(case, model.config.vocab_size)
+    adv = torch.repeat_interleave(torch.randn(case.n, generator=torch.Generator().manual_seed(1)), case.r)
+    fns, errors = {}, {}
+    for v in VARIANTS:
+        try:
+            fns[v] = variant_logprobs(v, model, prompt, responses)
+            with torch.no_grad():
+                fns[v]()
+        except RuntimeError as e:
+            fns.pop(v, None)
+            errors[v] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    def upd(fn):
+        def step():
+            model.zero_grad(set_to_none=True)
+            update_step(fn, adv)
+        return step
+
+    def lp(fn):
+        def step():
+            with torch.no_grad():
+                fn()
+        return step
+
+    with torch.no_grad():
+        ref = fns["reference"]()
+        max_diff = {v: (fn() - ref).abs().max().item() for v, fn in fns.items()}
+    update = _median({v: upd(fn) for v, fn in fns.items()}, repeats)
+    logprob = _median({v: lp(fn) for v, fn in fns.items()}, repeats)
+    return {"update_s": update, "logprob_s": logprob, "errors": errors, "max_abs_logprob_diff": max_diff}
+
+
+def measure_memory(case: Case) -> dict:
+    """Peak RSS increase of one update step, per variant, each in a fresh interpreter."""
+    out = {}
+    for v in VARIANTS:
+        cmd = [sys.executable, "-m", "hetrl.bench.dualkv_grid", "--child", v, case.model, str(case.n), str(case.p),
+               str(case.r)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
+    return out
+
+
+def _child(variant: str, model_name: str, n: int, p: int, r: int) -> None:
+    case = Case(model_name, n, p, r)
+    model = build_model(model_name)
+    prompt, responses = make_group(case, model.config.vocab_size)
+    fn = variant_logprobs(variant, model, prompt, responses)
+    adv = torch.ones(n * r)
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:   # reset the peak (VmHWM) to the current RSS (Linux)
+        f.write("5")
+    update_step(fn, adv)
+    peak = _status_kb("VmHWM")
+    print(json.dumps({"resident_kb": before, "peak_kb": peak, "increase_kb": peak - before}))
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def run(quick: bool, repeats: int, memory: bool) -> dict:
+    cases = [Case("qwen3-shaped", *c) for c in (QUICK if quick else GRID)]
+    if not quick:
+        cases += [Case("smollm2-135m", *c) for c in SMOLLM2_GRID]
+    rows, models = [], {}
+    for case in tqdm(cases, desc="bench dualkv", unit="case"):
+        model = models.setdefault(case.model, build_model(case.model))
+        row = {**asdict(case), "rho": case.rho, "flop_ratio": flop_ratio(model, case),
+               **measure_times(model, case, repeats)}
+        if memory:
+            row["memory"] = measure_memory(case)
+        rows.append(row)
+    return {"machine": machine_info(), "repeats": repeats, "rows": rows}
+
+
+def markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"# DualKV on CPU, side by side ({m['cpus']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
+             f"median of {res['repeats']} interleaved rounds)", "",
+             "Update = forward + GRPO clipped loss + backward of one group; speedups are over `packed` (verl's way) "
+             "and `padded` (TRL's way); memory = peak RSS increase of the update in a fresh process.", "",
+             "| model | N | P | R | rho | FLOP ratio | update s: padded / packed / dualkv | speedup vs packed | vs padded | "
+             "log-prob speedup vs packed | update memory MB: packed / dualkv |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        u, lp = r["update_s"], r["logprob_s"]
+        mem = r.get("memory", {})
+        mb = lambda v: f"{mem[v]['increase_kb'] / 1024:.0f}" if v in mem and "increase_kb" in mem[v] else "-"
+        lines.append(f"| {r['model']} | {r['n']} | {r['p']} | {r['r']} | {r['rho']:.2f} | {r['flop_ratio']:.2f} | "
+                     f"{u['padded']:.3f} / {u['packed']:.3f} / {u['dualkv']:.3f} | {u['packed'] / u['dualkv']:.2f}x | "
+                     f"{u['padded'] / u['dualkv']:.2f}x | {lp['packed'] / lp['dualkv']:.2f}x | {mb('packed')} / {mb('dualkv')} |")
+    errors = {v: e for r in res["rows"] for v, e in r["errors"].items()}
+    for v, e in errors.items():
+        lines.append(f"\n`{v}` did not run: {e}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]))
