@@ -1,16 +1,22 @@
 """Shared-prompt attention with torch SDPA: exact, autograd-native, the CPU default.
 
-Per group and layer, two SDPA calls on views of the packed stream (no copy of the prompt's K/V):
-  1. the prompt's queries against the prompt's keys, plain causal;
-  2. all N responses' queries at once against the contiguous key range [prompt, resp_1..resp_N]
-     with a boolean mask: every prompt key is visible, and a response key only to queries of
-     the same response at or after it.
-Autograd sums the N responses' contributions into the prompt's dK/dV because call 2 reads the
-same prompt K/V rows for every response. The masked-out cross-response block of call 2 costs
-FLOPs (ΣR x ΣR per group), the price of one GEMM for all responses; see issue on CPU speed.
+Per group and layer, the prompt's queries attend to the prompt's keys (plain causal SDPA on a view),
+then the responses' queries attend to [prompt keys, own earlier response keys] in one of two ways,
+whichever scores fewer (query, key) pairs for the group's shape:
+
+  stream   all N responses' queries at once against the contiguous key range [prompt, resp_1..resp_N]
+           with a boolean mask (no copy of anything); scores Sum(R) x (P + Sum(R)) pairs, of which the
+           cross-response block Sum(R)^2 - Sum(R_i^2) is masked-out work.
+  batched  the responses as a batch of N rows, each against [prompt keys, its own keys], padded to the
+           longest response; scores N x R_max x (P + R_max) pairs. The prompt's K/V are broadcast into
+           the batch (one copy of P x H_kv x d per response and layer, small next to the scores).
+Either way autograd sums the N responses' contributions into the prompt's dK/dV, exactly as the
+standard layout's N prompt copies would. Masks and index tensors are built once per forward.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,32 +24,85 @@ import torch.nn.functional as F
 from ..packing import PackedBatch
 
 
-def build_masks(batch: PackedBatch) -> list[torch.Tensor | None]:
-    """Per group: bool [ΣR, P+ΣR] (True = attend) for the responses' queries, or None if ΣR = 0."""
-    masks = []
-    for s, p, e in batch.group_bounds:
-        if e == s + p:
-            masks.append(None)
-            continue
-        k_seg = batch.segment_ids[s:e]
-        q_seg = k_seg[p:]
-        k_pos = torch.arange(e - s, device=k_seg.device)
-        q_pos = k_pos[p:]
-        same_resp_causal = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-        masks.append(same_resp_causal | (k_seg == 0)[None, :])
-    return masks
+@dataclass
+class _Stream:
+    mask: torch.Tensor          # [Sum(R), P + Sum(R)] bool, True = attend
 
 
-def attend(query, key, value, masks, bounds, scale: float) -> torch.Tensor:
+@dataclass
+class _Batched:
+    own_index: torch.Tensor     # [n, R_max] stream rows of each response's tokens (padding -> a valid row)
+    mask: torch.Tensor          # [n, 1, R_max, P + R_max] bool
+    valid: torch.Tensor         # [Sum(R)] positions in the flattened [n * R_max] batch, in stream order
+
+
+def _plan_group(batch: PackedBatch, s: int, p: int, e: int, lens: list[int], strategy: str):
+    lens = [r for r in lens if r > 0]
+    total = sum(lens)
+    if total == 0:
+        return None
+    device = batch.segment_ids.device
+    n, r_max = len(lens), max(lens)
+    batched = n * r_max * (p + r_max) < total * (p + total) if strategy == "auto" else strategy == "batched"
+    if batched:
+        starts = torch.tensor([0, *lens[:-1]], device=device).cumsum(0) + s + p
+        t = torch.arange(r_max, device=device)
+        length = torch.tensor(lens, device=device)
+        in_resp = t[None, :] < length[:, None]                                  # [n, R_max]
+        own_index = torch.where(in_resp, starts[:, None] + t[None, :], s + p)
+        causal = t[None, :] <= t[:, None]                                        # [R_max, R_max]
+        own_mask = causal[None] & in_resp[:, None, :]                            # keys must be real tokens
+        prompt_mask = torch.ones(n, r_max, p, dtype=torch.bool, device=device)
+        mask = torch.cat([prompt_mask, own_mask], dim=2)[:, None]
+        valid = torch.nonzero(in_resp.flatten()).squeeze(1)
+        return _Batched(own_index, mask, valid)
+    k_seg = batch.segment_ids[s:e]
+    q_seg = k_seg[p:]
+    k_pos = torch.arange(e - s, device=device)
+    q_pos = k_pos[p:]
+    same_resp_causal = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return _Stream(same_resp_causal | (k_seg == 0)[None, :])
+
+
+def build_masks(batch: PackedBatch, strategy: str = "auto") -> list:
+    """Per group: how its responses attend (`_Stream` or `_Batched`), or None if it has no response tokens.
+    `strategy` "auto" picks per group the one scoring fewer pairs; "stream" / "batched" force one (tests)."""
+    plans, r = [], 0
+    counts = batch.responses_per_group.tolist()
+    for (s, p, e), n in zip(batch.group_bounds, counts):
+        plans.append(_plan_group(batch, s, p, e, list(batch.response_lens_list[r:r + n]), strategy))
+        r += n
+    return plans
+
+
+def attend(query, key, value, plans, bounds, scale: float) -> torch.Tensor:
     """query [1, H, T, d], key/value [1, H_kv, T, d] -> [1, H, T, d] over the packed stream."""
     gqa = query.shape[1] != key.shape[1]
     out = []
-    for (s, p, e), mask in zip(bounds, masks):
+    for (s, p, e), plan in zip(bounds, plans):
         out.append(F.scaled_dot_product_attention(
-            query[:, :, s : s + p], key[:, :, s : s + p], value[:, :, s : s + p],
-            is_causal=True, scale=scale, enable_gqa=gqa))
-        if mask is not None:
+            query[:, :, s:s + p], key[:, :, s:s + p], value[:, :, s:s + p], is_causal=True, scale=scale,
+            enable_gqa=gqa))
+        if isinstance(plan, _Stream):
             out.append(F.scaled_dot_product_attention(
-                query[:, :, s + p : e], key[:, :, s:e], value[:, :, s:e],
-                attn_mask=mask, scale=scale, enable_gqa=gqa))
+                query[:, :, s + p:e], key[:, :, s:e], value[:, :, s:e], attn_mask=plan.mask, scale=scale,
+                enable_gqa=gqa))
+        elif isinstance(plan, _Batched):
+            out.append(_batched(query, key, value, s, p, plan, scale, gqa))
     return torch.cat(out, dim=2)
+
+
+def _batched(query, key, value, s, p, plan: _Batched, scale, gqa) -> torch.Tensor:
+    n, r_max = plan.own_index.shape
+    idx = plan.own_index.flatten()
+
+    def rows(x):                                   # [1, h, T, d] -> [n, h, R_max, d]
+        return x[0][:, idx].unflatten(1, (n, r_max)).transpose(0, 1)
+
+    def with_prompt(x):                            # [n, h, P + R_max, d]
+        prompt = x[0][:, s:s + p].unsqueeze(0).expand(n, -1, -1, -1)
+        return torch.cat([prompt, rows(x)], dim=2)
+
+    o = F.scaled_dot_product_attention(rows(query), with_prompt(key), with_prompt(value), attn_mask=plan.mask,
+                                       scale=scale, enable_gqa=gqa)               # [n, H, R_max, d]
+    return o.transpose(0, 1).flatten(1, 2)[:, plan.valid].unsqueeze(0)           # [1, H, Sum(R), d]
