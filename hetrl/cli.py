@@ -35,7 +35,8 @@ def _bench_dualkv(args) -> int:
             json.dump(result, f, indent=2)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(text)
-        print(f"wrote {args.out}/{name}.json and .md")
+        dualkv_grid.plot(result, os.path.join(args.out, f"{name}.png"))
+        print(f"wrote {args.out}/{name}.json, .md and .png")
     return 0
 
 

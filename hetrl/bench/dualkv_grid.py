@@ -284,6 +284,31 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(res: dict, path: str) -> None:
+    """Measured update speedup over `packed` and `padded` against the FLOP ratio, with the y = x ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    x = [r["flop_ratio"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for base, marker in (("packed", "o"), ("padded", "s")):
+        ax.scatter(x, [r["update_s"][base] / r["update_s"]["dualkv"] for r in rows], marker=marker,
+                   label=f"update speedup over {base}")
+    top = max(x + [1.0]) * 1.1
+    ax.plot([1, top], [1, top], "k--", lw=1, label="FLOP ratio (ceiling)")
+    ax.plot([1, top], [0.8, 0.8 * top], ":", color="gray", lw=1, label="0.8 x FLOP ratio")
+    ax.set_xlabel("FLOP ratio (standard / shared-prompt)")
+    ax.set_ylabel("measured speedup")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]))
