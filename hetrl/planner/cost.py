@@ -24,7 +24,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from .plan import Group, Parallelism, Plan, check_structure, workload_tasks
+from .plan import Group, Parallelism, Plan, check_structure
 from .spec import INTRA_REGION_LATENCY_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
 
 MFU_TRAIN = 0.45     # Megatron-style 3D parallelism on A100/H100: 35-55% (peers_schedulers.md §6.1)
@@ -330,4 +330,4 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak)
 
 
-__all__ = ["Estimate", "estimate", "slowest_link", "workload_tasks"]
+__all__ = ["Estimate", "estimate", "slowest_link"]

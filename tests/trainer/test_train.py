@@ -7,7 +7,6 @@ import os
 import pathlib
 import signal
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
