@@ -267,6 +267,36 @@ def _transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
     return lat + nbytes / bw
 
 
+def sample_bytes(w: WorkloadSpec) -> float:
+    """Bytes of one iteration's samples moved from the generation group to another group."""
+    return w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
+
+
+def weight_sync_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group, gen: Group, colocated: bool) -> float:
+    """Actor weights from training to generation: a local reshard when they share a group, else over the network."""
+    if colocated:
+        hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in gen.gpus)
+        return w.actor.params * BYTES / (hbm * HBM_EFF) / len(gen.gpus)
+    return _transfer_s(cluster, train, gen, w.actor.params * BYTES)
+
+
+def aggregate(mode: str, groups: list[dict[str, float]], transfer: float, sync: float) -> tuple[float, list[str]]:
+    """Iteration seconds from each group's task seconds -> (total, tasks on the critical path).
+
+    sync: generation, then the inference phase, then the training phase, then weight sync; inside a phase
+    colocated tasks add up and groups run side by side. async: generation overlaps the rest, so the
+    busiest group sets the pace unless moving samples or weights takes even longer."""
+    if mode == "sync":
+        def phase(kind):
+            return max(((sum(s for t, s in g.items() if t in kind), [t for t in g if t in kind]) for g in groups),
+                       key=lambda x: x[0])
+        (t_inf, inf), (t_train, train) = phase(INFER_TASKS), phase(TRAIN_TASKS)
+        gen = next(g["actor_gen"] for g in groups if "actor_gen" in g)
+        return gen + transfer + t_inf + t_train + sync, ["actor_gen", *inf, *train]
+    busiest = max(groups, key=lambda g: sum(g.values()))
+    return max(sum(busiest.values()), transfer, sync), list(busiest)
+
+
 def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     """Predicted seconds per iteration of `plan`, with its breakdown; infeasible plans say why."""
     check_structure(plan, cluster, w)
@@ -284,50 +314,21 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
             if math.isinf(costs[task].seconds):
                 return Estimate(False, f"{task}: not even one sequence's KV cache fits next to the resident "
                                        "weights and optimizer states", memory_bytes=peak)
-    gen_group = plan.group_of("actor_gen")
-    train_group = plan.group_of("actor_train")
-    sample_bytes = w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
-    transfer = max([_transfer_s(cluster, gen_group, g, sample_bytes) for g in plan.groups], default=0.0)
-    actor_bytes = w.actor.params * BYTES
-    if gen_group is train_group:
-        sync = actor_bytes / (min(cluster.gpus[i].type.hbm_bytes_per_s for i in gen_group.gpus) * HBM_EFF) \
-            / len(gen_group.gpus)
-    else:
-        sync = _transfer_s(cluster, train_group, gen_group, actor_bytes)
-
-    def phase(tasks):
-        """Tasks of one phase: colocated ones add up, groups run side by side; -> (seconds, critical tasks)."""
-        best = (0.0, [])
-        for g in plan.groups:
-            mine = [t for t in g.tasks if t in tasks]
-            s = sum(costs[t].seconds for t in mine)
-            if s > best[0]:
-                best = (s, mine)
-        return best
-
+    gen_group, train_group = plan.group_of("actor_gen"), plan.group_of("actor_train")
+    transfer = max([_transfer_s(cluster, gen_group, g, sample_bytes(w)) for g in plan.groups if g is not gen_group],
+                   default=0.0)
+    sync = weight_sync_s(cluster, w, train_group, gen_group, gen_group is train_group)
+    total, critical = aggregate(w.mode, [{t: costs[t].seconds for t in g.tasks} for g in plan.groups], transfer, sync)
     breakdown: dict[str, float] = {}
-
-    def add(tasks):
-        for t in tasks:
-            for k, v in costs[t].terms.items():
-                breakdown[k] = breakdown.get(k, 0.0) + v
-
-    if w.mode == "sync":
-        t_gen = costs["actor_gen"].seconds
-        t_inf, inf_tasks = phase(INFER_TASKS)
-        t_train, train_tasks = phase(TRAIN_TASKS)
-        add(["actor_gen", *inf_tasks, *train_tasks])
-        total = t_gen + transfer + t_inf + t_train + sync
-    else:
-        busy = {id(g): sum(costs[t].seconds for t in g.tasks) for g in plan.groups}
-        critical = max(plan.groups, key=lambda g: busy[id(g)])
-        add(critical.tasks)
-        # async overlaps transfer and weight sync with work; only the excess is on the critical path
-        transfer, sync = max(0.0, transfer - busy[id(critical)]), max(0.0, sync - busy[id(critical)])
-        total = busy[id(critical)] + max(transfer, sync)
+    for t in critical:
+        for k, v in costs[t].terms.items():
+            breakdown[k] = breakdown.get(k, 0.0) + v
+    if w.mode == "async":   # overlapped with work: only what exceeds the busiest group is on the critical path
+        busy = sum(costs[t].seconds for t in critical)
+        transfer, sync = max(0.0, transfer - busy), max(0.0, sync - busy)
     breakdown["transfer"] = transfer
     breakdown["weight_sync"] = sync
     return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak)
 
 
-__all__ = ["Estimate", "estimate", "slowest_link"]
+__all__ = ["Estimate", "aggregate", "estimate", "sample_bytes", "slowest_link", "weight_sync_s"]

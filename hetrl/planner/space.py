@@ -20,8 +20,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .cost import (ROLE_OF, TRAIN_TASKS, _dense_pass, _generation, _memory, _transfer_s, INFER_TASKS,
-                   HBM_EFF, BYTES, SAMPLE_BYTES_PER_TOKEN)
+from .cost import (ROLE_OF, TRAIN_TASKS, _dense_pass, _generation, _memory, _transfer_s, aggregate, sample_bytes,
+                   weight_sync_s)
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
 from .spec import ClusterSpec, Node, WorkloadSpec
 
@@ -80,12 +80,19 @@ def pools(cluster: ClusterSpec) -> tuple[Pool, ...]:
     return tuple(Pool(tuple(ns), 1 if fine else ns[0].count) for ns in by_kind.values())
 
 
+@functools.lru_cache(maxsize=64)
+def _pool_gpu_ids(cluster: ClusterSpec) -> tuple[tuple[int, ...], ...]:
+    by_node: dict[str, list[int]] = {}
+    for g in cluster.gpus:
+        by_node.setdefault(g.node, []).append(g.id)
+    return tuple(tuple(i for n in pool.nodes for i in by_node[n.name]) for pool in pools(cluster))
+
+
 def gpu_ids(cluster: ClusterSpec, counts: tuple[int, ...], offsets: list[int] | None = None) -> tuple[int, ...]:
     """GPU ids for counts[k] steps of pool k (node-major), after `offsets[k]` GPUs already handed out."""
     ids = []
-    for k, (pool, c) in enumerate(zip(pools(cluster), counts)):
+    for k, (pool, c, flat) in enumerate(zip(pools(cluster), counts, _pool_gpu_ids(cluster))):
         start = offsets[k] if offsets else 0
-        flat = [g.id for n in pool.nodes for g in cluster.gpus if g.node == n.name]
         ids += flat[start:start + c * pool.step]
         if offsets is not None:
             offsets[k] = start + c * pool.step
@@ -155,10 +162,7 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
         if not why:
             seconds = tuple((t, _task_seconds(cluster, w, group, t)) for t in tasks)
             if all(math.isfinite(s) for _, s in seconds):
-                local = 0.0
-                if "actor_gen" in tasks and "actor_train" in tasks:
-                    hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in gpus)
-                    local = w.actor.params * BYTES / (hbm * HBM_EFF) / n
+                local = weight_sync_s(cluster, w, group, group, True) if {"actor_gen", "actor_train"} <= set(tasks) else 0.0
                 return GroupConfig(tasks, counts, group.parallelism, seconds, local)
         # shard the task holding the most memory further (next option with a smaller per-GPU share)
         heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
@@ -191,14 +195,15 @@ def _sig_group(cluster, counts) -> Group:
     return Group((), gpu_ids(cluster, counts), ())
 
 
+@functools.lru_cache(maxsize=200_000)
 def transfer_s(cluster, w, a: tuple[int, ...], b: tuple[int, ...]) -> float:
     """Samples from the generation group (counts a) to another group (counts b)."""
-    nbytes = w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
-    return _transfer_s(cluster, _sig_group(cluster, a), _sig_group(cluster, b), nbytes)
+    return _transfer_s(cluster, _sig_group(cluster, a), _sig_group(cluster, b), sample_bytes(w))
 
 
+@functools.lru_cache(maxsize=200_000)
 def sync_s(cluster, w, train: tuple[int, ...], gen: tuple[int, ...]) -> float:
-    return _transfer_s(cluster, _sig_group(cluster, train), _sig_group(cluster, gen), w.actor.params * BYTES)
+    return weight_sync_s(cluster, w, _sig_group(cluster, train), _sig_group(cluster, gen), False)
 
 
 def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
@@ -207,10 +212,7 @@ def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
     train = next(c for c in configs if "actor_train" in c.tasks)
     transfer = max([transfer_s(cluster, w, gen.counts, c.counts) for c in configs if c is not gen], default=0.0)
     sync = gen.local_sync_s if gen is train else sync_s(cluster, w, train.counts, gen.counts)
-    if w.mode == "sync":
-        return (gen.time(("actor_gen",)) + transfer + max(c.time(INFER_TASKS) for c in configs)
-                + max(c.time(TRAIN_TASKS) for c in configs) + sync)
-    return max(max(c.time(c.tasks) for c in configs), transfer, sync)
+    return aggregate(w.mode, [dict(c.seconds) for c in configs], transfer, sync)[0]
 
 
 def build_plan(cluster: ClusterSpec, configs: list[GroupConfig]) -> Plan:
