@@ -88,12 +88,12 @@ def sample_responses(model, tokenizer, prompt: list[int], n: int, max_new_tokens
     return responses
 
 
-def _median_times(fns: dict, repeats: int, desc: str) -> dict:
+def median_times(fns: dict, repeats: int, desc: str | None = None) -> dict:
     """Run each fn once to warm up, then `repeats` rounds interleaved; median seconds per fn."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()
-    for _ in tqdm(range(repeats), desc=desc, unit="round"):
+    for _ in tqdm(range(repeats), desc=desc, unit="round", disable=desc is None):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
@@ -125,9 +125,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 shared_prompt_logprobs(model, batch, impl=impl)
         return step
 
-    update_s = _median_times({"standard": update("reference"), "dualkv": update("sdpa")}, cfg.repeats,
+    update_s = median_times({"standard": update("reference"), "dualkv": update("sdpa")}, cfg.repeats,
                              "update fwd+bwd")
-    logprob_s = _median_times({"standard": logprob("reference"), "dualkv": logprob("sdpa")}, cfg.repeats,
+    logprob_s = median_times({"standard": logprob("reference"), "dualkv": logprob("sdpa")}, cfg.repeats,
                               "log-prob pass")
     return DemoResult(
         machine=machine_info(), config=asdict(cfg), prompt_tokens=len(prompt),

@@ -20,10 +20,8 @@ from __future__ import annotations
 import contextvars
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,7 +30,7 @@ from tqdm import tqdm
 from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.dualkv import machine_info
+from hetrl.bench.dualkv import machine_info, median_times
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 
 VARIANTS = ("padded", "packed", "prefix_grouper", "dualkv", "reference")
@@ -172,18 +170,6 @@ def update_step(fn, advantages):
     loss.backward()
 
 
-def _median(fns: dict, repeats: int) -> dict:
-    times = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def measure_times(model, case: Case, repeats: int) -> dict:
     prompt, responses = make_group(case, model.config.vocab_size)
     adv = torch.repeat_interleave(torch.randn(case.n, generator=torch.Generator().manual_seed(1)), case.r)
@@ -212,8 +198,8 @@ def measure_times(model, case: Case, repeats: int) -> dict:
     with torch.no_grad():
         ref = fns["reference"]()
         max_diff = {v: (fn() - ref).abs().max().item() for v, fn in fns.items()}
-    update = _median({v: upd(fn) for v, fn in fns.items()}, repeats)
-    logprob = _median({v: lp(fn) for v, fn in fns.items()}, repeats)
+    update = median_times({v: upd(fn) for v, fn in fns.items()}, repeats)
+    logprob = median_times({v: lp(fn) for v, fn in fns.items()}, repeats)
     return {"update_s": update, "logprob_s": logprob, "errors": errors, "max_abs_logprob_diff": max_diff}
 
 
