@@ -50,6 +50,11 @@ def _train(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"hetrl train: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the Ray executor lost a learner (or every rollout actor): it says how to resume
+        if type(e).__name__ != "LearnerFailed" and "rollout actor" not in str(e):
+            raise
+        print(f"hetrl train: {e}", file=sys.stderr)
+        return 1
     return 130 if result.get("interrupted") else 0
 
 

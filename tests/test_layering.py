@@ -31,3 +31,8 @@ def test_one_way_imports(package):
     loaded = _modules_loaded_by(package)
     bad = {m for m in loaded for f in FORBIDDEN[package] if m == f or m.startswith(f + ".")}
     assert not bad, f"{package} imports {sorted(bad)}"
+
+
+def test_the_local_trainer_does_not_load_ray():
+    """`hetrl train` with the default local executor should not pay for importing Ray."""
+    assert not {m for m in _modules_loaded_by("hetrl.trainer.loop") if m == "ray" or m.startswith("ray.")}

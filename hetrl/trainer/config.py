@@ -19,6 +19,8 @@ from hetrl.algo.losses import LOSS_AGGREGATIONS
 ALGORITHMS = ("grpo", "dapo")
 REWARDS = ("verifier", "partial", "math_verify")
 DTYPES = ("float32", "bfloat16", "float64")
+EXECUTORS = ("local", "ray")
+MODES = ("sync", "async")
 
 # 2-term + and - with numbers up to 99: SmolLM2-135M answers 13% of these right within 16 tokens
 # (greedy), mostly because it explains instead of answering; see benchmarks/results/train_default.
@@ -76,6 +78,14 @@ class RunConfig:
     checkpoint_every: int = 8
     out_dir: str = "runs/default"
     seed: int = 0
+    # execution (README "hetrl train on Ray"); the local executor runs every role in this process
+    executor: str = "local"               # local | ray
+    mode: str = "sync"                    # sync | async (generation of step t+1 overlaps the update of step t)
+    max_staleness: int = 1                # async: policy versions a sample may lag the learner by
+    plan: str | None = None               # ray: a plan from `hetrl plan --out` (else planned on the fly)
+    cluster: str | None = None            # ray: the cluster YAML of the running Ray cluster at ray_address
+    emulate_cluster: str | None = None    # ray: start a local Ray that declares this cluster's GPUs
+    ray_address: str = "auto"             # ray with cluster=: the Ray cluster to join
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -116,6 +126,20 @@ class RunConfig:
             raise ValueError(f"DAPO has no KL term, but kl_coef is {self.kl_coef}; set kl_coef=0 or algorithm=grpo")
         if self.memory_limit_gib is not None and (not _number(self.memory_limit_gib) or self.memory_limit_gib <= 0):
             raise ValueError(f"memory_limit_gib must be a number > 0, got {self.memory_limit_gib!r}")
+        _choice("executor", self.executor, EXECUTORS)
+        _choice("mode", self.mode, MODES)
+        _positive_int("max_staleness", self.max_staleness)
+        if self.executor == "local":
+            given = [k for k in ("plan", "cluster", "emulate_cluster") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} place roles on Ray and need executor=ray")
+            if self.mode == "async":
+                raise ValueError("mode=async overlaps generation and the update in separate processes; "
+                                 "it needs executor=ray (e.g. executor=ray emulate_cluster=examples/clusters/cpu-2x2.yaml)")
+        elif (self.cluster is None) == (self.emulate_cluster is None):
+            raise ValueError("executor=ray needs exactly one of cluster=C.yaml (a running Ray cluster at ray_address) "
+                             "or emulate_cluster=C.yaml (a local Ray declaring C's GPUs, e.g. "
+                             "examples/clusters/cpu-2x2.yaml); plan=PLAN.json is optional")
         if not isinstance(self.task_config, dict):
             raise ValueError(f"task_config must be a mapping of reasoning-gym options, got {self.task_config!r}")
 

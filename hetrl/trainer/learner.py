@@ -8,6 +8,7 @@ the concatenated micro-batch outputs. The mini-batch loss is a weighted sum of p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,35 +31,56 @@ class UpdateStats:
     standard_tokens: int
 
 
+def _micro_batches(groups: Groups, micro_batch_tokens: int):
+    return [pack_groups(mb) for mb in split_by_token_budget(groups, micro_batch_tokens)]
+
+
+class Scorer:
+    """No-grad log-probs of sampled responses under a fixed model (the reference, or a rollout worker's
+    behaviour policy), through the same DualKV path as the learner."""
+
+    def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096):
+        self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
+
+    def logprobs(self, groups: Groups) -> torch.Tensor:
+        """[K] log-probs of every response token of `groups`, group by group, response by response."""
+        if not groups:
+            return torch.zeros(0, dtype=self.model.dtype)
+        with torch.no_grad():
+            parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
+                     for b in _micro_batches(groups, self.micro_batch_tokens)]
+        return torch.cat(parts).detach().cpu()
+
+
 class Learner:
+    """The policy update. `grad_sync`, when given, is called on the trainable parameters after the backward
+    passes and before clipping: data-parallel learners all-reduce their gradients there."""
+
     def __init__(self, model, optimizer: torch.optim.Optimizer, *, impl: str = "auto", temperature: float = 1.0,
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
-                 kl_coef: float = 0.0, max_grad_norm: float = 1.0):
+                 kl_coef: float = 0.0, max_grad_norm: float = 1.0,
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None):
         self.model, self.optimizer = model, optimizer
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.clip_low, self.clip_high, self.kl_coef, self.max_grad_norm = clip_low, clip_high, kl_coef, max_grad_norm
+        self.grad_sync = grad_sync
+        self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens)
 
-    def _micro_batches(self, groups: Groups):
-        return [pack_groups(mb) for mb in split_by_token_budget(groups, self.micro_batch_tokens)]
-
-    def logprobs(self, groups: Groups, model=None) -> torch.Tensor:
-        """No-grad log-probs [K] of every response token of `groups` under `model` (default: the policy)."""
-        model = model if model is not None else self.model
-        with torch.no_grad():
-            parts = [shared_prompt_logprobs(model, b, impl=self.impl, temperature=self.temperature)
-                     for b in self._micro_batches(groups)]
-        return torch.cat(parts).detach().cpu()
+    def logprobs(self, groups: Groups) -> torch.Tensor:
+        """No-grad log-probs [K] of every response token of `groups` under the current policy."""
+        return self.scorer.logprobs(groups)
 
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor,
                ref_logp: torch.Tensor | None = None) -> UpdateStats:
-        """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs."""
-        if float(weights.sum()) == 0:  # every response left out (e.g. all overlong): nothing to learn from
+        """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
+        With `grad_sync` this rank takes part even with nothing to learn from (the others wait for it)."""
+        if float(weights.sum()) == 0 and self.grad_sync is None:  # e.g. all overlong: nothing to learn from
             return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict(loss=0.0, policy=0.0, kl=0.0, clip=0.0, entropy=0.0)
         packed = standard = offset = 0
-        for batch in self._micro_batches(groups):
+        for batch in _micro_batches(groups, self.micro_batch_tokens):
             k = batch.labels.numel()
             if k == 0:
                 continue
@@ -86,6 +108,8 @@ class Learner:
             standard += batch.num_standard_tokens
         assert offset == weights.numel(), "micro-batches must cover every response token"
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.grad_sync is not None:
+            self.grad_sync(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -2,12 +2,16 @@
 
 sample N responses per prompt -> verifiable reward -> group-relative advantages -> pack groups
 (DualKV) -> old and reference log-probs -> clipped policy update in `mini_batches` optimizer
-steps -> log. The rollout worker and the learner share one policy in this single-process loop,
-so the weight sync is a no-op; the Ray executor places them apart.
+steps -> weight sync to the rollout workers -> log. Where the roles run is the engine's business:
+`LocalEngine` keeps them in this process on one shared policy (the weight sync is a no-op);
+`hetrl.trainer.ray_executor.RayEngine` places them as Ray actors following a planner plan. In
+async mode (Ray only) the next steps' rollouts are collected in a background thread while the
+learner updates, at most `max_staleness` policy versions behind.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
@@ -16,6 +20,7 @@ import pathlib
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +31,7 @@ from hetrl.algo import group_advantages, token_weights
 from hetrl.models import load_model
 from hetrl.trainer import checkpoint, memory
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import Learner
+from hetrl.trainer.learner import Learner, Scorer
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import RolloutWorker, Sample, chat_prompt_ids
 from hetrl.trainer.tasks import Score, Task
@@ -97,12 +102,17 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
 
 
-def update_policy(cfg: RunConfig, learner: Learner, kept: list[Rollout], reference) -> dict:
-    """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups."""
+def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference) -> dict:
+    """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups.
+    Async: the importance ratio is taken against the behaviour policy that sampled each response (its
+    log-probs come with the samples), not the learner's current weights."""
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
-    old_logp = learner.logprobs(groups)
-    ref_logp = learner.logprobs(groups, reference) if reference is not None else None
+    if cfg.mode == "async":
+        old_logp = torch.cat([s.logprobs for r in kept for s in r.samples])
+    else:
+        old_logp = learner.logprobs(groups)
+    ref_logp = reference.logprobs(groups) if reference is not None else None
     t_update = time.perf_counter()
     stats = []
     for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
@@ -133,6 +143,69 @@ class _StopAfterStep:
         signal.signal(signal.SIGINT, self._previous)
 
 
+class LocalEngine:
+    """Every role in this process: the rollout worker and the learner share one policy (no weight sync)."""
+
+    def __init__(self, cfg: RunConfig, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.reference = (Scorer(copy.deepcopy(model).eval().requires_grad_(False), impl=cfg.impl,
+                                 temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens)
+                          if cfg.kl_coef > 0 else None)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.learner = Learner(model, self.optimizer, impl=cfg.impl, temperature=cfg.temperature,
+                               micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
+                               clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
+        self.worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
+
+    def sync_weights(self, version: int) -> dict:
+        return {}
+
+    def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
+        return checkpoint.save(run_dir, step, self.model, self.tokenizer, self.optimizer, extra, config)
+
+    def load(self, path: pathlib.Path) -> dict:
+        return checkpoint.load(path, self.model, self.optimizer)
+
+    def close(self) -> None:
+        pass
+
+
+class _RolloutStream:
+    """Rollouts step after step. `ahead` = 0: collected when asked (sync). `ahead` = k: up to k further steps
+    are collected in one background thread while the learner works (async); the rollout workers apply each
+    weight sync between generation calls, so a step's samples lag the learner by at most k versions."""
+
+    def __init__(self, collect, next_problem: int, ahead: int, steps_left: int):
+        self.collect, self.next_problem, self.ahead, self.left = collect, next_problem, ahead, steps_left
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if ahead else None
+        self.pending: collections.deque = collections.deque()
+
+    def _job(self):
+        kept, sampled, self.next_problem = self.collect(self.next_problem)
+        return kept, sampled, self.next_problem
+
+    def next(self):
+        """-> (kept, sampled, index of the next unused problem once this step is trained)."""
+        if self.pool is None:
+            return self._job()
+        while self.left and len(self.pending) <= self.ahead:
+            self.pending.append(self.pool.submit(self._job))
+            self.left -= 1
+        return self.pending.popleft().result()
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _engine(cfg: RunConfig, model, tokenizer, prompt_len: int):
+    if cfg.executor == "local":
+        return LocalEngine(cfg, model, tokenizer)
+    from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
+
+    return RayEngine(cfg, model.config, tokenizer, prompt_len)
+
+
 def train(cfg: RunConfig, resume: bool = False) -> dict:
     run_dir = pathlib.Path(cfg.out_dir)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -148,47 +221,58 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
     mem = memory.check_fits(cfg, model, prompt_len, limit)
     log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
-    reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    learner = Learner(model, optimizer, impl=cfg.impl, temperature=cfg.temperature,
-                      micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                      kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
-    worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
+    engine = _engine(cfg, model, tokenizer, prompt_len)
+    del model  # the engine holds what it needs (the Ray engine: only actors)
+    try:
+        return _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, resume)
+    finally:
+        engine.close()
 
-    step, next_problem, before = 0, 0, None
+
+def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, resume) -> dict:
+    step, next_problem, before, version = 0, 0, None, 0
     if resume:
         ckpt = checkpoint.latest(run_dir)
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without --resume")
-        state = checkpoint.load(ckpt, model, optimizer)
+        state = engine.load(ckpt)
         step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
+        version = step
         metrics.truncate_after(step)
         evals.truncate_after(step)
         tqdm.write(f"resumed from {ckpt} (step {step})")
     if before is None:
-        before = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / "eval_step_0.jsonl")
+        before = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens, run_dir / "eval_step_0.jsonl")
         evals.write({"step": 0, "eval_accuracy": _mean(before)})
         tqdm.write(f"held-out accuracy before training: {_mean(before):.3f} ({len(before)} problems, greedy)")
 
     def save(at_step):
-        return checkpoint.save(run_dir, at_step, model, tokenizer, optimizer,
-                               {"next_problem": next_problem, "eval_before": before}, cfg.to_dict())
+        return engine.save(run_dir, at_step, {"next_problem": next_problem, "eval_before": before}, cfg.to_dict())
 
+    stream = _RolloutStream(lambda start: collect_rollouts(cfg, task, engine.worker, tokenizer, start), next_problem,
+                            cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     with _StopAfterStep() as stop:
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
-            kept, sampled, next_problem = collect_rollouts(cfg, task, worker, tokenizer, next_problem)
-            t_gen = time.perf_counter() - t0
+            kept, sampled, next_problem = stream.next()
+            t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
             row = {"step": step + 1, **_rollout_stats(sampled, kept), "gen_s": t_gen}
+            versions = [s.version for r in kept for s in r.samples if s.version is not None]
+            if versions:
+                row["staleness"] = version - min(versions)
+                assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
             if kept:
-                row |= update_policy(cfg, learner, kept, reference)
+                row |= update_policy(cfg, engine.learner, kept, engine.reference)
+                version += 1
+                row |= engine.sync_weights(version)
             step += 1
             row["step_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
             metrics.write(row)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                correct = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
+                correct = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens,
+                                   run_dir / f"eval_step_{step}.jsonl")
                 evals.write({"step": step, "eval_accuracy": _mean(correct)})
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 save(step)
@@ -196,11 +280,12 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}",
                             tok_s=f"{row['tokens_per_s']:.0f}")
     bar.close()
+    stream.close()
     if stop.requested and step < cfg.steps:
         tqdm.write(f"stopped at step {step}; continue with: hetrl train ... out_dir={cfg.out_dir} --resume")
         return {"stopped_at_step": step, "interrupted": True}
 
-    after = evaluate(task, worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
+    after = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
     evals.write({"step": step, "eval_accuracy": _mean(after)})
     final = save(step)
     rows = metrics.read()

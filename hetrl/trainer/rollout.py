@@ -7,7 +7,7 @@ hit `max_new_tokens` without EOS is marked truncated (DAPO's overlong filter dro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,10 @@ class Sample:
     tokens: list[int]
     text: str
     truncated: bool
+    # Set by the Ray executor: the policy version that sampled it and, in async mode, its tokens' log-probs
+    # under that (behaviour) policy, which the importance ratio is taken against.
+    version: int | None = None
+    logprobs: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

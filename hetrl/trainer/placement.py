@@ -1,0 +1,96 @@
+"""From a planner plan to the Ray actors of `hetrl train executor=ray`: which role, how many replicas, what
+each one asks Ray for. Pure Python over the planner's types (no Ray, no torch), so it is tested alone.
+
+Roles: `rollout` runs actor_gen; `learner` runs actor_train and its bound actor_infer (old log-probs);
+`reference` runs ref_infer. One actor per data-parallel replica; replica r of a task with degrees
+(tp, pp, dp) owns the group's GPUs [r*tp*pp, (r+1)*tp*pp) (the plan's shard order). A GPU is a Ray
+custom resource named after its cluster node (`hetrl-node:<node>`, one unit per GPU), so the same
+request works on a real cluster (each node started with its resource) and on one CPU machine that
+declares all of them (`emulate_cluster=`). Roles in one task group time-share its GPUs, as in the
+plan, so each asks for an equal fraction of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from hetrl.planner import ClusterSpec, Plan, WorkloadSpec
+from hetrl.planner.spec import ModelSpec, TokenLengths
+
+ROLE_OF_TASK = {"actor_gen": "rollout", "actor_train": "learner", "ref_infer": "reference"}
+NODE_RESOURCE = "hetrl-node:{}"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One Ray actor: a data-parallel replica of a role on its GPUs."""
+
+    role: str
+    rank: int
+    replicas: int
+    gpus: tuple[str, ...]                 # `<node>:<index>` names from the plan
+    resources: tuple[tuple[str, float], ...]   # Ray custom resources this actor requests
+    sharded: bool                         # tp * pp > 1 in the plan (the executor runs the replica unsharded)
+
+    @property
+    def name(self) -> str:
+        return f"hetrl-{self.role}-{self.rank}"
+
+    @property
+    def gpu_share(self) -> float:
+        return sum(v for _, v in self.resources)
+
+
+def node_resources(cluster: ClusterSpec) -> dict[str, float]:
+    """The custom resources a (real or emulated) cluster declares: one unit per GPU of each node."""
+    return {NODE_RESOURCE.format(n.name): float(n.count) for n in cluster.nodes}
+
+
+def replicas(plan: Plan, cluster: ClusterSpec, *, single_node: bool) -> list[Replica]:
+    """Every actor the plan asks for. `single_node`: all node resources live on one Ray node (emulation),
+    so a replica may span cluster nodes; on a real cluster it may not (one actor is one process)."""
+    out = []
+    for group in plan.groups:
+        roles = [t for t in group.tasks if t in ROLE_OF_TASK]
+        share = 1.0 / len(roles) if roles else 1.0
+        for task in roles:
+            par = group.par(task)
+            width = par.tp * par.pp
+            for r in range(par.dp):
+                gpus = [cluster.gpus[i] for i in group.gpus[r * width:(r + 1) * width]]
+                per_node = Counter(g.node for g in gpus)
+                if len(per_node) > 1 and not single_node:
+                    raise ValueError(
+                        f"{task} replica {r} spans nodes {sorted(per_node)} (tp={par.tp}, pp={par.pp}); the Ray "
+                        "executor runs a replica as one process on one node. Plan with GPUs per node >= tp*pp "
+                        "or use a plan whose replicas stay within a node")
+                res = tuple((NODE_RESOURCE.format(node), _floor4(k * share)) for node, k in sorted(per_node.items()))
+                out.append(Replica(ROLE_OF_TASK[task], r, par.dp, tuple(g.name for g in gpus), res, width > 1))
+    return out
+
+
+def _floor4(x: float) -> float:
+    """Ray keeps fractional resources to 1e-4; round down so that shares of one GPU never add above 1."""
+    return math.floor(x * 10_000) / 10_000
+
+
+def model_spec_from_hf(config, name: str = "run") -> ModelSpec:
+    """Architecture numbers of a Hugging Face causal-LM config, as the planner reads them."""
+    heads = config.num_attention_heads
+    return ModelSpec(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+                     kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                     head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                     intermediate=config.intermediate_size, vocab=config.vocab_size,
+                     tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), name=name)
+
+
+def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths) -> WorkloadSpec:
+    """The planner workload of a `hetrl train` run: its model, batch and lengths; a reference model only when
+    the KL term needs one; rewards are verifiers (no reward model)."""
+    return WorkloadSpec(
+        algorithm=cfg.algorithm, mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
+        reward=None, critic=None, prompts_per_step=cfg.prompts_per_step,
+        responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
+        response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True)

@@ -1,0 +1,446 @@
+"""Ray executor: the roles of `hetrl train` as Ray actors, placed as a planner plan says.
+
+The roles stay the plain classes of hetrl.trainer (RolloutWorker, Learner, Scorer); the actors
+below are thin wrappers made at placement time, and the driver-side pools give the loop the same
+`generate` / `logprobs` / `update` calls as the local engine. What only Ray gives:
+- placement: each actor requests its plan GPUs as node resources (placement.py);
+- data-parallel learners: torch.distributed (gloo on CPU, NCCL on GPUs), gradients all-reduced
+  before clipping, groups assigned whole to ranks, balanced by packed tokens;
+- weight sync: learner rank 0 returns its weights into the object store once per version; every
+  rollout actor reads that object (Ray moves one copy per node) between generation calls;
+- faults: a rollout actor that dies is restarted by Ray and its chunk of prompts re-queued
+  (chunks are seeded by position, so the re-run draws the same samples); a learner that dies
+  stops the run with the last checkpoint intact and says how to resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import pathlib
+import socket
+import threading
+import time
+import warnings
+from datetime import timedelta
+
+import numpy as np
+import ray
+import torch
+
+from hetrl.planner import load_cluster, plan as plan_search, plan_from_dict
+from hetrl.planner.spec import TokenLengths
+from hetrl.trainer import checkpoint
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.learner import Learner, Scorer, UpdateStats
+from hetrl.trainer.placement import Replica, model_spec_from_hf, node_resources, replicas, run_workload
+from hetrl.trainer.rollout import RolloutWorker, Sample
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+ROLLOUT_RESTARTS = 3
+
+
+class LearnerFailed(RuntimeError):
+    """A learner actor died: the run stops; the message says where the last checkpoint is and how to resume."""
+
+
+# ------------------------------------------------------------------------------------------ weights over Ray
+
+
+def weights_to_numpy(model) -> dict[str, np.ndarray]:
+    """State dict as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().cpu()
+        out[k] = v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy()
+    return out
+
+
+def load_numpy_weights(model, weights: dict[str, np.ndarray]) -> None:
+    state = model.state_dict()
+    with torch.no_grad(), warnings.catch_warnings():
+        # object-store arrays are read-only; they are only read here (copied into the parameters)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for k, arr in weights.items():
+            t = torch.from_numpy(arr)
+            state[k].copy_(t.view(torch.bfloat16) if state[k].dtype == torch.bfloat16 else t)
+
+
+def _setup(cfg: RunConfig, threads: int):
+    """Actor start-up: thread count, then the policy and tokenizer (on the actor's GPU when Ray gave one)."""
+    from hetrl.models import load_model
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    if ray.get_gpu_ids():
+        model = model.to("cuda")
+    return model, tokenizer
+
+
+def _whereabouts() -> dict:
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "resources": ctx.get_assigned_resources(),
+            "actor_id": ctx.get_actor_id()}
+
+
+# ------------------------------------------------------------------------------------------ actors (thin)
+
+
+class RolloutActor:
+    def __init__(self, cfg: RunConfig, threads: int, behaviour_logprobs: bool):
+        model, tokenizer = _setup(cfg, threads)
+        self.worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
+        self.scorer = (Scorer(model, impl=cfg.impl, temperature=cfg.temperature,
+                              micro_batch_tokens=cfg.micro_batch_tokens) if behaviour_logprobs else None)
+        self.version = 0
+
+    def whereabouts(self) -> dict:
+        return _whereabouts()
+
+    def load_weights(self, boxed_ref: list, version: int) -> float:
+        """Fetch version `version` (boxed so that the fetch is timed here) and load it; -> seconds."""
+        t0 = time.perf_counter()
+        load_numpy_weights(self.worker.model, ray.get(boxed_ref[0]))
+        self.version = version
+        return time.perf_counter() - t0
+
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seed):
+        torch.manual_seed(seed)
+        out = self.worker.generate(prompts, n, max_new_tokens, temperature, top_p, greedy)
+        if self.scorer is not None and not greedy:
+            logp = self.scorer.logprobs([(p, [s.tokens for s in group]) for p, group in zip(prompts, out)])
+            parts = iter(torch.split(logp, [len(s.tokens) for group in out for s in group]))
+            out = [[Sample(s.tokens, s.text, s.truncated, self.version, next(parts)) for s in g] for g in out]
+        else:
+            out = [[Sample(s.tokens, s.text, s.truncated, self.version) for s in g] for g in out]
+        return out
+
+
+class ReferenceActor:
+    def __init__(self, cfg: RunConfig, threads: int):
+        model, _ = _setup(cfg, threads)
+        self.scorer = Scorer(model.eval().requires_grad_(False), impl=cfg.impl, temperature=cfg.temperature,
+                             micro_batch_tokens=cfg.micro_batch_tokens)
+
+    def whereabouts(self) -> dict:
+        return _whereabouts()
+
+    def logprobs(self, groups):
+        return self.scorer.logprobs(groups)
+
+
+class LearnerActor:
+    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int):
+        self.model, self.tokenizer = _setup(cfg, threads)
+        self.rank, self.world = rank, world
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.learner = Learner(self.model, self.optimizer, impl=cfg.impl, temperature=cfg.temperature,
+                               micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
+                               clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm,
+                               grad_sync=allreduce_grads if world > 1 else None)
+
+    def whereabouts(self) -> dict:
+        return _whereabouts()
+
+    def rendezvous(self) -> str:
+        """Rank 0: a free TCP address for torch.distributed's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def init_process_group(self, address: str) -> None:
+        backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
+        torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
+                                             timeout=timedelta(minutes=10))
+        for p in self.model.parameters():  # identical start even if a rank's initialisation differed
+            torch.distributed.broadcast(p.data, src=0)
+
+    def logprobs(self, groups):
+        return self.learner.logprobs(groups)
+
+    def update(self, groups, advantages, weights, old_logp, ref_logp):
+        return self.learner.update(groups, advantages, weights, old_logp, ref_logp)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return weights_to_numpy(self.model)
+
+    def save(self, run_dir: str, step: int, extra: dict, config: dict) -> str:
+        return str(checkpoint.save(pathlib.Path(run_dir), step, self.model, self.tokenizer, self.optimizer, extra,
+                                   config))
+
+    def load(self, path: str) -> dict:
+        state = checkpoint.load(pathlib.Path(path), self.model, self.optimizer)
+        return {k: v for k, v in state.items() if k not in ("optimizer", "rng")}
+
+
+def allreduce_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum every gradient over the data-parallel ranks. A parameter this rank did not touch gets a zero
+    gradient first, so AdamW steps every parameter on every rank and the replicas stay identical."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.distributed.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+# ------------------------------------------------------------------------------------------ driver-side pools
+
+
+def assign_groups(sizes: list[int], ranks: int) -> list[list[int]]:
+    """Whole groups to ranks, largest first onto the least-loaded rank (token balance); each rank's groups keep
+    their input order. sizes: packed tokens per group."""
+    load, out = [0] * ranks, [[] for _ in range(ranks)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        load[r] += sizes[i]
+        out[r].append(i)
+    return [sorted(x) for x in out]
+
+
+def _group_tokens(groups) -> list[int]:
+    return [sum(len(r) for r in resps) for _, resps in groups]
+
+
+def _packed_sizes(groups) -> list[int]:
+    return [len(p) + sum(len(r) for r in resps) for p, resps in groups]
+
+
+def _rank_tokens(groups, parts) -> list[torch.Tensor]:
+    """For each rank, the indices of its groups' response tokens in the [K] order of all groups."""
+    sizes = _group_tokens(groups)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in part] or
+                                            [np.zeros(0, dtype=int)])).long() for part in parts]
+
+
+def _call(handles, method: str, *args_per_handle):
+    return [getattr(h, method).remote(*args) for h, args in zip(handles, zip(*args_per_handle))]
+
+
+class ShardedScorer:
+    """Log-probs of groups spread over data-parallel actors (learners or references), reassembled in order."""
+
+    def __init__(self, actors, on_failure=None):
+        self.actors, self.on_failure = actors, on_failure
+
+    def logprobs(self, groups) -> torch.Tensor:
+        parts = assign_groups(_packed_sizes(groups), len(self.actors))
+        results = self._get(_call(self.actors, "logprobs", [[groups[i] for i in part] for part in parts]))
+        out = torch.empty(sum(_group_tokens(groups)), dtype=results[0].dtype)
+        for idx, res in zip(_rank_tokens(groups, parts), results):
+            out[idx] = res
+        return out
+
+    def _get(self, refs):
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            if self.on_failure is None:
+                raise
+            raise self.on_failure(e) from e
+
+
+class LearnerGroup(ShardedScorer):
+    """Data-parallel learners behind the Learner interface: one optimizer step = every rank's update on its
+    share of the groups, gradients summed across ranks (the loss weights are global, so the sum is the
+    single-learner gradient)."""
+
+    def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
+        if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
+            return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+        parts = assign_groups(_packed_sizes(groups), len(self.actors))
+        idx = _rank_tokens(groups, parts)
+        args = [[groups[i] for i in part] for part in parts]
+        stats = self._get(_call(self.actors, "update", args, [advantages[i] for i in idx], [weights[i] for i in idx],
+                                [old_logp[i] for i in idx], [None if ref_logp is None else ref_logp[i] for i in idx]))
+        return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
+                           kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
+                           entropy=sum(s.entropy for s in stats), grad_norm=max(s.grad_norm for s in stats),
+                           packed_tokens=sum(s.packed_tokens for s in stats),
+                           standard_tokens=sum(s.standard_tokens for s in stats))
+
+
+class RolloutPool:
+    """`generate` like RolloutWorker, spread over rollout actors in chunks of prompts. Each chunk is seeded by
+    (seed, call, position), so which actor runs it does not change its samples. A chunk whose actor died is
+    re-queued; Ray restarts the actor (up to ROLLOUT_RESTARTS times), which then gets the latest weights
+    before its next chunk. Calls from two threads (async rollouts, evaluation) take turns."""
+
+    def __init__(self, actors, batch_size: int, seed: int):
+        self.actors, self.batch_size, self.seed = list(actors), batch_size, seed
+        self.calls, self.failures = 0, 0
+        self.failures_of = collections.Counter()
+        self.latest: tuple[list, int] | None = None    # ([weights ref], version), kept alive here
+        self.stale: set[int] = set()
+        self.lock = threading.Lock()
+        self.in_flight: dict = {}
+
+    def push_weights(self, ref, version: int) -> list:
+        """Queue version `version` on every actor (applied between generation calls); -> futures of seconds."""
+        self.latest = ([ref], version)
+        self.stale.clear()
+        return [a.load_weights.remote([ref], version) for a in self.actors]
+
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        with self.lock:
+            self.calls += 1
+            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(prompts) / len(self.actors))))
+            queue = collections.deque(range(0, len(prompts), per_chunk))
+            results: dict[int, list] = {}
+            idle = collections.deque(a for a in range(len(self.actors)) if self.failures_of[a] <= ROLLOUT_RESTARTS)
+            while queue or self.in_flight:
+                while queue and idle:
+                    a, start = idle.popleft(), queue.popleft()
+                    if a in self.stale and self.latest is not None:
+                        self.actors[a].load_weights.remote(*self.latest)
+                        self.stale.discard(a)
+                    seed = hash((self.seed, self.calls, start)) % 2**31
+                    ref = self.actors[a].generate.remote(prompts[start:start + per_chunk], n, max_new_tokens,
+                                                         temperature, top_p, greedy, seed)
+                    self.in_flight[ref] = (a, start)
+                done, _ = ray.wait(list(self.in_flight), num_returns=1)
+                a, start = self.in_flight.pop(done[0])
+                try:
+                    results[start] = ray.get(done[0])
+                except ray.exceptions.RayActorError as e:
+                    self.failures += 1
+                    self.failures_of[a] += 1
+                    log.warning("rollout actor %d died (%s); re-queueing its %d prompts", a, type(e).__name__,
+                                min(per_chunk, len(prompts) - start))
+                    queue.appendleft(start)
+                    self.stale.add(a)
+                    if self.failures_of[a] > ROLLOUT_RESTARTS:  # Ray gives up restarting it after that
+                        if not idle and not self.in_flight:
+                            raise RuntimeError(f"every rollout actor is gone (last error: {e}); the run stops, "
+                                               "its last checkpoint is intact") from e
+                        continue
+                idle.append(a)
+            return [g for start in sorted(results) for g in results[start]]
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+def _remote(cls, replica: Replica, real_gpus: bool, **options):
+    res = dict(replica.resources)
+    gpus = replica.gpu_share if real_gpus else 0
+    return ray.remote(cls).options(name=replica.name, num_cpus=0, num_gpus=gpus, resources=res, **options)
+
+
+class RayEngine:
+    """Starts (or joins) Ray, places the plan's actors, and offers the loop the LocalEngine interface."""
+
+    def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        emulated = cfg.emulate_cluster is not None
+        self.cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
+        workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len))
+        if cfg.plan:
+            import json
+
+            with open(cfg.plan) as f:
+                data = json.load(f)
+            self.plan = plan_from_dict(data.get("plan", data), self.cluster, workload)
+        else:
+            self.plan = plan_search(self.cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan
+        self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
+        for r in self.replicas:
+            if r.sharded:
+                log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
+                            "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
+        self._started = not ray.is_initialized()
+        if self._started:
+            if emulated:
+                ray.init(resources=node_resources(self.cluster), include_dashboard=False,
+                         object_store_memory=1 << 30, configure_logging=False)
+            else:
+                ray.init(address=cfg.ray_address, configure_logging=False)
+        by_role = collections.defaultdict(list)
+        for r in self.replicas:
+            by_role[r.role].append(r)
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(1, len(ray.nodes())))
+        real = not emulated
+        rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
+            cfg, max(1, cpus // len(by_role["rollout"])), cfg.mode == "async") for r in by_role["rollout"]]
+        learners = [_remote(LearnerActor, r, real).remote(cfg, max(1, cpus // len(by_role["learner"])), r.rank,
+                                                          len(by_role["learner"])) for r in by_role["learner"]]
+        references = [_remote(ReferenceActor, r, real).remote(cfg, max(1, cpus // len(by_role["reference"])))
+                      for r in by_role["reference"]] if cfg.kl_coef > 0 else []
+        self.actors = {"rollout": rollouts, "learner": learners, "reference": references}
+        ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started
+        if len(learners) > 1:
+            address = ray.get(learners[0].rendezvous.remote())
+            ray.get([a.init_process_group.remote(address) for a in learners])
+        self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed)
+        self.learner = LearnerGroup(learners, on_failure=self._learner_failed)
+        self.reference = ShardedScorer(references) if references else None
+        self.run_dir, self.step, self.last_checkpoint = None, 0, None
+        self.weight_bytes = None
+        self.pending_sync: list = []
+        self.sync_weights(0)
+
+    def placement(self) -> list[dict]:
+        """Each actor: its replica (role, rank, plan GPUs, requested resources) and where Ray put it."""
+        handles = [a for role in ("rollout", "learner", "reference") for a in self.actors[role]]
+        reps = [r for role in ("rollout", "learner", "reference") for r in self.replicas if r.role == role
+                and (role != "reference" or self.actors["reference"])]
+        where = ray.get([a.whereabouts.remote() for a in handles])
+        return [{"role": r.role, "rank": r.rank, "name": r.name, "gpus": list(r.gpus),
+                 "requested": dict(r.resources), **w} for r, w in zip(reps, where)]
+
+    def sync_weights(self, version: int) -> dict:
+        """Learner rank 0 -> object store -> every rollout actor. Sync mode waits and reports the seconds;
+        async mode does not wait (the actors load between generation calls) and reports the last finished."""
+        t0 = time.perf_counter()
+        ref = self.actors["learner"][0].weights.remote()
+        if self.weight_bytes is None:
+            self.weight_bytes = sum(a.nbytes for a in ray.get(ref).values())
+        futures = self.worker.push_weights(ref, version)
+        out = {"weight_version": version, "weight_sync_bytes": self.weight_bytes}
+        if self.cfg.mode == "sync":
+            load_s = ray.get(futures)
+            out |= {"weight_sync_s": time.perf_counter() - t0, "weight_load_s": max(load_s)}
+        else:
+            finished = [f for f in self.pending_sync if not ray.wait([f], timeout=0)[1]]
+            if finished:
+                out["weight_load_s"] = max(ray.get(finished))
+            self.pending_sync = [f for f in self.pending_sync + futures if f not in finished]
+        out["rollout_failures"] = self.worker.failures
+        return out
+
+    def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
+        self.run_dir = run_dir
+        path = pathlib.Path(self.learner._get([self.actors["learner"][0].save.remote(str(run_dir), step, extra,
+                                                                                    config)])[0])
+        self.last_checkpoint = path
+        return path
+
+    def load(self, path: pathlib.Path) -> dict:
+        states = ray.get([a.load.remote(str(path)) for a in self.actors["learner"]])
+        self.sync_weights(states[0]["step"])
+        return states[0]
+
+    def _learner_failed(self, error) -> LearnerFailed:
+        where = (f"the last checkpoint is {self.last_checkpoint}; continue with: hetrl train ... "
+                 f"out_dir={self.cfg.out_dir} --resume" if self.last_checkpoint else
+                 "no checkpoint was written yet (set checkpoint_every to keep progress); start the run again")
+        return LearnerFailed(f"a learner actor died ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                             f"the run stops: {where}")
+
+    def close(self) -> None:
+        if not ray.is_initialized():
+            return
+        if self._started:
+            ray.shutdown()
+        else:  # a Ray session the caller owns: leave it, free the names
+            for actors in self.actors.values():
+                for a in actors:
+                    ray.kill(a)

@@ -1,0 +1,205 @@
+"""The Ray executor on a local 2-CPU Ray that emulates a 2-node x 2-"GPU" cluster: placement as the plan says
+(read back from Ray's actor table), 2 data-parallel learners == 1 learner (fp64), async within the
+staleness bound, a killed rollout actor loses no sample, a dead learner stops with how to resume."""
+
+import json
+import math
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from hetrl.algo import token_weights  # noqa: E402
+from hetrl.models import load_model  # noqa: E402
+from hetrl.planner import load_cluster, plan_from_dict  # noqa: E402
+from hetrl.planner.spec import TokenLengths  # noqa: E402
+from hetrl.trainer import loop  # noqa: E402
+from hetrl.trainer.config import load_config  # noqa: E402
+from hetrl.trainer.placement import model_spec_from_hf, node_resources, replicas, run_workload  # noqa: E402
+from hetrl.trainer.ray_executor import (LearnerActor, LearnerFailed, LearnerGroup, RayEngine,  # noqa: E402
+                                        RolloutActor, RolloutPool, assign_groups, weights_to_numpy)
+
+ROOT = pathlib.Path(__file__).parents[2]
+TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
+CLUSTER = str(ROOT / "examples" / "clusters" / "cpu-2x2.yaml")
+# Generation on node-a (2 replicas), the learners (2-way data parallel) and the reference on node-b.
+PLAN = {"groups": [
+    {"tasks": ["actor_gen"], "gpus": ["node-a:0", "node-a:1"], "parallelism": {"actor_gen": {"tp": 1, "pp": 1, "dp": 2}}},
+    {"tasks": ["actor_infer", "ref_infer", "actor_train"], "gpus": ["node-b:0", "node-b:1"],
+     "parallelism": {"actor_infer": {"tp": 1, "pp": 1, "dp": 2}, "ref_infer": {"tp": 2, "pp": 1, "dp": 1},
+                     "actor_train": {"tp": 1, "pp": 1, "dp": 2}}}]}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(resources=node_resources(load_cluster(CLUSTER)), include_dashboard=False, num_cpus=2,
+             object_store_memory=512 << 20, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(TINY, ["executor=ray", f"emulate_cluster={CLUSTER}", f"out_dir={tmp_path / 'run'}",
+                              "eval_size=8", *extra])
+
+
+def _groups(seed=0, shapes=((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17]))):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(4, 90, (p,), generator=g).tolist(), [torch.randint(4, 90, (r,), generator=g).tolist()
+                                                                for r in rs]) for p, rs in shapes]
+
+
+def test_replicas_follow_the_plan_groups_and_share_colocated_gpus():
+    cluster = load_cluster(CLUSTER)
+    model, _ = load_model("tiny")
+    cfg = load_config(TINY, [])
+    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0))
+    reps = replicas(plan_from_dict(PLAN, cluster, w), cluster, single_node=False)
+    got = {(r.role, r.rank): (r.gpus, dict(r.resources), r.sharded) for r in reps}
+    assert got == {
+        ("rollout", 0): (("node-a:0",), {"hetrl-node:node-a": 1.0}, False),
+        ("rollout", 1): (("node-a:1",), {"hetrl-node:node-a": 1.0}, False),
+        ("reference", 0): (("node-b:0", "node-b:1"), {"hetrl-node:node-b": 1.0}, True),   # 2 GPUs / 2 roles
+        ("learner", 0): (("node-b:0",), {"hetrl-node:node-b": 0.5}, False),
+        ("learner", 1): (("node-b:1",), {"hetrl-node:node-b": 0.5}, False)}
+    spanning = {"groups": [{**PLAN["groups"][0], "gpus": ["node-a:0", "node-b:0"],
+                            "parallelism": {"actor_gen": {"tp": 2, "pp": 1, "dp": 1}}},
+                           {**PLAN["groups"][1], "gpus": ["node-a:1", "node-b:1"]}]}
+    with pytest.raises(ValueError, match="spans nodes"):
+        replicas(plan_from_dict(spanning, cluster, w), cluster, single_node=False)
+    assert len(replicas(plan_from_dict(spanning, cluster, w), cluster, single_node=True)) == 4  # 1 + 1 + 2
+
+
+def test_groups_go_whole_to_ranks_balanced_by_tokens():
+    assert assign_groups([10, 50, 30, 30], 2) == [[0, 1], [2, 3]]   # 60 tokens each
+    assert assign_groups([5], 3) == [[0], [], []]
+    parts = assign_groups([7, 3, 9, 1, 4, 4], 3)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+
+
+def test_ray_config_is_refused_without_a_cluster_and_async_needs_ray():
+    with pytest.raises(ValueError, match="exactly one of cluster"):
+        load_config(TINY, ["executor=ray"])
+    with pytest.raises(ValueError, match="needs executor=ray"):
+        load_config(TINY, ["mode=async"])
+    with pytest.raises(ValueError, match="need executor=ray"):
+        load_config(TINY, ["plan=p.json"])
+
+
+def test_actors_land_where_the_plan_says(local_ray, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps({"plan": PLAN}))
+    cfg = _cfg(tmp_path, f"plan={plan_path}")
+    model, tokenizer = load_model("tiny")
+    engine = RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+    try:
+        placed = engine.placement()
+        table = {a["Name"]: a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"}
+        assert sorted((p["role"], p["rank"]) for p in placed) == [
+            ("learner", 0), ("learner", 1), ("reference", 0), ("rollout", 0), ("rollout", 1)]
+        for p in placed:
+            row = table[p["name"]]                        # Ray's actor table: alive, same process
+            assert row["Pid"] == p["pid"] and row["Address"]["NodeID"] == p["node_id"]
+            assert p["resources"] == p["requested"]       # holds exactly its plan GPUs' resources
+            node = {"rollout": "node-a", "learner": "node-b", "reference": "node-b"}[p["role"]]
+            assert set(p["resources"]) == {f"hetrl-node:{node}"}
+            assert all(g.startswith(node) for g in p["gpus"])
+    finally:
+        engine.close()
+
+
+def _learner_group(world, cfg):
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world) for r in range(world)]
+    if world > 1:
+        address = ray.get(actors[0].rendezvous.remote())
+        ray.get([a.init_process_group.remote(address) for a in actors])
+    return actors, LearnerGroup(actors)
+
+
+def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
+    groups = _groups()
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    g = torch.Generator().manual_seed(1)
+    advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=g, dtype=torch.float64), lens)
+    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
+    results = {}
+    for world in (1, 2):
+        actors, group = _learner_group(world, cfg)
+        old = group.logprobs(groups)
+        stats = group.update(groups, advantages, weights, old + 0.01, old - 0.05)
+        results[world] = (old, stats, ray.get(actors[0].weights.remote()), ray.get(actors[-1].weights.remote()))
+        for a in actors:
+            ray.kill(a)
+    (old1, s1, w1, _), (old2, s2, w2, w2_last) = results[1], results[2]
+    assert torch.allclose(old1, old2, rtol=0, atol=1e-12)
+    assert math.isclose(s1.loss, s2.loss, rel_tol=1e-9) and math.isclose(s1.grad_norm, s2.grad_norm, rel_tol=1e-8)
+    initial = weights_to_numpy(load_model("tiny", torch.float64, seed=0)[0])
+    for name, p in w1.items():
+        scale = abs(p).max()
+        assert abs(w2[name] - p).max() <= 1e-8 * scale, name
+        assert (w2[name] == w2_last[name]).all(), f"ranks disagree on {name}"
+        assert (p != initial[name]).any(), f"{name} did not move"
+
+
+def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0")
+    summary = loop.train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["staleness"] <= 1 for r in rows) and any(r["staleness"] == 1 for r in rows)
+    assert all(math.isfinite(r["loss"]) for r in rows) and any(r["grad_norm"] > 0 for r in rows)
+    assert rows[0]["staleness"] == 0 and rows[-1]["weight_version"] == 4
+    assert pathlib.Path(summary["checkpoint"]).is_dir()
+
+
+def test_a_killed_rollout_actor_loses_no_sample(local_ray):
+    cfg = load_config(TINY, ["max_new_tokens=24"])
+    actors = [ray.remote(RolloutActor).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(cfg, 1, False)
+              for _ in range(2)]
+    pool = RolloutPool(actors, batch_size=8, seed=0)
+    model, tokenizer = load_model("tiny", seed=0)
+    with torch.no_grad():  # version 1 differs from what a restarted actor loads, so a missed re-sync would show
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ray.get(pool.push_weights(ray.put(weights_to_numpy(model)), 1))
+    prompts = [[5 + i, 6 + i, 7, 8 + i % 3] for i in range(24)]
+    expected = pool.generate(prompts, 4, 24, temperature=1.0)
+
+    def kill_when_busy():
+        while not any(a == 0 for a, _ in pool.in_flight.values()):
+            time.sleep(0.001)
+        ray.kill(actors[0], no_restart=False)
+
+    for _ in range(3):  # a kill that lands between two chunks fails nothing; try again
+        pool.calls = 0
+        killer = threading.Thread(target=kill_when_busy)
+        killer.start()
+        got = pool.generate(prompts, 4, 24, temperature=1.0)
+        killer.join()
+        assert [[s.tokens for s in g] for g in got] == [[s.tokens for s in g] for g in expected]
+        assert all(s.version == 1 for g in got for s in g)
+        if pool.failures:
+            break
+    assert pool.failures >= 1
+    for a in actors:
+        ray.kill(a)
+
+
+def test_a_dead_learner_stops_the_run_and_says_how_to_resume(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "kl_coef=0")
+    model, tokenizer = load_model("tiny")
+    engine = RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+    try:
+        ckpt = engine.save(tmp_path / "run", 0, {"next_problem": 0, "eval_before": []}, cfg.to_dict())
+        ray.kill(engine.actors["learner"][0])
+        with pytest.raises(LearnerFailed, match="--resume") as err:
+            engine.learner.logprobs(_groups())
+        assert str(ckpt) in str(err.value)
+        assert (ckpt / "model.safetensors").is_file()
+    finally:
+        engine.close()
