@@ -43,6 +43,7 @@ def _bench_dualkv(args) -> int:
 def _train(args) -> int:
     from hetrl.trainer.config import load_config
     from hetrl.trainer.loop import train
+    from hetrl.trainer.placement import ExecutorFailure
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -50,9 +51,7 @@ def _train(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"hetrl train: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # the Ray executor lost a learner (or every rollout actor): it says how to resume
-        if type(e).__name__ != "LearnerFailed" and "rollout actor" not in str(e):
-            raise
+    except ExecutorFailure as e:  # the Ray executor lost a learner or every rollout actor: it says how to resume
         print(f"hetrl train: {e}", file=sys.stderr)
         return 1
     return 130 if result.get("interrupted") else 0

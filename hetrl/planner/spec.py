@@ -131,14 +131,11 @@ class Node:
     intra_node: str = "nvlink"    # nvlink | pcie
     network_gbps: float = 100.0
 
-    def __post_init__(self):
-        gpu(self.gpu)
+    def __post_init__(self):  # the GPU type is checked by ClusterSpec, which also knows the cluster's own types
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"node {self.name}: count must be an int >= 1, got {self.count!r}")
         if self.intra_node not in ("nvlink", "pcie"):
             raise ValueError(f"node {self.name}: intra_node must be 'nvlink' or 'pcie', got {self.intra_node!r}")
-        if self.intra_node == "nvlink" and gpu(self.gpu).nvlink_bytes_per_s == 0:
-            raise ValueError(f"node {self.name}: {self.gpu} has no NVLink; set intra_node: pcie")
         if not self.network_gbps > 0:
             raise ValueError(f"node {self.name}: network_gbps must be > 0, got {self.network_gbps!r}")
 
@@ -171,6 +168,7 @@ class ClusterSpec:
     name: str
     nodes: tuple[Node, ...]
     regions: tuple[RegionLink, ...] = ()
+    gpu_types: tuple[GPUType, ...] = ()   # types beyond the catalog (e.g. a CPU that emulates a GPU), with sources
     gpus: tuple[GPU, ...] = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
 
@@ -194,10 +192,25 @@ class ClusterSpec:
         if missing:
             raise ValueError(f"cluster {self.name}: no region link between {missing}; add "
                              "{between: [a, b], latency_ms, bandwidth_gbps} for each pair")
+        for n in self.nodes:
+            if self.gpu_type(n.gpu).nvlink_bytes_per_s == 0 and n.intra_node == "nvlink":
+                raise ValueError(f"node {n.name}: {n.gpu} has no NVLink; set intra_node: pcie")
         gpus = [(n, i) for n in self.nodes for i in range(n.count)]
-        object.__setattr__(self, "gpus", tuple(GPU(k, f"{n.name}:{i}", n.name, n.region, gpu(n.gpu))
+        object.__setattr__(self, "gpus", tuple(GPU(k, f"{n.name}:{i}", n.name, n.region, self.gpu_type(n.gpu))
                                                for k, (n, i) in enumerate(gpus)))
-        object.__setattr__(self, "_hash", hash((self.name, self.nodes, self.regions)))
+        object.__setattr__(self, "_hash", hash((self.name, self.nodes, self.regions, self.gpu_types)))
+
+    def gpu_type(self, name: str) -> GPUType:
+        """The cluster's own GPU types first, then the catalog; unknown names list both."""
+        own = {t.name: t for t in self.gpu_types}
+        if name in own:
+            return own[name]
+        try:
+            return gpu(name)
+        except ValueError as e:
+            if not own:
+                raise
+            raise ValueError(f"{e}; this cluster also defines: {', '.join(own)}") from None
 
     def __hash__(self):  # the cost model caches per cluster; hashing every field each call was its hot spot
         return self._hash
@@ -303,8 +316,33 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+def _gpu_type_from_dict(data, where: str) -> GPUType:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of GPU type fields")
+    valid = [f.name for f in dataclasses.fields(GPUType)]
+    _reject_unknown(data, valid, where)
+    missing = [k for k in ("name", "dense_bf16_flops", "memory_bytes", "hbm_bytes_per_s", "source") if k not in data]
+    if missing:
+        raise ValueError(f"{where} is missing {missing} (a GPU type needs its numbers and where they come from)")
+    data = dict(data)
+    for k in ("dense_bf16_flops", "memory_bytes", "hbm_bytes_per_s", "nvlink_bytes_per_s"):
+        if isinstance(data.get(k), str):  # YAML 1.1 reads 1.5e11 (no dot before e) as a string
+            try:
+                data[k] = float(data[k])
+            except ValueError:
+                pass
+    for k in ("dense_bf16_flops", "memory_bytes", "hbm_bytes_per_s"):
+        if not isinstance(data[k], (int, float)) or isinstance(data[k], bool) or data[k] <= 0:
+            raise ValueError(f"{where}: {k} must be a number > 0, got {data[k]!r}")
+    return GPUType(name=str(data["name"]), dense_bf16_flops=float(data["dense_bf16_flops"]),
+                   memory_bytes=int(data["memory_bytes"]), hbm_bytes_per_s=float(data["hbm_bytes_per_s"]),
+                   nvlink_bytes_per_s=float(data.get("nvlink_bytes_per_s", 0)),
+                   has_bf16=bool(data.get("has_bf16", True)), source=str(data["source"]))
+
+
 def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
-    _reject_unknown(data, ("name", "nodes", "regions"), where)
+    _reject_unknown(data, ("name", "nodes", "regions", "gpu_types"), where)
+    types = tuple(_gpu_type_from_dict(t, f"{where} gpu_types[{i}]") for i, t in enumerate(data.get("gpu_types") or []))
     node_keys = [f.name for f in dataclasses.fields(Node)]
     nodes = []
     for i, n in enumerate(data.get("nodes") or []):
@@ -321,7 +359,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
         if len(r.get("between", ())) != 2:
             raise ValueError(f"{where}: regions[{i}].between must name two regions")
         links.append(RegionLink(tuple(r["between"]), float(r["latency_ms"]), float(r["bandwidth_gbps"])))
-    return ClusterSpec(str(data.get("name", where)), tuple(nodes), tuple(links))
+    return ClusterSpec(str(data.get("name", where)), tuple(nodes), tuple(links), types)
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from hetrl.planner import ClusterSpec, Plan, WorkloadSpec
 from hetrl.planner.spec import ModelSpec, TokenLengths
 
+class ExecutorFailure(RuntimeError):
+    """The Ray executor lost what it cannot replace (a learner, or every rollout actor): the run stops with its
+    last checkpoint intact, and the message says how to resume."""
+
+
 ROLE_OF_TASK = {"actor_gen": "rollout", "actor_train": "learner", "ref_infer": "reference"}
 NODE_RESOURCE = "hetrl-node:{}"
 

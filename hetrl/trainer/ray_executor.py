@@ -16,6 +16,7 @@ below are thin wrappers made at placement time, and the driver-side pools give t
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
 import os
@@ -29,13 +30,14 @@ from datetime import timedelta
 import numpy as np
 import ray
 import torch
+from tqdm import tqdm
 
 from hetrl.planner import load_cluster, plan as plan_search, plan_from_dict
 from hetrl.planner.spec import TokenLengths
 from hetrl.trainer import checkpoint
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import Learner, Scorer, UpdateStats
-from hetrl.trainer.placement import Replica, model_spec_from_hf, node_resources, replicas, run_workload
+from hetrl.trainer.placement import ExecutorFailure, Replica, model_spec_from_hf, node_resources, replicas, run_workload
 from hetrl.trainer.rollout import RolloutWorker, Sample
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 ROLLOUT_RESTARTS = 3
 
 
-class LearnerFailed(RuntimeError):
+class LearnerFailed(ExecutorFailure):
     """A learner actor died: the run stops; the message says where the last checkpoint is and how to resume."""
 
 
@@ -71,8 +73,11 @@ def load_numpy_weights(model, weights: dict[str, np.ndarray]) -> None:
 
 def _setup(cfg: RunConfig, threads: int):
     """Actor start-up: thread count, then the policy and tokenizer (on the actor's GPU when Ray gave one)."""
+    from transformers.utils import logging as hf_logging
+
     from hetrl.models import load_model
 
+    hf_logging.disable_progress_bar()  # one loading bar per actor would bury the driver's training bar
     torch.set_num_threads(threads)
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     if ray.get_gpu_ids():
@@ -319,7 +324,7 @@ class RolloutPool:
                     self.stale.add(a)
                     if self.failures_of[a] > ROLLOUT_RESTARTS:  # Ray gives up restarting it after that
                         if not idle and not self.in_flight:
-                            raise RuntimeError(f"every rollout actor is gone (last error: {e}); the run stops, "
+                            raise ExecutorFailure(f"every rollout actor is gone (last error: {e}); the run stops, "
                                                "its last checkpoint is intact") from e
                         continue
                 idle.append(a)
@@ -344,8 +349,6 @@ class RayEngine:
         self.cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
         workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len))
         if cfg.plan:
-            import json
-
             with open(cfg.plan) as f:
                 data = json.load(f)
             self.plan = plan_from_dict(data.get("plan", data), self.cluster, workload)
@@ -357,22 +360,39 @@ class RayEngine:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
         self._started = not ray.is_initialized()
+        try:
+            self._start(cfg, emulated)
+        except BaseException:
+            if self._started and ray.is_initialized():
+                ray.shutdown()
+            raise
+        self._report(emulated)
+
+    def _start(self, cfg: RunConfig, emulated: bool) -> None:
         if self._started:
             if emulated:
                 ray.init(resources=node_resources(self.cluster), include_dashboard=False,
                          object_store_memory=1 << 30, configure_logging=False)
             else:
                 ray.init(address=cfg.ray_address, configure_logging=False)
+        self._check_resources()
         by_role = collections.defaultdict(list)
         for r in self.replicas:
             by_role[r.role].append(r)
+        # torch threads per actor: the cores of a node shared by the actors busy at the same time (sync: one
+        # role at a time; async: generation and training together)
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(1, len(ray.nodes())))
+        together = len(by_role["rollout"]) + len(by_role["learner"]) if cfg.mode == "async" else None
+
+        def threads(role):
+            return max(1, cpus // (together or len(by_role[role])))
+
         real = not emulated
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
-            cfg, max(1, cpus // len(by_role["rollout"])), cfg.mode == "async") for r in by_role["rollout"]]
-        learners = [_remote(LearnerActor, r, real).remote(cfg, max(1, cpus // len(by_role["learner"])), r.rank,
-                                                          len(by_role["learner"])) for r in by_role["learner"]]
-        references = [_remote(ReferenceActor, r, real).remote(cfg, max(1, cpus // len(by_role["reference"])))
+            cfg, threads("rollout"), cfg.mode == "async") for r in by_role["rollout"]]
+        learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]))
+                    for r in by_role["learner"]]
+        references = [_remote(ReferenceActor, r, real).remote(cfg, threads("reference"))
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references}
         ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started
@@ -386,6 +406,34 @@ class RayEngine:
         self.weight_bytes = None
         self.pending_sync: list = []
         self.sync_weights(0)
+
+    def _report(self, emulated: bool) -> None:
+        """Say where every role runs, and keep it with the run (out_dir/placement.json)."""
+        placed = self.placement()
+        where = "; ".join(f"{role} x{sum(p['role'] == role for p in placed)} on "
+                          f"{', '.join(g for p in placed if p['role'] == role for g in p['gpus'])}"
+                          for role in ("rollout", "learner", "reference") if any(p["role"] == role for p in placed))
+        source = self.cfg.plan or "planned now (hybrid)"
+        tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})")
+        out = pathlib.Path(self.cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "placement.json").write_text(json.dumps(
+            {"cluster": self.cluster.name, "plan": self.plan.to_dict(self.cluster), "actors": placed}, indent=2))
+
+    def _check_resources(self) -> None:
+        """Refuse, instead of waiting forever for actors Ray cannot place, when the Ray cluster lacks a node
+        resource the plan needs."""
+        need = collections.Counter()
+        for r in self.replicas:
+            for name, amount in r.resources:
+                need[name] += amount
+        have = ray.cluster_resources()
+        short = {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) + 1e-6 < v}
+        if short:
+            detail = ", ".join(f"{k}: needs {v:g}, has {h:g}" for k, (v, h) in sorted(short.items()))
+            raise ValueError(f"the Ray cluster cannot hold the plan's actors ({detail}); start each node with one "
+                             "'hetrl-node:<node name>' resource per GPU of the cluster YAML, e.g. ray start "
+                             "--resources='{\"hetrl-node:a100-0\": 8}' (README: on a real multi-node Ray cluster)")
 
     def placement(self) -> list[dict]:
         """Each actor: its replica (role, rank, plan GPUs, requested resources) and where Ray put it."""

@@ -203,3 +203,16 @@ def test_a_dead_learner_stops_the_run_and_says_how_to_resume(local_ray, tmp_path
         assert (ckpt / "model.safetensors").is_file()
     finally:
         engine.close()
+
+
+def test_a_ray_run_resumes_from_its_checkpoint(local_ray, tmp_path):
+    from hetrl.cli import main
+
+    args = ["train", "--config", TINY, "executor=ray", f"emulate_cluster={CLUSTER}", f"out_dir={tmp_path / 'run'}",
+            "eval_size=4", "checkpoint_every=1"]
+    assert main([*args, "steps=2"]) == 0
+    assert main([*args, "steps=3", "--resume"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["weight_version"] == 3
+    assert json.loads((tmp_path / "run" / "placement.json").read_text())["actors"]

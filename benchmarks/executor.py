@@ -1,0 +1,212 @@
+"""Executor benchmark: steps/s of `hetrl train executor=ray`, sync vs async and 1 vs 2 rollout workers, on the
+tiny and the default run, next to the planner's predicted iteration time for the same plan on this machine
+seen as a 2-"GPU" cluster (one device per core, type cpu-core, measured in this run).
+
+    python benchmarks/executor.py [--configs tiny,default] [--steps 4] [--out benchmarks/results]
+
+Plans: `split` puts generation on core 0 and log-probs, reference and training on core 1 (1 rollout worker,
+1 learner); `colocated` runs every task on both cores (2 rollout workers, 2 data-parallel learners, 2
+references); `planner` is what the hybrid search picks. Each run is a full `train()` (Ray started and
+stopped per run); step 1 is a warm-up; the table gives the median of the other steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hetrl.models import load_model  # noqa: E402
+from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict  # noqa: E402
+from hetrl.planner.spec import TokenLengths  # noqa: E402
+from hetrl.trainer.config import load_config  # noqa: E402
+from hetrl.trainer.loop import train  # noqa: E402
+from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
+from hetrl.trainer.rollout import chat_prompt_ids  # noqa: E402
+from hetrl.trainer.tasks import Task  # noqa: E402
+
+CONFIGS = {"tiny": "examples/runs/tiny.yaml", "default": "examples/runs/default.yaml"}
+
+
+def measure_core() -> dict:
+    """One core's fp32 matmul FLOP/s and copy bandwidth (read + write), best of 5."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    x = torch.empty(64 << 20)
+    y = torch.empty_like(x)
+
+    def best(fn):
+        fn(), fn()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    flops = 2 * 2048**3 / best(lambda: a @ b)
+    copy = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
+    torch.set_num_threads(threads)
+    return {"fp32_matmul_flops": flops, "copy_bytes_per_s": copy}
+
+
+def cpu_cluster(core: dict) -> dict:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = os.cpu_count()
+    return {"name": "cpu-local", "gpu_types": [{
+        "name": "cpu-core", "dense_bf16_flops": core["fp32_matmul_flops"], "memory_bytes": ram // cores,
+        "hbm_bytes_per_s": core["copy_bytes_per_s"],
+        "source": "measured in this run: one core's fp32 matmul and copy bandwidth; RAM / cores"}],
+        "nodes": [{"name": "cpu", "region": "local", "gpu": "cpu-core", "count": cores, "intra_node": "pcie",
+                   "network_gbps": 10}]}
+
+
+def fixed_plans(tasks: list[str]) -> dict[str, dict]:
+    one = {"tp": 1, "pp": 1, "dp": 1}
+    rest = [t for t in tasks if t != "actor_gen"]
+    return {
+        "split": {"groups": [{"tasks": ["actor_gen"], "gpus": ["cpu:0"], "parallelism": {"actor_gen": one}},
+                             {"tasks": rest, "gpus": ["cpu:1"], "parallelism": {t: one for t in rest}}]},
+        "colocated": {"groups": [{"tasks": tasks, "gpus": ["cpu:0", "cpu:1"],
+                                  "parallelism": {t: {"tp": 1, "pp": 1, "dp": 2} for t in tasks}}]},
+    }
+
+
+def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path, cluster) -> list[dict]:
+    base = load_config(CONFIGS[config], [f"steps={steps}"])
+    model, tokenizer = load_model(base.model, seed=base.seed)
+    task = Task(base.task, base.task_config, base.seed, base.eval_size, base.reward, base.format_reward,
+                base.prompt_suffix)
+    prompt_len = max(len(chat_prompt_ids(tokenizer, task.messages(p))) for p in task.eval_problems)
+    spec = model_spec_from_hf(model.config, base.model)
+    del model
+    rows = []
+    variants = [("local", "sync", None)] + [(p, m, p) for p in ("split", "colocated", "planner")
+                                             for m in ("sync", "async")]
+    for name, mode, plan_name in variants:
+        workload = dataclasses.replace(run_workload(base, spec, TokenLengths(prompt_len, float(prompt_len))), mode=mode)
+        overrides = [f"steps={steps}", "eval_size=4", "checkpoint_every=0", f"out_dir={work / f'{config}-{name}-{mode}'}"]
+        predicted = None
+        if plan_name is not None:
+            if plan_name == "planner":
+                chosen = plan_search(cluster, workload, "hybrid", seed=0, time_limit_s=30).plan
+                plan_dict = chosen.to_dict(cluster)
+            else:
+                plan_dict = fixed_plans(list(_tasks(workload)))[plan_name]
+            plan_file = work / f"{config}-{name}-{mode}.plan.json"
+            plan_file.write_text(json.dumps(plan_dict))
+            est = evaluate(cluster, workload, plan_from_dict(plan_dict, cluster, workload))
+            predicted = {"iteration_time_s": est.iteration_time_s, "breakdown": est.breakdown}
+            overrides += ["executor=ray", f"mode={mode}", f"emulate_cluster={cluster_path}", f"plan={plan_file}"]
+        cfg = load_config(CONFIGS[config], overrides)
+        t0 = time.perf_counter()
+        train(cfg)
+        wall = time.perf_counter() - t0
+        metrics = [json.loads(x) for x in (pathlib.Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+        timed = metrics[1:] or metrics
+        step_s = statistics.median(r["step_s"] for r in timed)
+        placement = pathlib.Path(cfg.out_dir) / "placement.json"
+        actors = json.loads(placement.read_text())["actors"] if placement.exists() else []
+        rows.append({
+            "config": config, "plan": name, "mode": mode, "steps": steps, "wall_s": wall,
+            "rollout_workers": sum(a["role"] == "rollout" for a in actors) or 1,
+            "learners": sum(a["role"] == "learner" for a in actors) or 1,
+            "plan_groups": json.loads((work / f"{config}-{name}-{mode}.plan.json").read_text())["groups"]
+            if plan_name else None,
+            "step_s": step_s, "steps_per_s": 1 / step_s,
+            "gen_wait_s": statistics.median(r["gen_s"] for r in timed),
+            "update_s": statistics.median(r.get("logprob_s", 0) + r.get("update_s", 0) for r in timed),
+            "weight_sync_s": statistics.median(r.get("weight_sync_s", r.get("weight_load_s", 0)) for r in timed),
+            "weight_sync_bytes": timed[-1].get("weight_sync_bytes"),
+            "max_staleness_seen": max(r.get("staleness", 0) for r in timed),
+            "predicted": predicted})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "plan_groups"}), flush=True)
+    return rows
+
+
+def _tasks(workload):
+    from hetrl.planner import workload_tasks
+
+    return workload_tasks(workload)
+
+
+def ratio(row: dict, predicted_s: float) -> float:
+    return row["step_s"] / predicted_s
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        "# Executor: steps/s of `hetrl train executor=ray` on one CPU machine",
+        "",
+        f"{result['date']}, {m['cpus']} CPUs ({m['platform']}), torch {m['torch']}, ray {m['ray']}. Each run: "
+        f"{result['steps']} steps, median step time of steps 2..{result['steps']} (step 1 warms up). The machine is "
+        f"emulated as a cluster of {m['cpus']} `cpu-core` devices measured in this run: "
+        f"{result['core']['fp32_matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul and "
+        f"{result['core']['copy_bytes_per_s'] / 1e9:.1f} GB/s copy per core. `predicted s` is the planner's cost "
+        "model for that plan on that cluster, not a measurement.",
+        "",
+        "| config | plan | mode | rollout workers | learners | step s (measured) | steps/s | gen wait s | "
+        "update s | weight sync s | predicted s | measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        p = r["predicted"]["iteration_time_s"] if r["predicted"] else None
+        lines.append(
+            f"| {r['config']} | {r['plan']} | {r['mode']} | {r['rollout_workers']} | {r['learners']} | "
+            f"{r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['gen_wait_s']:.3f} | {r['update_s']:.3f} | "
+            f"{r['weight_sync_s']:.4f} | {'' if p is None else f'{p:.4f}'} | "
+            f"{'' if p is None else f'{ratio(r, p):.1f}x'} |")
+    lines += ["", "Plans: `split` = generation on cpu:0, log-probs/reference/training on cpu:1; `colocated` = every "
+              "task on both cores, data-parallel 2; `planner` = the hybrid search's choice for this cluster; "
+              "`local` = no Ray, one process.", ""]
+    for r in result["rows"]:
+        if r["plan"] == "planner":
+            lines.append(f"- planner's plan ({r['config']}, {r['mode']}): " + "; ".join(
+                f"{'+'.join(g['tasks'])} on {', '.join(g['gpus'])}" for g in r["plan_groups"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="tiny,default")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    import ray
+
+    core = measure_core()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        cluster_path = work / "cpu-local.yaml"
+        cluster_path.write_text(yaml.safe_dump(cpu_cluster(core)))
+        cluster = load_cluster(str(cluster_path))
+        rows = [r for c in args.configs.split(",") for r in run(c, args.steps, work, cluster_path, cluster)]
+    result = {"date": datetime.date.today().isoformat(), "steps": args.steps, "core": core,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                          "ray": ray.__version__},
+              "rows": rows}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "executor.json").write_text(json.dumps(result, indent=2))
+    (out / "executor.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
