@@ -216,3 +216,13 @@ def test_a_ray_run_resumes_from_its_checkpoint(local_ray, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["weight_version"] == 3
     assert json.loads((tmp_path / "run" / "placement.json").read_text())["actors"]
+
+
+def test_the_example_plan_fits_the_example_cpu_cluster():
+    cluster = load_cluster(str(ROOT / "examples" / "clusters" / "cpu-local.yaml"))
+    model, _ = load_model("tiny")
+    w = run_workload(load_config(TINY, []), model_spec_from_hf(model.config), TokenLengths(40, 40.0))
+    data = json.loads((ROOT / "examples" / "plans" / "cpu-local-split.json").read_text())
+    reps = replicas(plan_from_dict(data, cluster, w), cluster, single_node=False)
+    assert sorted((r.role, r.gpus) for r in reps) == [
+        ("learner", ("cpu:1",)), ("reference", ("cpu:1",)), ("rollout", ("cpu:0",))]
