@@ -226,3 +226,13 @@ def test_the_example_plan_fits_the_example_cpu_cluster():
     reps = replicas(plan_from_dict(data, cluster, w), cluster, single_node=False)
     assert sorted((r.role, r.gpus) for r in reps) == [
         ("learner", ("cpu:1",)), ("reference", ("cpu:1",)), ("rollout", ("cpu:0",))]
+
+
+def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tmp_path):
+    other = str(ROOT / "examples" / "clusters" / "cpu-local.yaml")   # node "cpu": not declared by this Ray
+    cfg = load_config(TINY, ["executor=ray", f"cluster={other}", f"out_dir={tmp_path / 'run'}"])
+    model, tokenizer = load_model("tiny")
+    actors_before = set(ray._private.state.actors())
+    with pytest.raises(ValueError, match=r"hetrl-node:cpu: needs \d.*has 0.*ray start"):
+        RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+    assert set(ray._private.state.actors()) == actors_before   # refused before any actor was created
