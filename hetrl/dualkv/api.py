@@ -6,7 +6,10 @@ matching AttentionMaskInterface entry that builds the shared-prompt mask once pe
 once per layer). The model's own attention implementation is switched only for the duration
 of the call and restored afterwards, even on error. The LM head runs only on the rows that
 predict response tokens (`logits_to_keep`), and log-probs are gathered without materialising
-a second [rows, vocab] tensor.
+a second [rows, vocab] tensor; when those logits would be large, the head and the log-softmax run
+in row chunks recomputed in the backward (written by hand: torch has no fused linear + log-softmax
+gather with a recomputing backward; Liger's fused linear cross-entropy computes a loss, not per-token
+log-probs that feed a PPO ratio).
 """
 
 from __future__ import annotations
@@ -173,6 +176,79 @@ def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: to
     return logp, entropy[row_of_label]
 
 
+# Above this many bytes of [rows, vocab] logits, the LM head and the log-softmax run in row chunks that are
+# recomputed in the backward (_ChunkedLogProbs), so no [rows, vocab] tensor is kept for autograd. Below it
+# the single pass is faster (no recompute). Profiled at N=16, P=2048, R=256 (4,081 rows x 32,000 words):
+# the logits, their softmax and gradients were ~2.5 GB of the update's 4.2 GB.
+CHUNK_LOGITS_ABOVE_BYTES = 256 << 20
+CHUNK_BYTES = 16 << 20
+_SCALED_HEAD_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """log-softmax(h W^T + b)[label] / T per row, chunk by chunk; the backward recomputes each chunk's logits.
+
+    h [K, D] (the hidden state that predicts each label), weight [V, D], bias [V] or None, labels [K]
+    -> logp [K] and entropy [K] (entropy is for logging: not differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, temperature: float, chunk: int):
+        logp, entropy, lse = [], [], []
+        with torch.no_grad():
+            for c in range(0, h.shape[0], chunk):
+                z = _scaled_logits(h[c:c + chunk], weight, bias, temperature)
+                m = torch.logsumexp(z, dim=-1)
+                logp.append(z.gather(1, labels[c:c + chunk, None]).squeeze(1) - m)
+                p_times_z = torch.softmax(z, dim=-1).mul_(z)           # one more [chunk, V] buffer, not two
+                entropy.append(m - p_times_z.sum(-1))
+                lse.append(m)
+        ctx.save_for_backward(h, weight, bias, labels, torch.cat(lse))
+        ctx.temperature, ctx.chunk = temperature, chunk
+        out_entropy = torch.cat(entropy)
+        ctx.mark_non_differentiable(out_entropy)
+        return torch.cat(logp), out_entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        h, weight, bias, labels, lse = ctx.saved_tensors
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        for c in range(0, h.shape[0], ctx.chunk):
+            hc, g = h[c:c + ctx.chunk], grad_logp[c:c + ctx.chunk, None]
+            dz = _scaled_logits(hc, weight, bias, ctx.temperature)      # in place from here: one buffer
+            dz.sub_(lse[c:c + ctx.chunk, None]).exp_().mul_(-g)          # d logp / dz = onehot - softmax
+            dz.scatter_add_(1, labels[c:c + ctx.chunk, None], g)
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
+            dz = dz.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[c:c + ctx.chunk] = dz @ weight
+            if grad_w is not None:
+                grad_w += dz.T @ hc
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _scaled_logits(h, weight, bias, temperature: float) -> torch.Tensor:
+    z = torch.nn.functional.linear(h, weight, bias)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z / temperature if temperature != 1.0 else z
+
+
+def _plain_lm_head(model) -> torch.nn.Linear | None:
+    """The LM head when logits are exactly lm_head(decoder output), as in Llama/Qwen/Mistral; else None."""
+    head = model.get_output_embeddings()
+    config = model.config.get_text_config()
+    if not isinstance(head, torch.nn.Linear) or not hasattr(model, "get_decoder"):
+        return None
+    if any(getattr(config, k, None) not in (None, 1, 1.0) for k in _SCALED_HEAD_KEYS):
+        return None
+    return head
+
+
 def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", temperature: float = 1.0,
                            return_entropy: bool = False):
     """Log π(token | prefix) of every response token of `batch`, exactly as the standard layout gives.
@@ -214,11 +290,18 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
         row_of_label = torch.arange(batch.labels.numel(), device=device)
     else:
         active = _Active(batch=batch, impl=impl, max_context=batch.max_context)
+        head = _plain_lm_head(model)
+        vocab_out = head.out_features if head is not None else 0
+        chunked = head is not None and batch.labels.numel() * vocab_out * 4 > CHUNK_LOGITS_ABOVE_BYTES
         token = _ACTIVE.set(active)
         try:
             with _attention_implementation(model, _ATTN_NAME[impl]):
-                out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                            use_cache=False, logits_to_keep=batch.logit_rows)
+                if chunked:
+                    out = model.get_decoder()(input_ids=batch.input_ids[None],
+                                              position_ids=batch.position_ids[None], use_cache=False)
+                else:
+                    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                use_cache=False, logits_to_keep=batch.logit_rows)
         finally:
             _ACTIVE.reset(token)
         n_layers = model.config.get_text_config().num_hidden_layers
@@ -227,6 +310,11 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
                 f"{type(model).__name__} has {n_layers} layers but only {active.calls} attention calls went "
                 "through AttentionInterface; the others would have computed the wrong thing"
             )
+        if chunked:
+            h = out.last_hidden_state[0][batch.logit_rows[batch.row_of_label]]
+            chunk = max(1, CHUNK_BYTES // (vocab_out * 4))
+            logp, entropy = _ChunkedLogProbs.apply(h, head.weight, head.bias, batch.labels, float(temperature), chunk)
+            return (logp, entropy) if return_entropy else logp
         logits = out.logits[0]
         row_of_label = batch.row_of_label
     return _token_logprobs(logits, row_of_label, batch.labels, temperature, return_entropy)

@@ -132,3 +132,24 @@ def test_train_mode_without_dropout_is_exact():
     groups = _batch(7, 2, seed=2)
     got = shared_prompt_logprobs(model, pack_groups(groups))
     assert (got - standard_logprobs(model, groups)).abs().max() <= 1e-9
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp64_chunked_lm_head_equals_standard(family, monkeypatch):
+    """The row-chunked LM head + log-softmax (recomputed in the backward), forced on with 5-row chunks."""
+    from hetrl.dualkv import api
+
+    model = tiny_model(family)
+    monkeypatch.setattr(api, "CHUNK_LOGITS_ABOVE_BYTES", 0)
+    monkeypatch.setattr(api, "CHUNK_BYTES", 5 * 4 * model.config.vocab_size)
+    groups = _batch(65, 3, seed=11)
+    want = standard_logprobs(model, groups, 0.7)
+    weights = torch.linspace(-1.0, 2.0, want.numel(), dtype=torch.float64)
+    want_grads = _param_grads(model, want, weights)
+    got, entropy = shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7,
+                                          return_entropy=True)
+    assert (got - want).abs().max().item() <= 1e-9
+    assert not entropy.requires_grad and bool((entropy > 0).all())
+    _assert_grads_close(_param_grads(model, got, weights), want_grads, rel=1e-8)
+    with torch.no_grad():
+        assert (shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7) - want).abs().max() <= 1e-9
