@@ -25,12 +25,20 @@ def _bench_demo(args) -> int:
 def _bench_dualkv(args) -> int:
     from hetrl.bench import dualkv_grid
 
-    result = dualkv_grid.run(args.quick, args.repeats, memory=not args.no_memory)
+    try:
+        cases = [dualkv_grid.parse_case(c) for c in args.cases] if args.cases else None
+    except ValueError as e:
+        print(f"hetrl bench dualkv: {e}", file=sys.stderr)
+        return 2
+    name = "dualkv_cpu_quick" if args.quick else "dualkv_cpu"
+    rows_path = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        rows_path = os.path.join(args.out, f"{name}.jsonl")
+    result = dualkv_grid.run(args.quick, args.repeats, memory=not args.no_memory, cases=cases, rows_path=rows_path)
     text = dualkv_grid.markdown(result)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        name = "dualkv_cpu_quick" if args.quick else "dualkv_cpu"
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(result, f, indent=2)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
@@ -103,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     dk.add_argument("--quick", action="store_true", help="2 configurations: ~2 min with --no-memory, ~3.5 min with the memory subprocesses (2 cores)")
     dk.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
     dk.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
-    dk.add_argument("--out", help="directory for the JSON and markdown results (e.g. benchmarks/results)")
+    dk.add_argument("--out", help="directory for the results (e.g. benchmarks/results); each finished case is "
+                    "appended to dualkv_cpu.jsonl at once, and cases already there are not measured again")
+    dk.add_argument("--cases", nargs="+", metavar="NxPxR", help="only these cases, e.g. 16x1024x64 "
+                    "smollm2-135m:8x256x64 (default: the whole grid, cheapest first)")
     dk.set_defaults(func=_bench_dualkv)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
     demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")

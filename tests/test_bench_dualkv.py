@@ -21,3 +21,21 @@ def test_flop_ratio_is_rho_for_linear_layers_and_more_with_attention():
     case = Case("qwen3-shaped", 8, 1024, 64)
     assert dualkv_grid.flop_ratio(model, case) > 1
     assert abs(case.rho - 8 * 1088 / (1024 + 512)) < 1e-12
+
+
+def test_a_grid_run_appends_each_case_and_skips_what_is_done(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_times(model, case, repeats):
+        calls.append((case.n, case.p, case.r))
+        return {"update_s": {"padded": 2.0, "packed": 2.0, "dualkv": 1.0}, "logprob_s": {"packed": 1.0, "dualkv": 0.5},
+                "errors": {}, "max_abs_logprob_diff": {}}
+
+    monkeypatch.setattr(dualkv_grid, "measure_times", fake_times)
+    rows = tmp_path / "rows.jsonl"
+    cases = [dualkv_grid.parse_case("3x17x5"), dualkv_grid.parse_case("2x9x4")]
+    first = dualkv_grid.run(False, 2, memory=False, cases=cases[:1], rows_path=str(rows))
+    again = dualkv_grid.run(False, 2, memory=False, cases=cases, rows_path=str(rows))
+    assert calls == [(3, 17, 5), (2, 9, 4)]             # the first case was not measured twice
+    assert len(first["rows"]) == 1 and len(again["rows"]) == 2 and len(rows.read_text().splitlines()) == 2
+    assert "Partial: 0 of the 20 grid cases" in dualkv_grid.markdown(again)

@@ -234,25 +234,69 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def run(quick: bool, repeats: int, memory: bool) -> dict:
+def all_cases(quick: bool) -> list[Case]:
+    """The grid (or the quick subset), cheapest first, so that a run cut short has measured the most cases."""
     cases = [Case("qwen3-shaped", *c) for c in (QUICK if quick else GRID)]
     if not quick:
         cases += [Case("smollm2-135m", *c) for c in SMOLLM2_GRID]
-    rows, models = [], {}
-    for case in tqdm(cases, desc="bench dualkv", unit="case"):
+    return sorted(cases, key=lambda c: (c.model != "qwen3-shaped", c.n * (c.p + c.r), c.n, c.p, c.r))
+
+
+def parse_case(text: str) -> Case:
+    """"16x1024x64" (Qwen3-shaped) or "smollm2-135m:8x256x64" -> Case."""
+    model, _, shape = text.rpartition(":")
+    try:
+        n, p, r = (int(x) for x in shape.split("x"))
+    except ValueError:
+        raise ValueError(f"a case is NxPxR, optionally prefixed by a model (e.g. 16x1024x64, "
+                         f"smollm2-135m:8x256x64), got {text!r}") from None
+    model = model or "qwen3-shaped"
+    if model not in ("qwen3-shaped", "smollm2-135m"):
+        raise ValueError(f"case model must be qwen3-shaped or smollm2-135m, got {model!r}")
+    return Case(model, n, p, r)
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["n"], row["p"], row["r"]
+
+
+def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None,
+        rows_path: str | None = None) -> dict:
+    """Measure `cases` (default: the grid). With `rows_path` (JSONL), each finished case is appended at once
+    and cases already there (same repeats) are not measured again: a long grid can run in pieces, and an
+    interrupted run loses at most the case in progress. The result holds every row of the file."""
+    cases = cases or all_cases(quick)
+    done: list[dict] = []
+    if rows_path and os.path.exists(rows_path):
+        with open(rows_path) as f:
+            done = [r for r in map(json.loads, f) if r.get("repeats") == repeats]
+    have = {_key(r) for r in done}
+    todo = [c for c in cases if (c.model, c.n, c.p, c.r) not in have]
+    models = {}
+    for case in tqdm(todo, desc="bench dualkv", unit="case"):
         model = models.setdefault(case.model, build_model(case.model))
-        row = {**asdict(case), "rho": case.rho, "flop_ratio": flop_ratio(model, case),
-               **measure_times(model, case, repeats)}
+        row = {**asdict(case), "rho": case.rho, "flop_ratio": flop_ratio(model, case), "repeats": repeats,
+               "machine": machine_info(), **measure_times(model, case, repeats)}
         if memory:
             row["memory"] = measure_memory(case)
-        rows.append(row)
-    return {"machine": machine_info(), "repeats": repeats, "rows": rows}
+        done.append(row)
+        if rows_path:
+            with open(rows_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    grid = {(c.model, c.n, c.p, c.r) for c in all_cases(quick)}
+    rows = sorted(done, key=lambda r: (r["model"] != "qwen3-shaped", r["n"], r["p"], r["r"]))
+    return {"machine": machine_info(), "repeats": repeats, "rows": rows,
+            "grid_cases": len(grid), "grid_cases_measured": len(grid & {_key(r) for r in rows})}
 
 
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = [f"# DualKV on CPU, side by side ({m['cpus']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
-             f"median of {res['repeats']} interleaved rounds)", "",
+             f"median of {res['repeats']} interleaved rounds)", ""]
+    if res.get("grid_cases_measured", 0) < res.get("grid_cases", 0):
+        lines += [f"**Partial: {res['grid_cases_measured']} of the {res['grid_cases']} grid cases measured so far** "
+                  "(`hetrl bench dualkv --out benchmarks/results` measures the rest and keeps these).", ""]
+    lines += [
              "Update = forward + GRPO clipped loss + backward of one group; speedups are over `packed` (verl's way) "
              "and `padded` (TRL's way); memory = peak RSS increase of the update in a fresh process.", "",
              "| model | N | P | R | rho | FLOP ratio | update s: padded / packed / dualkv | speedup vs packed | vs padded | "
