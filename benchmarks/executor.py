@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hetrl.models import load_model  # noqa: E402
-from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict  # noqa: E402
+from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks  # noqa: E402
 from hetrl.planner.spec import TokenLengths  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.loop import train  # noqa: E402
@@ -107,7 +107,7 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
                 chosen = plan_search(cluster, workload, "hybrid", seed=0, time_limit_s=30).plan
                 plan_dict = chosen.to_dict(cluster)
             else:
-                plan_dict = fixed_plans(list(_tasks(workload)))[plan_name]
+                plan_dict = fixed_plans(list(workload_tasks(workload)))[plan_name]
             plan_file = work / f"{config}-{name}-{mode}.plan.json"
             plan_file.write_text(json.dumps(plan_dict))
             est = evaluate(cluster, workload, plan_from_dict(plan_dict, cluster, workload))
@@ -139,16 +139,6 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
     return rows
 
 
-def _tasks(workload):
-    from hetrl.planner import workload_tasks
-
-    return workload_tasks(workload)
-
-
-def ratio(row: dict, predicted_s: float) -> float:
-    return row["step_s"] / predicted_s
-
-
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [
@@ -170,7 +160,7 @@ def markdown(result: dict) -> str:
             f"| {r['config']} | {r['plan']} | {r['mode']} | {r['rollout_workers']} | {r['learners']} | "
             f"{r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['gen_wait_s']:.3f} | {r['update_s']:.3f} | "
             f"{r['weight_sync_s']:.4f} | {'' if p is None else f'{p:.4f}'} | "
-            f"{'' if p is None else f'{ratio(r, p):.1f}x'} |")
+            f"{'' if p is None else format(r['step_s'] / p, '.1f') + 'x'} |")
     lines += ["", "Plans: `split` = generation on cpu:0, log-probs/reference/training on cpu:1; `colocated` = every "
               "task on both cores, data-parallel 2; `planner` = the hybrid search's choice for this cluster; "
               "`local` = no Ray, one process.", ""]

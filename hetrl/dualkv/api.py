@@ -189,23 +189,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """log-softmax(h W^T + b)[label] / T per row, chunk by chunk; the backward recomputes each chunk's logits.
 
     h [K, D] (the hidden state that predicts each label), weight [V, D], bias [V] or None, labels [K]
-    -> logp [K] and entropy [K] (entropy is for logging: not differentiable).
+    -> logp [K] and entropy [K] (empty unless with_entropy; for logging: not differentiable).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, temperature: float, chunk: int):
+    def forward(ctx, h, weight, bias, labels, temperature: float, chunk: int, with_entropy: bool):
         logp, entropy, lse = [], [], []
         with torch.no_grad():
             for c in range(0, h.shape[0], chunk):
                 z = _scaled_logits(h[c:c + chunk], weight, bias, temperature)
                 m = torch.logsumexp(z, dim=-1)
                 logp.append(z.gather(1, labels[c:c + chunk, None]).squeeze(1) - m)
-                p_times_z = torch.softmax(z, dim=-1).mul_(z)           # one more [chunk, V] buffer, not two
-                entropy.append(m - p_times_z.sum(-1))
+                if with_entropy:
+                    p_times_z = torch.softmax(z, dim=-1).mul_(z)       # one more [chunk, V] buffer, not two
+                    entropy.append(m - p_times_z.sum(-1))
                 lse.append(m)
         ctx.save_for_backward(h, weight, bias, labels, torch.cat(lse))
         ctx.temperature, ctx.chunk = temperature, chunk
-        out_entropy = torch.cat(entropy)
+        out_entropy = torch.cat(entropy) if with_entropy else h.new_zeros(0)
         ctx.mark_non_differentiable(out_entropy)
         return torch.cat(logp), out_entropy
 
@@ -229,7 +230,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_w += dz.T @ hc
             if grad_b is not None:
                 grad_b += dz.sum(0)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _scaled_logits(h, weight, bias, temperature: float) -> torch.Tensor:
@@ -313,7 +314,8 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
         if chunked:
             h = out.last_hidden_state[0][batch.logit_rows[batch.row_of_label]]
             chunk = max(1, CHUNK_BYTES // (vocab_out * 4))
-            logp, entropy = _ChunkedLogProbs.apply(h, head.weight, head.bias, batch.labels, float(temperature), chunk)
+            logp, entropy = _ChunkedLogProbs.apply(h, head.weight, head.bias, batch.labels, float(temperature), chunk,
+                                                   return_entropy)
             return (logp, entropy) if return_entropy else logp
         logits = out.logits[0]
         row_of_label = batch.row_of_label

@@ -16,6 +16,8 @@ below are thin wrappers made at placement time, and the driver-side pools give t
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -37,11 +39,11 @@ from hetrl.planner.spec import TokenLengths
 from hetrl.trainer import checkpoint
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import Learner, Scorer, UpdateStats
+from hetrl.trainer.loop import DTYPES
 from hetrl.trainer.placement import ExecutorFailure, Replica, model_spec_from_hf, node_resources, replicas, run_workload
-from hetrl.trainer.rollout import RolloutWorker, Sample
+from hetrl.trainer.rollout import RolloutWorker
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 ROLLOUT_RESTARTS = 3
 
 
@@ -118,10 +120,9 @@ class RolloutActor:
         if self.scorer is not None and not greedy:
             logp = self.scorer.logprobs([(p, [s.tokens for s in group]) for p, group in zip(prompts, out)])
             parts = iter(torch.split(logp, [len(s.tokens) for group in out for s in group]))
-            out = [[Sample(s.tokens, s.text, s.truncated, self.version, next(parts)) for s in g] for g in out]
         else:
-            out = [[Sample(s.tokens, s.text, s.truncated, self.version) for s in g] for g in out]
-        return out
+            parts = itertools.repeat(None)
+        return [[dataclasses.replace(s, version=self.version, logprobs=next(parts)) for s in g] for g in out]
 
 
 class ReferenceActor:
@@ -402,7 +403,7 @@ class RayEngine:
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed)
         self.learner = LearnerGroup(learners, on_failure=self._learner_failed)
         self.reference = ShardedScorer(references) if references else None
-        self.run_dir, self.step, self.last_checkpoint = None, 0, None
+        self.last_checkpoint = None
         self.weight_bytes = None
         self.pending_sync: list = []
         self.sync_weights(0)
@@ -465,7 +466,6 @@ class RayEngine:
         return out
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        self.run_dir = run_dir
         path = pathlib.Path(self.learner._get([self.actors["learner"][0].save.remote(str(run_dir), step, extra,
                                                                                     config)])[0])
         self.last_checkpoint = path
