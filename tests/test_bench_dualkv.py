@@ -12,7 +12,7 @@ def test_every_layout_gives_the_oracle_logprobs():
     prompt, responses = make_group(case, model.config.vocab_size)
     with torch.no_grad():
         ref = variant_logprobs("reference", model, prompt, responses)()
-        for v in ("padded", "packed", "dualkv"):
+        for v in ("padded", "packed", "prefix_grouper", "dualkv"):
             assert (variant_logprobs(v, model, prompt, responses)() - ref).abs().max() < 1e-4, v
 
 
@@ -28,7 +28,8 @@ def test_a_grid_run_appends_each_case_and_skips_what_is_done(tmp_path, monkeypat
 
     def fake_times(model, case, repeats):
         calls.append((case.n, case.p, case.r))
-        return {"update_s": {"padded": 2.0, "packed": 2.0, "dualkv": 1.0}, "logprob_s": {"packed": 1.0, "dualkv": 0.5},
+        times = {v: 2.0 for v in dualkv_grid.VARIANTS}
+        return {"update_s": times, "logprob_s": times,
                 "errors": {}, "max_abs_logprob_diff": {}}
 
     monkeypatch.setattr(dualkv_grid, "measure_times", fake_times)
@@ -38,4 +39,16 @@ def test_a_grid_run_appends_each_case_and_skips_what_is_done(tmp_path, monkeypat
     again = dualkv_grid.run(False, 2, memory=False, cases=cases, rows_path=str(rows))
     assert calls == [(3, 17, 5), (2, 9, 4)]             # the first case was not measured twice
     assert len(first["rows"]) == 1 and len(again["rows"]) == 2 and len(rows.read_text().splitlines()) == 2
-    assert "Partial: 0 of the 20 grid cases" in dualkv_grid.markdown(again)
+    assert f"Partial: 0 of the {len(dualkv_grid.all_cases(False))} grid cases" in dualkv_grid.markdown(again)
+
+
+def test_rows_missing_a_variant_are_measured_again(tmp_path, monkeypatch):
+    old = {"model": "qwen3-shaped", "n": 3, "p": 17, "r": 5, "repeats": 2, "update_s": {"packed": 1.0, "dualkv": 1.0}}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(__import__("json").dumps(old) + "\n")
+    calls = []
+    monkeypatch.setattr(dualkv_grid, "measure_times", lambda model, case, repeats: calls.append(case) or
+                        {"update_s": {v: 1.0 for v in dualkv_grid.VARIANTS}, "logprob_s": {}, "errors": {},
+                         "max_abs_logprob_diff": {}})
+    res = dualkv_grid.run(False, 2, memory=False, cases=[dualkv_grid.parse_case("3x17x5")], rows_path=str(rows))
+    assert len(calls) == 1 and len(res["rows"]) == 1 and set(res["rows"][0]["update_s"]) == set(dualkv_grid.VARIANTS)

@@ -34,12 +34,13 @@ from hetrl.bench.dualkv import machine_info, median_times
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 
 VARIANTS = ("padded", "packed", "prefix_grouper", "dualkv", "reference")
+BASELINES = ("packed", "padded", "prefix_grouper")          # what a user would run instead of dualkv
 QWEN3_SHAPED = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
                     head_dim=64, intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192,
                     tie_word_embeddings=False)
 GRID = [(n, p, r) for n in (4, 8, 16) for p in (256, 1024, 2048) for r in (64, 256)]
 QUICK = [(4, 256, 64), (8, 1024, 64)]
-SMOLLM2_GRID = [(8, 256, 64), (16, 1024, 64)]
+SMOLLM2_GRID = [(4, 256, 64), (8, 256, 64), (4, 1024, 64)]   # 135M params: ~5x the Qwen3-shaped model's time
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,30 @@ def variant_logprobs(variant: str, model, prompt, responses):
     return lambda: shared_prompt_logprobs(model, batch, impl=impl)
 
 
+def _flash_like_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """CPU stand-in for the flash-attn call prefix-grouper makes: causal attention aligned bottom-right (the
+    queries are the last Lq of the Lk keys, as flash-attn >= 2.1 aligns them) over unpadded rows.
+    `attention_mask` is prefix-grouper's [b, Lk] key padding mask; the bench's groups have no padding."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("the bench's prefix-grouper attention handles unpadded groups only")
+    lq, lk = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if lq == lk:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
+        causal = torch.arange(lk, device=query.device)[None, :] <= torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("hetrl_bench_flash_like", _flash_like_sdpa)
+
+
 def _prefix_grouper(model, prompt, responses):
-    """The prefix-grouper package through its own transformers integration, with SDPA as the inner attention
-    (its default, flash_attention_2, needs CUDA). Errors surface on the first call and are reported."""
+    """The prefix-grouper package through its own transformers integration (`register_attention`: ungroup
+    the packed row, repeat the prompt's K/V per response, group the outputs back). Its default inner
+    attention is flash_attention_2 (CUDA only), and transformers' own `sdpa` rejects the [b, L] padding masks
+    it passes, so the inner attention here is `_flash_like_sdpa`: torch SDPA with flash-attn's causal rule."""
     try:
         from prefix_grouper import PrefixGrouper
         from prefix_grouper.utils.register_transformers import register_attention
@@ -154,7 +176,7 @@ def _prefix_grouper(model, prompt, responses):
         model.set_attn_implementation("prefix_grouper_attention")
         try:
             logits = model(input_ids=ids, position_ids=pos, use_cache=False, prefix_grouper=pg,
-                           prefix_grouper_attn_func="sdpa").logits
+                           prefix_grouper_attn_func="hetrl_bench_flash_like").logits
         finally:
             model.set_attn_implementation(original)
         suffix = pg.split_output(logits, include_prefix_last=1)[2]
@@ -270,7 +292,8 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
     if rows_path and os.path.exists(rows_path):
         with open(rows_path) as f:
             done = [r for r in map(json.loads, f) if r.get("repeats") == repeats]
-    have = {_key(r) for r in done}
+    have = {_key(r) for r in done if set(r["update_s"]) == set(VARIANTS)}   # rows missing a variant: again
+    done = [r for r in done if _key(r) in have]
     todo = [c for c in cases if (c.model, c.n, c.p, c.r) not in have]
     models = {}
     for case in tqdm(todo, desc="bench dualkv", unit="case"):
@@ -299,15 +322,17 @@ def markdown(res: dict) -> str:
     lines += [
              "Update = forward + GRPO clipped loss + backward of one group; speedups are over `packed` (verl's way) "
              "and `padded` (TRL's way); memory = peak RSS increase of the update in a fresh process.", "",
-             "| model | N | P | R | rho | FLOP ratio | update s: padded / packed / dualkv | speedup vs packed | vs padded | "
-             "log-prob speedup vs packed | update memory MB: packed / dualkv |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | N | P | R | rho | FLOP ratio | update s: packed / padded / prefix-grouper / dualkv | "
+             "update speedup vs packed / padded / prefix-grouper | log-prob speedup vs packed / padded / prefix-grouper | "
+             "update memory MB: packed / padded / prefix-grouper / dualkv |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         u, lp = r["update_s"], r["logprob_s"]
         mem = r.get("memory", {})
         mb = lambda v: f"{mem[v]['increase_kb'] / 1024:.0f}" if v in mem and "increase_kb" in mem[v] else "-"
+        sec = lambda t: " / ".join(f"{t[v]:.3f}" if v in t else "-" for v in BASELINES + ("dualkv",))
+        speedups = lambda t: " / ".join(f"{t[v] / t['dualkv']:.2f}x" if v in t else "-" for v in BASELINES)
         lines.append(f"| {r['model']} | {r['n']} | {r['p']} | {r['r']} | {r['rho']:.2f} | {r['flop_ratio']:.2f} | "
-                     f"{u['padded']:.3f} / {u['packed']:.3f} / {u['dualkv']:.3f} | {u['packed'] / u['dualkv']:.2f}x | "
-                     f"{u['padded'] / u['dualkv']:.2f}x | {lp['packed'] / lp['dualkv']:.2f}x | {mb('packed')} / {mb('dualkv')} |")
+                     f"{sec(u)} | {speedups(u)} | {speedups(lp)} | {' / '.join(mb(v) for v in BASELINES + ('dualkv',))} |")
     errors = {v: e for r in res["rows"] for v, e in r["errors"].items()}
     for v, e in errors.items():
         lines.append(f"\n`{v}` did not run: {e}")
@@ -324,9 +349,10 @@ def plot(res: dict, path: str) -> None:
     rows = res["rows"]
     x = [r["flop_ratio"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for base, marker in (("packed", "o"), ("padded", "s")):
-        ax.scatter(x, [r["update_s"][base] / r["update_s"]["dualkv"] for r in rows], marker=marker,
-                   label=f"update speedup over {base}")
+    for base, marker in zip(BASELINES, "osD"):
+        have = [r for r in rows if base in r["update_s"]]
+        ax.scatter([r["flop_ratio"] for r in have], [r["update_s"][base] / r["update_s"]["dualkv"] for r in have],
+                   marker=marker, label=f"update speedup over {base}")
     top = max(x + [1.0]) * 1.1
     ax.plot([1, top], [1, top], "k--", lw=1, label="FLOP ratio (ceiling)")
     ax.plot([1, top], [0.8, 0.8 * top], ":", color="gray", lw=1, label="0.8 x FLOP ratio")
