@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
     pl.add_argument("--cluster", required=True, help="cluster YAML (examples/clusters/)")
     pl.add_argument("--workload", required=True, help="workload YAML (examples/workloads/)")
-    pl.add_argument("--method", default="hybrid", help="hybrid | ilp | exhaustive | verl | streamrl | all")
+    pl.add_argument("--method", default="hybrid", help="hybrid | ilp | exhaustive | verl | verl-all | streamrl | all")
     pl.add_argument("--time-limit", type=float, help="seconds for hybrid / ilp (ilp default 120)")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

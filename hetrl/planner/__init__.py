@@ -2,7 +2,7 @@
 
     cluster = load_cluster("examples/clusters/paper-multi-region.yaml")
     workload = load_workload("examples/workloads/qwen3-8b-grpo-sync.yaml")
-    result = plan(cluster, workload, method="hybrid")          # exhaustive | hybrid | ilp | verl | streamrl
+    result = plan(cluster, workload, method="hybrid")   # exhaustive | hybrid | ilp | verl | verl-all | streamrl
     estimate(cluster, workload, result.plan)                    # seconds per iteration, with breakdown
 """
 
@@ -10,10 +10,11 @@ from .catalog import GPUS, gpu
 from .cost import Estimate, estimate
 from .plan import Plan, plan_from_dict, workload_tasks
 from .ilp import ilp
-from .search import SearchResult, exhaustive, hybrid, streamrl, verl
+from .search import SearchResult, exhaustive, hybrid, streamrl, verl, verl_all
 from .spec import PRESETS, ClusterSpec, WorkloadSpec, load_cluster, load_workload
 
-METHODS = {"hybrid": hybrid, "ilp": ilp, "exhaustive": exhaustive, "verl": verl, "streamrl": streamrl}
+METHODS = {"hybrid": hybrid, "ilp": ilp, "exhaustive": exhaustive, "verl": verl, "verl-all": verl_all,
+           "streamrl": streamrl}
 
 
 def plan(cluster: ClusterSpec, workload: WorkloadSpec, method: str = "hybrid", *, seed: int = 0,

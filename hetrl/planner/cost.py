@@ -5,7 +5,8 @@ pipeline bubble, TP/PP/DP communication; weight sync and cross-group transfer; d
 aggregation). Formulas and constants are in docs/cost_model.md; in short:
 
   training   8·N_active FLOPs per token (full recompute) + causal attention, at MFU_TRAIN of the
-             slowest GPU of each pipeline stage; DP replicas get data in proportion to their speed;
+             slowest GPU of each pipeline stage; DP replicas get data in proportion to their speed
+             (or evenly, the group's data_split, as verl does: then the slowest replica sets the pace);
              bubble (pp-1)/m; TP 4 all-reduces per layer; PP activations; DP gradient all-reduce;
              Adam step HBM traffic. ZeRO-1 (optimizer states sharded over DP).
   inference  2·N_active FLOPs per token + attention; TP 2 all-reduces per layer; PP one way.
@@ -129,6 +130,13 @@ def _replica_speeds(cluster, shards, mfu) -> list[float]:
                               for ids in stages) for stages in shards]
 
 
+def _shares(group: Group, speeds: list[float]) -> list[float]:
+    """Fraction of the batch each DP replica processes."""
+    if group.data_split == "even":
+        return [1 / len(speeds)] * len(speeds)
+    return [v / sum(speeds) for v in speeds]
+
+
 def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: str, train: bool) -> TaskCost:
     par = group.par(task)
     shards = _shards(group, par)
@@ -136,13 +144,14 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     attn = 4 * model.layers * model.heads * model.head_dim * pairs
     flops = (8 * model.active_params * tokens + 4 * attn) if train else (2 * model.active_params * tokens + attn)
     speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
-    compute = flops / sum(speeds)
+    shares = _shares(group, speeds)
+    compute = flops / sum(speeds) if group.data_split == "by_speed" else max(flops * f / v for f, v in zip(shares, speeds))
     micro_batches = max(1, math.ceil(w.samples / par.dp / w.micro_batch_responses))
     bubble = compute * (par.pp - 1) / micro_batches
     layers_per_stage = model.layers / par.pp
     tp_comm = pp_comm = 0.0
-    for speed, stages in zip(speeds, shards):
-        share = tokens * speed / sum(speeds)
+    for f, stages in zip(shares, shards):
+        share = tokens * f
         act_bytes = share * model.hidden * BYTES
         per_layer = 4 if train else 2
         if par.tp > 1:
@@ -175,9 +184,9 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     caps = [min(min(cluster.gpus[i].type.hbm_bytes_per_s for i in ids) for ids in stages) * par.tp
             for stages in shards]
     worst, worst_terms = -1.0, {}
-    for cap, stages in zip(caps, shards):
+    for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
-        batch = w.samples * cap / sum(caps)
+        batch = w.samples * share
         fits = min(free_bytes[i] for i in ids) // kv_seq
         if fits < 1:
             return TaskCost(math.inf, {"infeasible": math.inf})

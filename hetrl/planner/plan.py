@@ -16,6 +16,9 @@ TASKS = ("actor_gen", "actor_infer", "ref_infer", "reward_infer", "critic_infer"
 # Tasks that read the same weights as a training task run where it runs (old log-probs on the trainer,
 # critic values on the critic trainer), as in verl; the planner moves them together.
 BOUND = {"actor_infer": "actor_train", "critic_infer": "critic_train"}
+# How a group's DP replicas share its batch: in proportion to their speed (HetRL's load balancing), or
+# evenly, as verl / Megatron / vLLM data parallelism does (they assume identical GPUs).
+DATA_SPLITS = ("by_speed", "even")
 
 
 def workload_tasks(w: WorkloadSpec) -> tuple[str, ...]:
@@ -48,6 +51,7 @@ class Group:
     tasks: tuple[str, ...]
     gpus: tuple[int, ...]                       # GPU ids in shard order
     parallelism: tuple[tuple[str, Parallelism], ...]
+    data_split: str = "by_speed"                # one of DATA_SPLITS
 
     def par(self, task: str) -> Parallelism:
         return dict(self.parallelism)[task]
@@ -63,7 +67,8 @@ class Plan:
     def to_dict(self, cluster: ClusterSpec) -> dict:
         return {"groups": [
             {"tasks": list(g.tasks), "gpus": [cluster.gpus[i].name for i in g.gpus],
-             "parallelism": {t: {"tp": p.tp, "pp": p.pp, "dp": p.dp} for t, p in g.parallelism}}
+             "parallelism": {t: {"tp": p.tp, "pp": p.pp, "dp": p.dp} for t, p in g.parallelism},
+             "data_split": g.data_split}
             for g in self.groups]}
 
 
@@ -90,7 +95,11 @@ def plan_from_dict(data: dict, cluster: ClusterSpec, workload: WorkloadSpec) -> 
             if not p:
                 raise ValueError(f"plan group {i}: no parallelism for {t}")
             par.append((t, Parallelism(int(p.get("tp", 1)), int(p.get("pp", 1)), int(p.get("dp", 1)))))
-        groups.append(Group(tasks, tuple(gpus), tuple(par)))
+        split = g.get("data_split", "by_speed")
+        if split not in DATA_SPLITS:
+            raise ValueError(f"plan group {i}: data_split must be one of {', '.join(DATA_SPLITS)} (by_speed: "
+                             f"replicas get data in proportion to their speed; even: as verl does), got {split!r}")
+        groups.append(Group(tasks, tuple(gpus), tuple(par), split))
         seen_tasks += tasks
         seen_gpus += gpus
     plan = Plan(tuple(groups))

@@ -11,7 +11,7 @@ from .plan import plan_from_dict
 from .search import exhaustive_size
 from .spec import ClusterSpec, WorkloadSpec, load_cluster, load_workload
 
-BASELINES = ("verl", "streamrl")
+BASELINES = ("verl", "verl-all", "streamrl")
 
 
 def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: float, gap=None) -> dict:

@@ -7,6 +7,8 @@
               level 4 (TP/PP/DP) by space.configure; level 5 (shard order) is node-major.
   verl        all tasks colocated on one homogeneous pool (one GPU type, all of it or one region's);
               the best such pool.
+  verl-all    verl as the HetRL paper ran it: all tasks colocated on every GPU of the cluster, DP replicas
+              fed evenly (verl assumes identical GPUs), the best parallelism for that.
   streamrl    generation on one homogeneous pool, everything else on another; the best such pair.
 """
 
@@ -102,6 +104,15 @@ def verl(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:
         if t < best_t:
             best, best_t = configs, t
     return _result("verl", cluster, best, best_t, t0, n)
+
+
+def verl_all(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:
+    t0 = time.perf_counter()
+    (tasks,) = next(g for g in groupings(w) if len(g) == 1)
+    every = tuple(p.steps for p in pools(cluster))
+    configs = configure(cluster, w, tasks, every, "even")
+    t = iteration_s(cluster, w, [configs]) if configs else math.inf
+    return _result("verl-all", cluster, [configs] if configs else None, t, t0, 1)
 
 
 def streamrl(cluster: ClusterSpec, w: WorkloadSpec, **_) -> SearchResult:

@@ -137,13 +137,15 @@ class GroupConfig:
     parallelism: tuple[tuple[str, Parallelism], ...]
     seconds: tuple[tuple[str, float], ...]
     local_sync_s: float            # weight sync when generation and actor training share this group
+    data_split: str = "by_speed"
 
     def time(self, tasks) -> float:
         return sum(s for t, s in self.seconds if t in tasks)
 
 
 @functools.lru_cache(maxsize=500_000)
-def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...]) -> GroupConfig | None:
+def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...],
+              data_split: str = "by_speed") -> GroupConfig | None:
     """Pick TP/PP/DP for every task of a group; None when no choice fits in memory."""
     gpus = gpu_ids(cluster, counts)
     n = len(gpus)
@@ -154,16 +156,17 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
         opts = parallelisms(w, t, n)
         if not opts:
             return None
-        options[t] = sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((t,), gpus, ((t, p),)), t), p.pp, p.tp))
+        options[t] = sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((t,), gpus, ((t, p),), data_split), t),
+                                                 p.pp, p.tp))
     choice = dict.fromkeys(tasks, 0)
     for _ in range(sum(len(o) for o in options.values()) + 1):
-        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks))
+        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks), data_split)
         _, _, why = _memory(cluster, w, Plan((group,)))
         if not why:
             seconds = tuple((t, _task_seconds(cluster, w, group, t)) for t in tasks)
             if all(math.isfinite(s) for _, s in seconds):
                 local = weight_sync_s(cluster, w, group, group, True) if {"actor_gen", "actor_train"} <= set(tasks) else 0.0
-                return GroupConfig(tasks, counts, group.parallelism, seconds, local)
+                return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split)
         # shard the task holding the most memory further (next option with a smaller per-GPU share)
         heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
         cur = _footprint(w, heavy, options[heavy][choice[heavy]])
@@ -217,7 +220,7 @@ def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
 
 def build_plan(cluster: ClusterSpec, configs: list[GroupConfig]) -> Plan:
     offsets = [0] * len(pools(cluster))
-    return Plan(tuple(Group(c.tasks, gpu_ids(cluster, c.counts, offsets), c.parallelism) for c in configs))
+    return Plan(tuple(Group(c.tasks, gpu_ids(cluster, c.counts, offsets), c.parallelism, c.data_split) for c in configs))
 
 
 def compositions(total: int, parts: int):

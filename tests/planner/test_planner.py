@@ -174,7 +174,7 @@ def test_cli_json_round_trip(tmp_path, capsys):
     for key in ("method", "iteration_time_s", "samples_per_s", "tokens_per_s", "search_time_s", "optimality_gap",
                 "breakdown", "task_times_s", "plan", "baselines"):
         assert key in printed
-    assert set(printed["baselines"]) == {"verl", "streamrl"}
+    assert set(printed["baselines"]) == {"verl", "verl-all", "streamrl"}
     assert main([*args, "--evaluate", str(out), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["iteration_time_s"] == pytest.approx(printed["iteration_time_s"], rel=1e-12)
@@ -183,3 +183,23 @@ def test_cli_json_round_trip(tmp_path, capsys):
     assert main([*args]) == 0
     assert "baselines:" in capsys.readouterr().out
     assert math.isfinite(printed["iteration_time_s"])
+
+
+def test_even_data_split_is_verl_on_identical_gpus_and_never_faster_on_mixed_ones():
+    c = load_cluster("examples/clusters/paper-single-region.yaml")
+    w = load_workload("examples/workloads/qwen3-4b-grpo-sync.yaml")
+    same = plan(c, w, "verl").plan                      # one homogeneous pool: the split cannot matter
+    even_same = dataclasses.replace(same, groups=tuple(dataclasses.replace(g, data_split="even") for g in same.groups))
+    assert estimate(c, w, even_same).iteration_time_s == pytest.approx(estimate(c, w, same).iteration_time_s, rel=1e-12)
+    mixed = plan(c, w, "verl-all").plan                  # every GPU (A100, L40S, L4) fed evenly
+    assert {g.data_split for g in mixed.groups} == {"even"}
+    assert sorted(i for g in mixed.groups for i in g.gpus) == list(range(len(c.gpus)))
+    by_speed = dataclasses.replace(mixed, groups=tuple(dataclasses.replace(g, data_split="by_speed")
+                                                        for g in mixed.groups))
+    slow, fast = estimate(c, w, mixed), estimate(c, w, by_speed)
+    assert slow.task_times_s["actor_train"] > fast.task_times_s["actor_train"] * 1.2   # the L4 replicas set the pace
+    assert plan_from_dict(json.loads(json.dumps(mixed.to_dict(c))), c, w) == mixed
+    bad = mixed.to_dict(c)
+    bad["groups"][0]["data_split"] = "random"
+    with pytest.raises(ValueError, match="data_split must be one of by_speed, even"):
+        plan_from_dict(bad, c, w)
