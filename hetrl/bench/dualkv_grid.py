@@ -333,10 +333,50 @@ def markdown(res: dict) -> str:
         speedups = lambda t: " / ".join(f"{t[v] / t['dualkv']:.2f}x" if v in t else "-" for v in BASELINES)
         lines.append(f"| {r['model']} | {r['n']} | {r['p']} | {r['r']} | {r['rho']:.2f} | {r['flop_ratio']:.2f} | "
                      f"{sec(u)} | {speedups(u)} | {speedups(lp)} | {' / '.join(mb(v) for v in BASELINES + ('dualkv',))} |")
+    lines += checks(res["rows"])
     errors = {v: e for r in res["rows"] for v, e in r["errors"].items()}
     for v, e in errors.items():
         lines.append(f"\n`{v}` did not run: {e}")
     return "\n".join(lines) + "\n"
+
+
+TARGET_CASE = ("qwen3-shaped", 16, 1024, 64)     # update speedup over packed >= 0.8 x the FLOP ratio here
+MEMORY_CASE = ("qwen3-shaped", 16, 2048, 256)    # update memory increase <= 1.3 / rho of packed's here
+
+
+def checks(rows: list[dict]) -> list[str]:
+    """The DualKV CPU issue's acceptance list, computed from the measured rows."""
+    if not rows:
+        return []
+    ok = lambda cond: "met" if cond else "**not met**"
+    out = ["", "## Against the targets", ""]
+    target = next((r for r in rows if _key(r) == TARGET_CASE), None)
+    if target:
+        frac = target["update_s"]["packed"] / target["update_s"]["dualkv"] / target["flop_ratio"]
+        out.append(f"- Update speedup over packed at N=16, P=1024, R=64 = {frac:.2f} x the FLOP ratio "
+                   f"({target['flop_ratio']:.2f}); target >= 0.8: {ok(frac >= 0.8)}.")
+    for phase, name in (("update_s", "Update"), ("logprob_s", "Log-prob pass")):
+        for base in BASELINES:
+            have = [r for r in rows if base in r[phase] and "dualkv" in r[phase]]
+            if not have:
+                continue
+            worst = min(have, key=lambda r: r[phase][base] / r[phase]["dualkv"])
+            x = worst[phase][base] / worst[phase]["dualkv"]
+            out.append(f"- {name} faster than {base} in {sum(r[phase][base] > r[phase]['dualkv'] for r in have)} of "
+                       f"{len(have)} cases; smallest speedup {x:.2f}x ({worst['model']} {worst['n']}x{worst['p']}x"
+                       f"{worst['r']}): {ok(x >= 1.0)}.")
+    mem = next((r for r in rows if _key(r) == MEMORY_CASE and "memory" in r), None)
+    if mem and all("increase_kb" in mem["memory"].get(v, {}) for v in ("packed", "dualkv")):
+        ratio = mem["memory"]["dualkv"]["increase_kb"] / mem["memory"]["packed"]["increase_kb"]
+        out.append(f"- Update memory at N=16, P=2048, R=256: dualkv / packed increase = {ratio:.3f}, target <= "
+                   f"1.3 / rho = {1.3 / mem['rho']:.3f}: {ok(ratio <= 1.3 / mem['rho'])}.")
+    over = [r for r in rows if "memory" in r and all("increase_kb" in r["memory"].get(v, {}) for v in ("packed", "dualkv"))
+            and r["memory"]["dualkv"]["increase_kb"] > r["memory"]["packed"]["increase_kb"]]
+    if over:
+        out.append("- Update memory above packed's (not a target; for the record): " + ", ".join(
+            f"{r['n']}x{r['p']}x{r['r']} ({r['memory']['dualkv']['increase_kb'] / r['memory']['packed']['increase_kb']:.2f}x)"
+            for r in over) + ".")
+    return out
 
 
 def plot(res: dict, path: str) -> None:
