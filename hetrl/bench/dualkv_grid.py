@@ -320,8 +320,12 @@ def markdown(res: dict) -> str:
         lines += [f"**Partial: {res['grid_cases_measured']} of the {res['grid_cases']} grid cases measured so far** "
                   "(`hetrl bench dualkv --out benchmarks/results` measures the rest and keeps these).", ""]
     lines += [
-             "Update = forward + GRPO clipped loss + backward of one group; speedups are over `packed` (verl's way) "
-             "and `padded` (TRL's way); memory = peak RSS increase of the update in a fresh process.", "",
+             "Update = forward + GRPO clipped loss + backward of one group; speedups are over `packed` (verl's way), "
+             "`padded` (TRL's way) and `prefix-grouper` (the prefix-grouper 0.0.1.post1 package through its own "
+             "transformers integration; its inner attention here is torch SDPA with flash-attn's causal rule, as its "
+             "default flash_attention_2 needs CUDA); memory = peak RSS increase of the update in a fresh process. "
+             "Every row's log-probs were checked against hetrl's reference before timing "
+             "(`max_abs_logprob_diff` in the JSON).", "",
              "| model | N | P | R | rho | FLOP ratio | update s: packed / padded / prefix-grouper / dualkv | "
              "update speedup vs packed / padded / prefix-grouper | log-prob speedup vs packed / padded / prefix-grouper | "
              "update memory MB: packed / padded / prefix-grouper / dualkv |", "|---|---|---|---|---|---|---|---|---|---|"]
