@@ -398,7 +398,8 @@ def plot(res: dict, path: str) -> None:
         ax.scatter([r["flop_ratio"] for r in have], [r["update_s"][base] / r["update_s"]["dualkv"] for r in have],
                    marker=marker, label=f"update speedup over {base}")
     top = max(x + [1.0]) * 1.1
-    ax.plot([1, top], [1, top], "k--", lw=1, label="FLOP ratio (ceiling)")
+    ax.plot([1, top], [1, top], "k--", lw=1, label="y = FLOP ratio")
+    ax.axhline(1.0, color="k", lw=0.8, alpha=0.5)
     ax.plot([1, top], [0.8, 0.8 * top], ":", color="gray", lw=1, label="0.8 x FLOP ratio")
     ax.set_xlabel("FLOP ratio (standard / shared-prompt)")
     ax.set_ylabel("measured speedup")
