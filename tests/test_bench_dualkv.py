@@ -52,3 +52,13 @@ def test_rows_missing_a_variant_are_measured_again(tmp_path, monkeypatch):
                          "max_abs_logprob_diff": {}})
     res = dualkv_grid.run(False, 2, memory=False, cases=[dualkv_grid.parse_case("3x17x5")], rows_path=str(rows))
     assert len(calls) == 1 and len(res["rows"]) == 1 and set(res["rows"][0]["update_s"]) == set(dualkv_grid.VARIANTS)
+
+
+def test_prefix_grouper_inner_attention_skips_padding_like_flash_attn():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (3, 5, 5))
+    left_padded = torch.tensor([[False, True, True, True, True]])      # one pad key, then 4 real ones
+    got, _ = dualkv_grid._flash_like_sdpa(None, q, k, v, left_padded)
+    causal = torch.tril(torch.ones(3, 4, dtype=torch.bool), diagonal=1)  # bottom-right over the real keys
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, 1:], v[:, :, 1:], attn_mask=causal)
+    assert (got.transpose(1, 2) - want).abs().max() < 1e-12

@@ -135,18 +135,18 @@ def variant_logprobs(variant: str, model, prompt, responses):
 
 
 def _flash_like_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """CPU stand-in for the flash-attn call prefix-grouper makes: causal attention aligned bottom-right (the
-    queries are the last Lq of the Lk keys, as flash-attn >= 2.1 aligns them) over unpadded rows.
-    `attention_mask` is prefix-grouper's [b, Lk] key padding mask; the bench's groups have no padding."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("the bench's prefix-grouper attention handles unpadded groups only")
+    """CPU stand-in for the flash-attn varlen call prefix-grouper makes: over the real (unpadded) tokens, causal
+    attention aligned bottom-right (the real queries are the last of the real keys, as flash-attn >= 2.1 aligns
+    them). `attention_mask` is prefix-grouper's [b, Lk] key mask; its last Lq columns are the queries' own."""
     lq, lk = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
-    if lq == lk:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    else:
-        causal = torch.arange(lk, device=query.device)[None, :] <= torch.arange(lq, device=query.device)[:, None] + (lk - lq)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling, enable_gqa=gqa)
+    keys = attention_mask.bool() if attention_mask is not None else torch.ones(key.shape[0], lk, dtype=torch.bool)
+    queries = keys[:, lk - lq:]
+    k_rank, q_rank = keys.cumsum(1) - 1, queries.cumsum(1) - 1
+    offset = (keys.sum(1) - queries.sum(1))[:, None, None]
+    allowed = keys[:, None, :] & (k_rank[:, None, :] <= q_rank[:, :, None] + offset)        # [b, Lq, Lk]
+    allowed |= ~queries[:, :, None]            # padded query rows (dropped later) attend anything: no NaN
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
