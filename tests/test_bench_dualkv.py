@@ -62,3 +62,11 @@ def test_prefix_grouper_inner_attention_skips_padding_like_flash_attn():
     causal = torch.tril(torch.ones(3, 4, dtype=torch.bool), diagonal=1)  # bottom-right over the real keys
     want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, 1:], v[:, :, 1:], attn_mask=causal)
     assert (got.transpose(1, 2) - want).abs().max() < 1e-12
+
+
+def test_memory_is_measured_per_variant_in_fresh_processes_side_by_side():
+    mem = dualkv_grid.measure_memory(Case("qwen3-shaped", 2, 16, 8), jobs=2)
+    assert set(mem) == set(dualkv_grid.VARIANTS)
+    for v, m in mem.items():
+        assert "error" not in m, (v, m)
+        assert m["resident_kb"] > 100_000 and m["increase_kb"] == m["peak_kb"] - m["resident_kb"] >= 0, (v, m)

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,7 +40,7 @@ QWEN3_SHAPED = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
                     head_dim=64, intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192,
                     tie_word_embeddings=False)
 GRID = [(n, p, r) for n in (4, 8, 16) for p in (256, 1024, 2048) for r in (64, 256)]
-QUICK = [(4, 256, 64), (8, 1024, 64)]
+QUICK = [(4, 128, 32), (8, 128, 32)]          # under 2 minutes on 2 cores, memory included
 SMOLLM2_GRID = [(4, 256, 64), (8, 256, 64), (4, 1024, 64)]   # 135M params: ~5x the Qwen3-shaped model's time
 
 
@@ -228,17 +229,20 @@ def measure_times(model, case: Case, repeats: int) -> dict:
     return {"update_s": update, "logprob_s": logprob, "errors": errors, "max_abs_logprob_diff": max_diff}
 
 
-def measure_memory(case: Case) -> dict:
-    """Peak RSS increase of one update step, per variant, each in a fresh interpreter."""
+def measure_memory(case: Case, jobs: int = 1) -> dict:
+    """Peak RSS increase of one update step, per variant, each in a fresh interpreter; `jobs` of them at once
+    (a process's peak is its own, so running side by side does not change it; only the wall time)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}        # as in the timed runs
+    cmds = {v: [sys.executable, "-m", "hetrl.bench.dualkv_grid", "--child", v, case.model, str(case.n), str(case.p),
+                str(case.r)] for v in VARIANTS}
     out = {}
-    for v in VARIANTS:
-        cmd = [sys.executable, "-m", "hetrl.bench.dualkv_grid", "--child", v, case.model, str(case.n), str(case.p),
-               str(case.r)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
+    with ThreadPoolExecutor(jobs) as pool:
+        runs = {v: pool.submit(subprocess.run, cmd, capture_output=True, text=True, env=env) for v, cmd in cmds.items()}
+        for v, future in runs.items():
+            proc = future.result()
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
     return out
-
 
 def _child(variant: str, model_name: str, n: int, p: int, r: int) -> None:
     case = Case(model_name, n, p, r)
@@ -304,7 +308,7 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
         row = {**asdict(case), "rho": case.rho, "flop_ratio": flop_ratio(model, case), "repeats": repeats,
                "machine": machine_info(), **measure_times(model, case, repeats)}
         if memory:
-            row["memory"] = measure_memory(case)
+            row["memory"] = measure_memory(case, jobs=2 if quick else 1)   # the grid's largest need 1 at a time
         done.append(row)
         if rows_path:
             with open(rows_path, "a") as f:
