@@ -244,6 +244,7 @@ def measure_memory(case: Case, jobs: int = 1) -> dict:
             out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
     return out
 
+
 def _child(variant: str, model_name: str, n: int, p: int, r: int) -> None:
     case = Case(model_name, n, p, r)
     model = build_model(model_name)
