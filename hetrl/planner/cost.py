@@ -145,7 +145,7 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     flops = (8 * model.active_params * tokens + 4 * attn) if train else (2 * model.active_params * tokens + attn)
     speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
     shares = _shares(group, speeds)
-    compute = flops / sum(speeds) if group.data_split == "by_speed" else max(flops * f / v for f, v in zip(shares, speeds))
+    compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
     micro_batches = max(1, math.ceil(w.samples / par.dp / w.micro_batch_responses))
     bubble = compute * (par.pp - 1) / micro_batches
     layers_per_stage = model.layers / par.pp
