@@ -30,6 +30,11 @@ class UpdateStats:
     packed_tokens: int
     standard_tokens: int
 
+    @classmethod
+    def no_step(cls) -> UpdateStats:
+        """Nothing to learn from (every loss weight 0, e.g. all responses overlong): no optimizer step."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+
 
 def _micro_batches(groups: Groups, micro_batch_tokens: int):
     return [pack_groups(mb) for mb in split_by_token_budget(groups, micro_batch_tokens)]
@@ -75,7 +80,7 @@ class Learner:
         """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
         With `grad_sync` this rank takes part even with nothing to learn from (the others wait for it)."""
         if float(weights.sum()) == 0 and self.grad_sync is None:  # e.g. all overlong: nothing to learn from
-            return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+            return UpdateStats.no_step()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict(loss=0.0, policy=0.0, kl=0.0, clip=0.0, entropy=0.0)

@@ -261,7 +261,7 @@ class LearnerGroup(ShardedScorer):
 
     def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
-            return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+            return UpdateStats.no_step()
         parts = assign_groups(_packed_sizes(groups), len(self.actors))
         idx = _rank_tokens(groups, parts)
         args = [[groups[i] for i in part] for part in parts]
