@@ -1,5 +1,7 @@
 """The benchmark's layouts compute the same log-probs as the oracle before anyone times them."""
 
+import json
+
 import torch
 
 from hetrl.bench import dualkv_grid
@@ -45,7 +47,7 @@ def test_a_grid_run_appends_each_case_and_skips_what_is_done(tmp_path, monkeypat
 def test_rows_missing_a_variant_are_measured_again(tmp_path, monkeypatch):
     old = {"model": "qwen3-shaped", "n": 3, "p": 17, "r": 5, "repeats": 2, "update_s": {"packed": 1.0, "dualkv": 1.0}}
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(__import__("json").dumps(old) + "\n")
+    rows.write_text(json.dumps(old) + "\n")
     calls = []
     monkeypatch.setattr(dualkv_grid, "measure_times", lambda model, case, repeats: calls.append(case) or
                         {"update_s": {v: 1.0 for v in dualkv_grid.VARIANTS}, "logprob_s": {}, "errors": {},
