@@ -163,19 +163,15 @@ def _check_model(model, batch: PackedBatch, needs_grad: bool) -> None:
 
 def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: torch.Tensor,
                     temperature: float, return_entropy: bool):
-    """logits [U, V], row_of_label [K], labels [K] -> logp [K] (and entropy [K])."""
+    """logits [U, V], row_of_label [K], labels [K] -> logp [K] (and entropy [K], without gradient: for logging)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp, lse = _GatheredLogSoftmax.apply(z, row_of_label, labels, float(temperature))
-    if not return_entropy:
-        return logp
-    with torch.no_grad():                                  # for logging, like the chunked path
-        zt = z / temperature if temperature != 1.0 else z
-        entropy = lse - (torch.exp(zt - lse[:, None]) * zt).sum(-1)
-    return logp, entropy[row_of_label]
+    logp, entropy = _GatheredLogSoftmax.apply(z, row_of_label, labels, float(temperature), return_entropy)
+    return (logp, entropy[row_of_label]) if return_entropy else logp
 
 
 class _GatheredLogSoftmax(torch.autograd.Function):
-    """log-softmax(z / T)[row_of_label, labels] without a [U, V] log-softmax tensor or its gradient.
+    """log-softmax(z / T)[row_of_label, labels] without a [U, V] log-softmax tensor or its gradient, and
+    (when asked) each row's entropy from the same scaled logits, without gradient.
 
     autograd through logsumexp + advanced indexing costs ~8 passes over [U, V] in the backward (two
     zero fills, an index_put, the logsumexp grad, their sum, a copy); this one writes the gradient in
@@ -184,17 +180,18 @@ class _GatheredLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z, row_of_label, labels, temperature: float):
+    def forward(ctx, z, row_of_label, labels, temperature: float, with_entropy: bool):
         zt = z / temperature if temperature != 1.0 else z
         lse = torch.logsumexp(zt, dim=-1)
         logp = zt[row_of_label, labels] - lse[row_of_label]
+        entropy = lse - (torch.exp(zt - lse[:, None]) * zt).sum(-1) if with_entropy else lse.new_empty(0)
         ctx.save_for_backward(z, row_of_label, labels, lse)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(lse)
-        return logp, lse
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_lse):
+    def backward(ctx, grad_logp, _grad_entropy):
         z, row_of_label, labels, lse = ctx.saved_tensors
         t = ctx.temperature
         g_row = torch.zeros_like(lse).index_add_(0, row_of_label, grad_logp)   # a row may predict several labels
@@ -202,7 +199,7 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         dz.index_put_((row_of_label, labels), grad_logp, accumulate=True)     # d logp / dz = onehot - softmax
         if t != 1.0:
             dz.div_(t)
-        return dz, None, None, None
+        return dz, None, None, None, None
 
 
 # Above this many bytes of [rows, vocab] logits, the LM head and the log-softmax run in row chunks that are
