@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="what", required=True)
     dk = bench_sub.add_parser("dualkv", help="DualKV vs padded (TRL), packed (verl) and prefix-grouper on CPU")
     dk.add_argument("--quick", action="store_true",
-                    help="2 small configurations (4x128x32, 8x128x32): ~1.5 min on 2 cores, memory included")
+                    help="2 small configurations (4x128x32, 8x128x32): under 2 min on 2 cores, memory included")
     dk.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
     dk.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
     dk.add_argument("--out", help="directory for the results (e.g. benchmarks/results); each finished case is "
