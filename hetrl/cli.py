@@ -25,11 +25,7 @@ def _bench_demo(args) -> int:
 def _bench_dualkv(args) -> int:
     from hetrl.bench import dualkv_grid
 
-    try:
-        cases = [dualkv_grid.parse_case(c) for c in args.cases] if args.cases else None
-    except ValueError as e:
-        print(f"hetrl bench dualkv: {e}", file=sys.stderr)
-        return 2
+    cases = [dualkv_grid.parse_case(c) for c in args.cases] if args.cases else None
     name = "dualkv_cpu_quick" if args.quick else "dualkv_cpu"
     rows_path = None
     if args.out:
@@ -49,18 +45,17 @@ def _bench_dualkv(args) -> int:
 
 
 def _train(args) -> int:
-    from hetrl.trainer.config import load_config
-    from hetrl.trainer.loop import train
+    from hetrl.trainer.loop import train_command
     from hetrl.trainer.placement import ExecutorFailure
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        result = train(cfg, resume=args.resume)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"hetrl train: {e}", file=sys.stderr)
-        return 2
+        result = train_command(args.config, args.overrides, resume=args.resume,
+                               allow_config_change=args.allow_config_change,
+                               default_config=DEFAULT_RUN if os.path.isfile(DEFAULT_RUN) else None)
     except ExecutorFailure as e:  # the Ray executor lost a learner or every rollout actor: it says how to resume
-        print(f"hetrl train: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"hetrl train: {_one_line(e)}", file=sys.stderr)
         return 1
     return 130 if result.get("interrupted") else 0
 
@@ -68,16 +63,38 @@ def _train(args) -> int:
 def _plan(args) -> int:
     from hetrl.planner import report
 
-    try:
-        result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
-                                    time_limit_s=args.time_limit, evaluate_path=args.evaluate)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"hetrl plan: {e}", file=sys.stderr)
-        return 2
+    if args.out:
+        report.check_output_path(args.out)   # before the search, not after it
+    result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
+                                time_limit_s=args.time_limit, evaluate_path=args.evaluate)
     print(json.dumps(result, indent=2) if args.json else report.format_report(result))
     if args.out:
         report.write_json(result, args.out)
     return 0
+
+
+def _validate(args) -> int:
+    from hetrl.validate import validate_file
+
+    failed = 0
+    for path in args.files:
+        try:
+            print(f"{path}: ok ({validate_file(path, cluster=args.cluster, workload=args.workload)})")
+        except (ValueError, OSError) as e:
+            if args.debug:
+                raise
+            failed += 1
+            text = _one_line(e)
+            print(text if text.startswith(path) else f"{path}: {text}", file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
 
 
 DEFAULT_RUN = "examples/runs/default.yaml"
@@ -86,14 +103,17 @@ DEFAULT_RUN = "examples/runs/default.yaml"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetrl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what auto choices picked")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an input error too (for reporting bugs)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
     pl.add_argument("--cluster", required=True, help="cluster YAML (examples/clusters/)")
     pl.add_argument("--workload", required=True, help="workload YAML (examples/workloads/)")
     pl.add_argument("--method", default="hybrid", help="hybrid | ilp | exhaustive | verl | verl-all | streamrl | all")
-    pl.add_argument("--time-limit", type=float, help="seconds for hybrid / ilp (ilp default 120)")
-    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--time-limit", type=float, help="seconds the search may take (hybrid, ilp, exhaustive); it "
+                    "returns its best plan by then and says it stopped early (default: hybrid's budget, ilp 120 s)")
+    pl.add_argument("--seed", type=int, help="hybrid's random seed (default 0)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pl.add_argument("--evaluate", metavar="PLAN.json", help="score this plan instead of searching")
     pl.add_argument("--out", metavar="PLAN.json", help="also write the JSON result here")
@@ -101,9 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="RL post-training (GRPO/DAPO) with the DualKV update")
     tr.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
-    tr.add_argument("--resume", action="store_true", help="continue the run in out_dir from its latest checkpoint")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue the run in out_dir from its latest intact checkpoint; without --config the run's "
+                    "own config (out_dir/run_config.yaml) is the base")
+    tr.add_argument("--allow-config-change", action="store_true",
+                    help="with --resume: accept config values that differ from the checkpoint's (logged in "
+                    "out_dir/resumes.jsonl); without it such a resume is refused with the fields listed")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. steps=5")
     tr.set_defaults(func=_train)
+
+    va = sub.add_parser("validate", help="check hetrl input files (cluster, workload, plan JSON, run config) "
+                        "without running anything: prints ok or one line per problem")
+    va.add_argument("files", nargs="+", metavar="FILE")
+    va.add_argument("--cluster", help="check plan files against this cluster YAML (GPU names)")
+    va.add_argument("--workload", help="with --cluster: check plan files against this workload (tasks, memory)")
+    va.set_defaults(func=_validate)
 
     bench = sub.add_parser("bench", help="measure hetrl against the standard way, side by side")
     bench_sub = bench.add_subparsers(dest="what", required=True)
@@ -126,11 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user-input problem (a bad value, a missing file, an unwritable directory) is one
+    line on stderr and exit code 2; other exceptions are bugs and keep their traceback (`--debug`: always)."""
     args = build_parser().parse_args(argv)
-    if args.command == "train" and args.config is None and os.path.isfile(DEFAULT_RUN):
+    if args.command == "train" and args.config is None and not args.resume and os.path.isfile(DEFAULT_RUN):
         args.config = DEFAULT_RUN
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"hetrl {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetrl.schema import check, rule
+
 GB = 10**9
 TB = 10**12
 
@@ -17,12 +19,18 @@ TB = 10**12
 @dataclass(frozen=True)
 class GPUType:
     name: str
-    dense_bf16_flops: float      # FLOP/s, dense tensor-core peak (fp16 where bf16 is missing)
-    memory_bytes: int
-    hbm_bytes_per_s: float
-    nvlink_bytes_per_s: float     # per-GPU NVLink bandwidth, one direction; 0 when the GPU has none
-    has_bf16: bool
-    source: str
+    dense_bf16_flops: float = rule(gt=0)     # FLOP/s, dense tensor-core peak (fp16 where bf16 is missing)
+    memory_bytes: float = rule(gt=0)
+    hbm_bytes_per_s: float = rule(gt=0)
+    nvlink_bytes_per_s: float = rule(0.0, ge=0)   # per-GPU NVLink bandwidth, one direction; 0 when it has none
+    has_bf16: bool = True
+    source: str = ""                        # where the numbers come from (a datasheet, a measurement)
+
+    def __post_init__(self):
+        check(self)
+        if not self.source.strip():
+            raise ValueError(f"GPU type {self.name}: source is empty; say where its numbers come from "
+                             "(a datasheet, or how they were measured)")
 
 
 _NVIDIA = "NVIDIA datasheet"

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from hetrl.schema import (InputError, check, choice_error, from_mapping, read_json, reject_unknown, require_mapping,
+                          rule, show)
+
 from .spec import ClusterSpec, WorkloadSpec
 
 TASKS = ("actor_gen", "actor_infer", "ref_infer", "reward_infer", "critic_infer", "actor_train", "critic_train")
@@ -37,9 +40,12 @@ def workload_tasks(w: WorkloadSpec) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Parallelism:
-    tp: int
-    pp: int
-    dp: int
+    tp: int = rule(1, ge=1)
+    pp: int = rule(1, ge=1)
+    dp: int = rule(1, ge=1)
+
+    def __post_init__(self):
+        check(self)
 
     @property
     def size(self) -> int:
@@ -72,39 +78,81 @@ class Plan:
             for g in self.groups]}
 
 
-def plan_from_dict(data: dict, cluster: ClusterSpec, workload: WorkloadSpec) -> Plan:
-    """Read a plan written by `hetrl plan --json` (or by hand) and check it against the cluster and workload."""
-    if not isinstance(data, dict) or not isinstance(data.get("groups"), list):
-        raise ValueError("a plan is a mapping with a list under 'groups'")
-    by_name = {g.name: g.id for g in cluster.gpus}
-    groups, seen_tasks, seen_gpus = [], [], []
+GROUP_KEYS = ("tasks", "gpus", "parallelism", "data_split")
+
+
+def plan_from_dict(data: dict, cluster: ClusterSpec, workload: WorkloadSpec, where: str = "plan") -> Plan:
+    """Read a plan written by `hetrl plan --json` (or by hand) and check it against the cluster and workload.
+    A whole `hetrl plan --json` report is accepted too (its `plan`)."""
+    plan = plan_shape(data, where, {g.name: g.id for g in cluster.gpus}, cluster)
+    try:
+        check_structure(plan, cluster, workload)
+    except InputError:
+        raise
+    except ValueError as e:
+        raise InputError(f"{where}: {e}", located=True) from None
+    return plan
+
+
+def load_plan(path: str, cluster: ClusterSpec, workload: WorkloadSpec) -> Plan:
+    """A plan JSON file (`hetrl plan --out`, or written by hand), checked against the cluster and workload."""
+    return plan_from_dict(read_json(path, "plan JSON"), cluster, workload, path)
+
+
+def plan_shape(data, where: str, gpu_ids: dict[str, int] | None = None, cluster: ClusterSpec | None = None) -> Plan:
+    """The plan's own form (keys, types, task names, degrees); GPU names are resolved when `gpu_ids` is given
+    (else numbered in order of appearance: enough to check a plan file without its cluster)."""
+    data = require_mapping(data, where)
+    if "plan" in data and "groups" not in data:      # a whole `hetrl plan --json` report
+        data, where = require_mapping(data["plan"], f"{where}: plan"), f"{where}: plan"
+    reject_unknown(data, ("groups",), where)
+    if not isinstance(data.get("groups"), list) or not data["groups"]:
+        raise InputError(f"{where}: a plan is a mapping with a non-empty list under 'groups', got "
+                         f"{show(data.get('groups'))}", located=True)
+    names: dict[str, int] = {}
+    groups = []
     for i, g in enumerate(data["groups"]):
-        tasks = tuple(g.get("tasks") or ())
-        unknown = [t for t in tasks if t not in TASKS]
-        if unknown:
-            raise ValueError(f"plan group {i}: unknown task(s) {unknown}; tasks are {', '.join(TASKS)}")
-        gpus = []
-        for name in g.get("gpus") or ():
-            if name not in by_name:
-                raise ValueError(f"plan group {i}: GPU {name!r} is not in cluster {cluster.name} "
-                                 f"(GPUs are named <node>:<index>, e.g. {cluster.gpus[0].name})")
-            gpus.append(by_name[name])
+        at = f"{where}: groups[{i}]"
+        g = require_mapping(g, at)
+        reject_unknown(g, GROUP_KEYS, at)
+        tasks, gpus = g.get("tasks"), g.get("gpus")
+        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
+            raise InputError(f"{at}.tasks must be a non-empty list of task names ({', '.join(TASKS)}), got "
+                             f"{show(tasks)}", located=True)
+        for t in tasks:
+            if t not in TASKS:
+                raise InputError(f"{at}.tasks: {choice_error('a task', t, TASKS)}", located=True)
+        if len(set(tasks)) != len(tasks):
+            raise InputError(f"{at}.tasks names a task twice: {tasks}", located=True)
+        if not isinstance(gpus, list) or not gpus or not all(isinstance(n, str) for n in gpus):
+            raise InputError(f"{at}.gpus must be a non-empty list of GPU names (<node>:<index>), got {show(gpus)}",
+                             located=True)
+        ids = []
+        for name in gpus:
+            if gpu_ids is None:
+                ids.append(names.setdefault(name, len(names)))
+            elif name not in gpu_ids:
+                example = cluster.gpus[0].name if cluster else "node:0"
+                raise InputError(f"{at}.gpus: GPU {name!r} is not in cluster {cluster.name if cluster else ''} "
+                                 f"(GPUs are named <node>:<index>, e.g. {example})", located=True)
+            else:
+                ids.append(gpu_ids[name])
+        par_data = require_mapping(g.get("parallelism", {}), f"{at}.parallelism")
+        extra = set(par_data) - set(tasks)
+        if extra:
+            raise InputError(f"{at}.parallelism names {sorted(map(str, extra))}, which the group does not run "
+                             f"(its tasks: {', '.join(tasks)})", located=True)
         par = []
         for t in tasks:
-            p = (g.get("parallelism") or {}).get(t)
-            if not p:
-                raise ValueError(f"plan group {i}: no parallelism for {t}")
-            par.append((t, Parallelism(int(p.get("tp", 1)), int(p.get("pp", 1)), int(p.get("dp", 1)))))
+            if t not in par_data:
+                raise InputError(f"{at}.parallelism has no entry for {t}; give {{tp, pp, dp}}", located=True)
+            par.append((t, from_mapping(Parallelism, par_data[t], f"{at}.parallelism.{t}")))
         split = g.get("data_split", "by_speed")
         if split not in DATA_SPLITS:
-            raise ValueError(f"plan group {i}: data_split must be one of {', '.join(DATA_SPLITS)} (by_speed: "
-                             f"replicas get data in proportion to their speed; even: as verl does), got {split!r}")
-        groups.append(Group(tasks, tuple(gpus), tuple(par), split))
-        seen_tasks += tasks
-        seen_gpus += gpus
-    plan = Plan(tuple(groups))
-    check_structure(plan, cluster, workload)
-    return plan
+            raise InputError(f"{at}: {choice_error('data_split', split, DATA_SPLITS)} (by_speed: replicas get data "
+                             "in proportion to their speed; even: as verl does)", located=True)
+        groups.append(Group(tuple(tasks), tuple(ids), tuple(par), split))
+    return Plan(tuple(groups))
 
 
 def check_structure(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec) -> None:

@@ -5,22 +5,25 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
+
+from hetrl.schema import InputError
 
 from . import METHODS, evaluate, plan
-from .plan import plan_from_dict
+from .plan import load_plan
 from .search import exhaustive_size
 from .spec import ClusterSpec, WorkloadSpec, load_cluster, load_workload
 
 BASELINES = ("verl", "verl-all", "streamrl")
 
 
-def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: float, gap=None) -> dict:
+def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: float, gap=None, stopped=None) -> dict:
     e = evaluate(cluster, w, p)
     if not e.feasible:
         raise ValueError(f"{method}: the plan cannot run: {e.reason}")
     samples_s, tokens_s = e.throughput(w)
     return {"method": method, "iteration_time_s": e.iteration_time_s, "samples_per_s": samples_s,
-            "tokens_per_s": tokens_s, "search_time_s": search_s, "optimality_gap": gap,
+            "tokens_per_s": tokens_s, "search_time_s": search_s, "optimality_gap": gap, "stopped": stopped,
             "breakdown": e.breakdown, "task_times_s": e.task_times_s, "plan": p.to_dict(cluster)}
 
 
@@ -33,7 +36,7 @@ def _methods_for(cluster, w, method: str) -> list[str]:
     return out
 
 
-def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *, seed: int = 0,
+def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *, seed: int | None = None,
                 time_limit_s: float | None = None, evaluate_path: str | None = None) -> dict:
     """The object `hetrl plan --json` prints: the chosen plan with its numbers, plus the baselines."""
     cluster, w = load_cluster(cluster_path), load_workload(workload_path)
@@ -41,20 +44,19 @@ def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *
         raise ValueError(f"--method must be one of {', '.join([*METHODS, 'all'])}, got {method!r}")
     results = {}
     if evaluate_path:
-        with open(evaluate_path) as f:
-            data = json.load(f)
-        given = plan_from_dict(data.get("plan", data), cluster, w)
+        given = load_plan(evaluate_path, cluster, w)
         results["evaluate"] = _entry(cluster, w, "evaluate", given, 0.0)
     else:
         for m in _methods_for(cluster, w, method):
-            r = plan(cluster, w, m, seed=seed, time_limit_s=time_limit_s)
-            results[m] = _entry(cluster, w, m, r.plan, r.search_time_s, r.optimality_gap)
+            r = plan(cluster, w, m, seed=seed if m == "hybrid" else None, time_limit_s=time_limit_s)
+            results[m] = _entry(cluster, w, m, r.plan, r.search_time_s, r.optimality_gap, r.stopped)
     best = min(results.values(), key=lambda r: r["iteration_time_s"])
     report = dict(best)
     report["cluster"], report["workload"] = cluster.name, os.path.basename(workload_path)
     if len(results) > 1:
         report["methods"] = {k: {"iteration_time_s": v["iteration_time_s"], "search_time_s": v["search_time_s"],
-                                 "optimality_gap": v["optimality_gap"]} for k, v in results.items()}
+                                 "optimality_gap": v["optimality_gap"], "stopped": v["stopped"]}
+                             for k, v in results.items()}
     report["baselines"] = {}
     for b in BASELINES:
         try:
@@ -66,11 +68,29 @@ def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *
     return report
 
 
+def check_output_path(path: str) -> None:
+    """Refuse an --out that cannot be written (a directory, a missing or read-only folder) before any search."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InputError(f"--out {path} is a directory; give a file name, e.g. {os.path.join(path, 'plan.json')}")
+    if not os.path.isdir(folder):
+        raise InputError(f"--out {path}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"--out {path}: the folder {folder} is not writable by this user")
+
+
 def write_json(report: dict, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, path)
+    """Write under a fresh temporary name in the same folder (created exclusively), then rename into place."""
+    check_output_path(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".hetrl-plan.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def format_report(r: dict) -> str:
@@ -78,6 +98,7 @@ def format_report(r: dict) -> str:
              f"{r['samples_per_s']:.1f} samples/s, {r['tokens_per_s']:,.0f} tokens/s "
              f"(search {r['search_time_s']:.1f} s"
              + (f", optimality gap {r['optimality_gap']:.2%}" if r.get("optimality_gap") is not None else "") + ")",
+             *([f"search {r['stopped']}"] if r.get("stopped") else []),
              "", f"{'group':<6}{'GPUs':<34}{'task':<14}{'tp':>3}{'pp':>4}{'dp':>4}{'s/iter':>9}"]
     for i, g in enumerate(r["plan"]["groups"]):
         gpus = _compress(g["gpus"])
@@ -89,7 +110,8 @@ def format_report(r: dict) -> str:
         f"{k} {v:.1f} s" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1]) if v >= 0.05)]
     for name, m in r.get("methods", {}).items():
         gap = f", gap {m['optimality_gap']:.2%}" if m.get("optimality_gap") is not None else ""
-        lines.append(f"  {name:<10} {m['iteration_time_s']:8.1f} s/iter  (search {m['search_time_s']:.1f} s{gap})")
+        stop = "; stopped early" if m.get("stopped") else ""
+        lines.append(f"  {name:<10} {m['iteration_time_s']:8.1f} s/iter  (search {m['search_time_s']:.1f} s{gap}{stop})")
     lines.append("baselines:")
     for name, b in r["baselines"].items():
         if b.get("plan") is None:

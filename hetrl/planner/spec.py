@@ -10,7 +10,8 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-import yaml
+from hetrl.schema import (InputError, check, choice_error, from_mapping, located, read_yaml, reject_unknown,
+                          require_mapping, rule, show)
 
 from .catalog import GPUType, gpu
 
@@ -23,24 +24,21 @@ GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 class ModelSpec:
     """A decoder-only transformer by its architecture numbers (MoE when experts > 0)."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+    layers: int = rule(ge=1)
+    hidden: int = rule(ge=1)
+    heads: int = rule(ge=1)
+    kv_heads: int = rule(ge=1)
+    head_dim: int = rule(ge=1)
+    intermediate: int = rule(ge=0)
+    vocab: int = rule(ge=1)
     tied_embeddings: bool = False
-    experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate: int = 0
+    experts: int = rule(0, ge=0)
+    experts_per_token: int = rule(0, ge=0)
+    moe_intermediate: int = rule(0, ge=0)
     name: str = "custom"
 
     def __post_init__(self):
-        for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"model {self.name}: {f} must be an int >= 1, got {v!r}")
+        check(self)
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.experts and not (0 < self.experts_per_token <= self.experts and self.moe_intermediate > 0):
@@ -100,23 +98,19 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 ]}
 
 
-def model_spec(value) -> ModelSpec | None:
-    if value is None:
-        return None
-    if isinstance(value, ModelSpec):
+def model_spec(value, where: str = "model") -> ModelSpec | None:
+    """A preset name, a mapping of architecture numbers, or None (no such model)."""
+    if value is None or isinstance(value, ModelSpec):
         return value
     if isinstance(value, str):
         if value not in PRESETS:
-            raise ValueError(f"unknown model preset {value!r}; known: {', '.join(PRESETS)} "
-                             "(or give {layers, hidden, heads, kv_heads, head_dim, intermediate, vocab})")
+            raise InputError(choice_error(f"{where}: preset", value, PRESETS)
+                             + " (or give {layers, hidden, heads, kv_heads, head_dim, intermediate, vocab})", located=True)
         return PRESETS[value]
     if isinstance(value, dict):
-        valid = [f.name for f in dataclasses.fields(ModelSpec)]
-        unknown = sorted(set(value) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown model key(s) {unknown}; valid: {', '.join(valid)}")
-        return ModelSpec(**value)
-    raise ValueError(f"a model is a preset name or a mapping of architecture numbers, got {value!r}")
+        return from_mapping(ModelSpec, value, where)
+    raise InputError(f"{where}: a model is a preset name ({', '.join(PRESETS)}) or a mapping of architecture "
+                     f"numbers, got {show(value)}", located=True)
 
 
 # ---------------------------------------------------------------------------------------------- cluster
@@ -127,24 +121,25 @@ class Node:
     name: str
     region: str
     gpu: str
-    count: int
-    intra_node: str = "nvlink"    # nvlink | pcie
-    network_gbps: float = 100.0
+    count: int = rule(ge=1)
+    intra_node: str = rule("nvlink", choices=("nvlink", "pcie"))
+    network_gbps: float = rule(100.0, gt=0)
 
     def __post_init__(self):  # the GPU type is checked by ClusterSpec, which also knows the cluster's own types
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"node {self.name}: count must be an int >= 1, got {self.count!r}")
-        if self.intra_node not in ("nvlink", "pcie"):
-            raise ValueError(f"node {self.name}: intra_node must be 'nvlink' or 'pcie', got {self.intra_node!r}")
-        if not self.network_gbps > 0:
-            raise ValueError(f"node {self.name}: network_gbps must be > 0, got {self.network_gbps!r}")
+        check(self)
 
 
 @dataclass(frozen=True)
 class RegionLink:
     between: tuple[str, str]
-    latency_ms: float
-    bandwidth_gbps: float
+    latency_ms: float = rule(ge=0)
+    bandwidth_gbps: float = rule(gt=0)
+
+    def __post_init__(self):
+        check(self)
+        if self.between[0] == self.between[1]:
+            raise ValueError(f"between names {self.between[0]!r} twice; a region link joins two different regions "
+                             "(traffic inside one region uses the nodes' network_gbps)")
 
 
 @dataclass(frozen=True)
@@ -173,6 +168,7 @@ class ClusterSpec:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        check(self)
         if not self.nodes:
             raise ValueError(f"cluster {self.name}: no nodes")
         names = [n.name for n in self.nodes]
@@ -182,6 +178,8 @@ class ClusterSpec:
         regions = {n.region for n in self.nodes}
         linked = set()
         for link in self.regions:
+            if frozenset(link.between) in linked:
+                raise ValueError(f"cluster {self.name}: two region links between {sorted(link.between)}; keep one")
             a, b = link.between
             for r in (a, b):
                 if r not in regions:
@@ -238,50 +236,39 @@ ROLES = ("actor", "reference", "reward", "critic")
 
 @dataclass(frozen=True)
 class TokenLengths:
-    max: int
-    mean: float
+    max: int = rule(ge=1)
+    mean: float = rule(gt=0)
 
     def __post_init__(self):
-        if not (isinstance(self.max, int) and self.max >= 1 and 0 < self.mean <= self.max):
-            raise ValueError(f"token lengths need an int max >= 1 and 0 < mean <= max, got max={self.max}, "
-                             f"mean={self.mean}")
+        check(self)
+        if self.mean > self.max:
+            raise ValueError(f"mean ({self.mean:g}) must be <= max ({self.max})")
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    algorithm: str
-    mode: str
+    algorithm: str = rule(choices=("grpo", "dapo", "ppo"))
+    mode: str = rule(choices=("sync", "async"))
     actor: ModelSpec
     reference: ModelSpec | None
     reward: ModelSpec | None
     critic: ModelSpec | None
-    prompts_per_step: int
-    responses_per_prompt: int
+    prompts_per_step: int = rule(ge=1)
+    responses_per_prompt: int = rule(ge=1)
     prompt_tokens: TokenLengths
     response_tokens: TokenLengths
     dualkv: bool = True
-    precision: str = "bf16"
-    micro_batch_responses: int | None = None   # responses per training micro-batch; default: a whole group
+    precision: str = rule("bf16", choices=("bf16", "fp16"))
+    micro_batch_responses: int | None = rule(None, ge=1)  # responses per training micro-batch; default: a whole group
 
     def __post_init__(self):
+        check(self)
         if self.micro_batch_responses is None:
             object.__setattr__(self, "micro_batch_responses", self.responses_per_prompt)
-        if not isinstance(self.micro_batch_responses, int) or not 1 <= self.micro_batch_responses:
-            raise ValueError(f"micro_batch_responses must be an int >= 1, got {self.micro_batch_responses!r}")
-        if self.algorithm not in ("grpo", "dapo", "ppo"):
-            raise ValueError(f"algorithm must be grpo, dapo or ppo, got {self.algorithm!r}")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"mode must be sync or async, got {self.mode!r}")
         if self.algorithm == "ppo" and self.critic is None:
             raise ValueError("ppo needs a critic model: set models.critic (e.g. the actor's preset)")
         if self.algorithm != "ppo" and self.critic is not None:
             raise ValueError(f"{self.algorithm} has no critic; set models.critic: null")
-        if self.precision not in ("bf16", "fp16"):
-            raise ValueError(f"precision must be bf16 or fp16, got {self.precision!r}")
-        for f in ("prompts_per_step", "responses_per_prompt"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f} must be an int >= 1, got {v!r}")
 
     def __hash__(self):  # cached: every cost-model cache lookup hashes the workload
         if "_hash" not in self.__dict__:
@@ -299,96 +286,47 @@ class WorkloadSpec:
 # ---------------------------------------------------------------------------------------------- YAML
 
 
-def _reject_unknown(data: dict, valid, where: str):
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in {where}; valid: {', '.join(valid)}")
-
-
-def _read_yaml(path: str) -> dict:
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping, got {type(data).__name__}")
-    return data
-
-
-def _gpu_type_from_dict(data, where: str) -> GPUType:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping of GPU type fields")
-    valid = [f.name for f in dataclasses.fields(GPUType)]
-    _reject_unknown(data, valid, where)
-    missing = [k for k in ("name", "dense_bf16_flops", "memory_bytes", "hbm_bytes_per_s", "source") if k not in data]
-    if missing:
-        raise ValueError(f"{where} is missing {missing} (a GPU type needs its numbers and where they come from)")
-    data = dict(data)
-    for k in ("dense_bf16_flops", "memory_bytes", "hbm_bytes_per_s", "nvlink_bytes_per_s"):
-        if isinstance(data.get(k), str):  # YAML 1.1 reads 1.5e11 (no dot before e) as a string
-            try:
-                data[k] = float(data[k])
-            except ValueError:
-                pass
-    for k in ("dense_bf16_flops", "memory_bytes", "hbm_bytes_per_s"):
-        if not isinstance(data[k], (int, float)) or isinstance(data[k], bool) or data[k] <= 0:
-            raise ValueError(f"{where}: {k} must be a number > 0, got {data[k]!r}")
-    return GPUType(name=str(data["name"]), dense_bf16_flops=float(data["dense_bf16_flops"]),
-                   memory_bytes=int(data["memory_bytes"]), hbm_bytes_per_s=float(data["hbm_bytes_per_s"]),
-                   nvlink_bytes_per_s=float(data.get("nvlink_bytes_per_s", 0)),
-                   has_bf16=bool(data.get("has_bf16", True)), source=str(data["source"]))
-
-
 def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
-    _reject_unknown(data, ("name", "nodes", "regions", "gpu_types"), where)
-    types = tuple(_gpu_type_from_dict(t, f"{where} gpu_types[{i}]") for i, t in enumerate(data.get("gpu_types") or []))
-    node_keys = [f.name for f in dataclasses.fields(Node)]
-    nodes = []
-    for i, n in enumerate(data.get("nodes") or []):
-        if not isinstance(n, dict):
-            raise ValueError(f"{where}: nodes[{i}] must be a mapping")
-        _reject_unknown(n, node_keys, f"{where} nodes[{i}]")
-        missing = [k for k in ("name", "region", "gpu", "count") if k not in n]
-        if missing:
-            raise ValueError(f"{where}: nodes[{i}] is missing {missing}")
-        nodes.append(Node(**n))
-    links = []
-    for i, r in enumerate(data.get("regions") or []):
-        _reject_unknown(r, ("between", "latency_ms", "bandwidth_gbps"), f"{where} regions[{i}]")
-        if len(r.get("between", ())) != 2:
-            raise ValueError(f"{where}: regions[{i}].between must name two regions")
-        links.append(RegionLink(tuple(r["between"]), float(r["latency_ms"]), float(r["bandwidth_gbps"])))
-    return ClusterSpec(str(data.get("name", where)), tuple(nodes), tuple(links), types)
+    data = require_mapping(data, where)
+    reject_unknown(data, ("name", "nodes", "regions", "gpu_types"), where)
+    for key in ("nodes", "regions", "gpu_types"):
+        if data.get(key) is not None and not isinstance(data[key], list):
+            raise InputError(f"{where}: {key} must be a list, got {show(data[key])}", located=True)
+    types = tuple(from_mapping(GPUType, t, f"{where}: gpu_types[{i}]") for i, t in enumerate(data.get("gpu_types") or []))
+    nodes = tuple(from_mapping(Node, n, f"{where}: nodes[{i}]") for i, n in enumerate(data.get("nodes") or []))
+    links = tuple(from_mapping(RegionLink, r, f"{where}: regions[{i}]") for i, r in enumerate(data.get("regions") or []))
+    with located(where):
+        return ClusterSpec(data.get("name", where), nodes, links, types)
+
+
+WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
+                 "response_tokens", "dualkv", "precision", "micro_batch_responses")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
-    valid = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
-             "response_tokens", "dualkv", "precision", "micro_batch_responses")
-    _reject_unknown(data, valid, where)
-    models = data.get("models") or {}
-    _reject_unknown(models, ROLES, f"{where} models")
+    data = require_mapping(data, where)
+    reject_unknown(data, WORKLOAD_KEYS, where)
+    models = require_mapping(data.get("models") or {}, f"{where}: models")
+    reject_unknown(models, ROLES, f"{where}: models")
     if models.get("actor") is None:
-        raise ValueError(f"{where}: models.actor is required")
+        raise InputError(f"{where}: models.actor is required (a preset such as qwen3-8b, or architecture numbers)",
+                         located=True)
+    specs = {role: model_spec(models.get(role), f"{where}: models.{role}") for role in ROLES}
     lengths = {}
     for key in ("prompt_tokens", "response_tokens"):
         v = data.get(key)
         if not isinstance(v, dict):
-            raise ValueError(f"{where}: {key} must be {{max: N, mean: M}}")
-        _reject_unknown(v, ("max", "mean"), f"{where} {key}")
-        lengths[key] = TokenLengths(v["max"], float(v.get("mean", v["max"])))
-    return WorkloadSpec(
-        algorithm=data.get("algorithm", "grpo"), mode=data.get("mode", "sync"),
-        actor=model_spec(models["actor"]), reference=model_spec(models.get("reference")),
-        reward=model_spec(models.get("reward")), critic=model_spec(models.get("critic")),
-        prompts_per_step=data.get("prompts_per_step", 128), responses_per_prompt=data.get("responses_per_prompt", 8),
-        dualkv=bool(data.get("dualkv", True)), precision=data.get("precision", "bf16"),
-        micro_batch_responses=data.get("micro_batch_responses"), **lengths)
+            raise InputError(f"{where}: {key} must be {{max: N, mean: M}}, got {show(v)}", located=True)
+        lengths[key] = from_mapping(TokenLengths, {"mean": v.get("max"), **v} if "max" in v else v, f"{where}: {key}")
+    rest = {k: v for k, v in data.items() if k not in ("models", "prompt_tokens", "response_tokens")}
+    with located(where):
+        return WorkloadSpec(**{"algorithm": "grpo", "mode": "sync", "prompts_per_step": 128,
+                               "responses_per_prompt": 8, **rest}, **specs, **lengths)
 
 
 def load_cluster(path: str) -> ClusterSpec:
-    return cluster_from_dict(_read_yaml(path), path)
+    return cluster_from_dict(read_yaml(path, "cluster YAML"), path)
 
 
 def load_workload(path: str) -> WorkloadSpec:
-    return workload_from_dict(_read_yaml(path), path)
+    return workload_from_dict(read_yaml(path, "workload YAML"), path)

@@ -135,7 +135,7 @@ def test_errors_say_what_to_change(tmp_path):
         cluster_from_dict(dict(name="x", nodes=[dict(name="a", region="r", gpu="L4", count=2)]))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['gpus'\]"):
         cluster_from_dict(dict(name="x", nodes=[dict(name="a", region="r", gpu="L4", gpus=2)]))
-    with pytest.raises(ValueError, match="unknown model preset 'qwen9'"):
+    with pytest.raises(ValueError, match="models.actor: preset must be one of qwen3-4b.*got 'qwen9'"):
         workload_from_dict(dict(models={"actor": "qwen9"}, prompt_tokens={"max": 8}, response_tokens={"max": 8}))
     with pytest.raises(ValueError, match="ppo needs a critic"):
         workload_from_dict(dict(algorithm="ppo", models={"actor": "qwen3-4b"}, prompt_tokens={"max": 8},
@@ -156,7 +156,8 @@ def test_bad_plans_are_refused():
     assert plan_from_dict(good, c, w) == plan(c, w, "verl").plan
     with pytest.raises(ValueError, match="GPU 'zz:0' is not in cluster"):
         plan_from_dict({"groups": [{**good["groups"][0], "gpus": ["zz:0"]}]}, c, w)
-    missing = {"groups": [{**good["groups"][0], "tasks": ["actor_gen"]}]}
+    missing = {"groups": [{**good["groups"][0], "tasks": ["actor_gen"],
+                           "parallelism": {"actor_gen": good["groups"][0]["parallelism"]["actor_gen"]}}]}
     with pytest.raises(ValueError, match="must place each task once"):
         plan_from_dict(missing, c, w)
     g = good["groups"][0]

@@ -1,0 +1,65 @@
+"""`hetrl validate FILE...`: check any hetrl input without running it, through the same loaders the commands use.
+
+The kind of file is told by its form: a `.json` file is a plan; a YAML with `nodes` is a cluster, with `models`
+a workload, anything else a run config. A run config's own files (cluster, emulate_cluster, plan, a local
+model directory) are checked too. Each check returns a short description of what it read; a problem raises
+the same one-line error `hetrl plan` / `hetrl train` would.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hetrl.schema import InputError, read_json, read_yaml
+
+
+def validate_file(path: str, cluster: str | None = None, workload: str | None = None) -> str:
+    """-> a short description of the valid file at `path`; raises InputError (one line) otherwise."""
+    from hetrl.planner import load_cluster, load_workload
+    from hetrl.planner.plan import load_plan, plan_shape
+    from hetrl.planner.spec import cluster_from_dict, workload_from_dict
+
+    if path.endswith(".json"):
+        if bool(cluster) != bool(workload):
+            raise InputError("a plan is checked against a cluster and a workload together: give both --cluster and "
+                             "--workload, or neither (its form only)", located=True)
+        if cluster and workload:
+            p = load_plan(path, load_cluster(cluster), load_workload(workload))
+            return f"plan: {len(p.groups)} group(s), checked against {cluster} and {workload}"
+        p = plan_shape(read_json(path, "plan JSON"), path)
+        return (f"plan: {len(p.groups)} group(s); its form only (add --cluster C.yaml --workload W.yaml to check "
+                "GPU names, tasks and memory)")
+    if not path.endswith((".yaml", ".yml")):
+        raise InputError(f"{path}: cannot tell what it is; hetrl reads cluster, workload and run configs as .yaml "
+                         "and plans as .json", located=True)
+    data = read_yaml(path)
+    if "nodes" in data:
+        c = cluster_from_dict(data, path)
+        return f"cluster {c.name}: {len(c.gpus)} GPUs on {len(c.nodes)} node(s) in {len({n.region for n in c.nodes})} region(s)"
+    if "models" in data:
+        w = workload_from_dict(data, path)
+        return f"workload: {w.algorithm} {w.mode}, actor {w.actor.name}, {w.samples} samples per step"
+    return _validate_run_config(path)
+
+
+def _validate_run_config(path: str) -> str:
+    from hetrl.models import EMBEDDED, TINY
+    from hetrl.planner import load_cluster
+    from hetrl.planner.plan import plan_shape
+    from hetrl.trainer.config import load_config
+
+    cfg = load_config(path)
+    cluster = None
+    for key in ("cluster", "emulate_cluster"):
+        if getattr(cfg, key):
+            cluster = load_cluster(getattr(cfg, key))
+    if cfg.plan:
+        if cluster is not None:   # GPU names and shape (the tasks depend on the model, read at run time)
+            plan_shape(read_json(cfg.plan, "plan JSON"), cfg.plan, {g.name: g.id for g in cluster.gpus}, cluster)
+        else:
+            plan_shape(read_json(cfg.plan, "plan JSON"), cfg.plan)
+    if cfg.model not in (EMBEDDED, TINY) and not os.path.isdir(cfg.model):
+        raise InputError(f"{path}: model {cfg.model!r} is neither {EMBEDDED}, {TINY} nor a local model directory",
+                         located=True)
+    return f"run config: {cfg.algorithm} on {cfg.model}, {cfg.steps} steps, executor {cfg.executor}"
+

@@ -1,0 +1,206 @@
+"""Bad input, from the user's side: every case is the CLI's exit code 2 and one line on stderr that names the
+file and the field (no traceback); `hetrl validate` says the same without running anything."""
+
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from hetrl.cli import main
+
+ROOT = pathlib.Path(__file__).parents[1]
+CLUSTER = ROOT / "examples" / "clusters" / "paper-single-region.yaml"
+WORKLOAD = ROOT / "examples" / "workloads" / "qwen3-4b-grpo-sync.yaml"
+TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + "name: *i\n"
+
+
+def one_line_error(capsys, rc, *needles):
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _cluster(**node) -> dict:
+    data = yaml.safe_load(CLUSTER.read_text())
+    data["nodes"][0].update(node)
+    return data
+
+
+def _write(tmp_path, name, data) -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+CLUSTER_CASES = [
+    ("count-string", _cluster(count="8"), ["nodes[0]", "count must be an int >= 1, got '8'"]),
+    ("count-fraction", _cluster(count=2.5), ["nodes[0]", "count must be an int >= 1, got 2.5"]),
+    ("count-negative", _cluster(count=-1), ["nodes[0]", "count"]),
+    ("zero-bandwidth", _cluster(network_gbps=0), ["nodes[0]", "network_gbps must be a finite number > 0"]),
+    ("nan-bandwidth", _cluster(network_gbps=float("nan")), ["nodes[0]", "network_gbps"]),
+    ("misspelt-link", _cluster(intra_node="nvlnk"), ["intra_node must be one of nvlink, pcie", "did you mean 'nvlink'"]),
+    ("unknown-key", _cluster(gpus=8), ["nodes[0]", "unknown key(s) ['gpus']"]),
+    ("unknown-gpu", _cluster(gpu="B300"), ["unknown GPU type 'B300'"]),
+    ("nodes-map", {"name": "x", "nodes": {"a": 1}}, ["nodes must be a list"]),
+    ("not-a-mapping", "- a\n- b\n", ["must be a mapping"]),
+    ("invalid-yaml", "name: [unclosed\n", ["is not valid YAML"]),
+    ("alias-bomb", ALIAS_BOMB, ["expands to more than 1,000,000 values"]),
+    ("name-not-text", {**_cluster(), "name": ["a", "b"]}, ["name must be a string"]),
+]
+
+
+@pytest.mark.parametrize("data, needles", [c[1:] for c in CLUSTER_CASES], ids=[c[0] for c in CLUSTER_CASES])
+def test_bad_cluster_files(tmp_path, capsys, data, needles):
+    path = _write(tmp_path, "cluster.yaml", data)
+    rc = main(["plan", "--cluster", path, "--workload", str(WORKLOAD), "--method", "verl"])
+    line = one_line_error(capsys, rc, *needles)
+    assert "cluster.yaml" in line
+    assert main(["validate", path]) == 2
+    assert one_line_error(capsys, 2, *needles)
+
+
+def _workload(**changes) -> dict:
+    data = yaml.safe_load(WORKLOAD.read_text())
+    data.update(changes)
+    return data
+
+
+WORKLOAD_CASES = [
+    ("prompts-string", _workload(prompts_per_step="128"), ["prompts_per_step must be an int >= 1, got '128'"]),
+    ("zero-responses", _workload(responses_per_prompt=0), ["responses_per_prompt"]),
+    ("dualkv-string", _workload(dualkv="yes"), ["dualkv must be true or false, got 'yes'"]),
+    ("lengths-not-map", _workload(prompt_tokens=512), ["prompt_tokens must be {max: N, mean: M}"]),
+    ("mean-above-max", _workload(prompt_tokens={"max": 8, "mean": 9}), ["prompt_tokens", "mean (9) must be <= max (8)"]),
+    ("model-missing-keys", _workload(models={"actor": {"layers": 2}}), ["models.actor", "missing key(s)"]),
+    ("algorithm", _workload(algorithm="ppoo"), ["algorithm must be one of grpo, dapo, ppo", "did you mean 'ppo'"]),
+    ("unknown-key", _workload(prompt_per_step=4), ["unknown key(s) ['prompt_per_step']",
+                                                   "did you mean 'prompts_per_step'"]),
+]
+
+
+@pytest.mark.parametrize("data, needles", [c[1:] for c in WORKLOAD_CASES], ids=[c[0] for c in WORKLOAD_CASES])
+def test_bad_workload_files(tmp_path, capsys, data, needles):
+    path = _write(tmp_path, "workload.yaml", data)
+    rc = main(["plan", "--cluster", str(CLUSTER), "--workload", path, "--method", "verl"])
+    assert "workload.yaml" in one_line_error(capsys, rc, *needles)
+
+
+@pytest.fixture(scope="module")
+def good_plan(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--workload", str(WORKLOAD), "--method", "verl",
+                 "--out", str(out)]) == 0
+    return json.loads(out.read_text())["plan"]
+
+
+def _plan_with(good, **par):
+    plan = json.loads(json.dumps(good))
+    plan["groups"][0]["parallelism"]["actor_gen"].update(par)
+    return plan
+
+
+PLAN_CASES = [
+    ("negative-tp", lambda g: _plan_with(g, tp=-1), ["groups[0].parallelism.actor_gen", "tp must be an int >= 1, got -1"]),
+    ("fractional-dp", lambda g: _plan_with(g, dp=1.5), ["groups[0].parallelism.actor_gen", "dp must be an int >= 1"]),
+    ("string-pp", lambda g: _plan_with(g, pp="1"), ["pp must be an int >= 1, got '1'"]),
+    ("misspelt-degree", lambda g: _plan_with(g, dpp=2), ["unknown key(s) ['dpp']", "valid keys: tp, pp, dp"]),
+    ("misspelt-group-key", lambda g: {"groups": [{**g["groups"][0], "data_spilt": "even"}]},
+     ["groups[0]", "unknown key(s) ['data_spilt']", "did you mean 'data_split'"]),
+    ("unknown-top-key", lambda g: {**g, "notes": "x"}, ["unknown key(s) ['notes']"]),
+    ("gpu-twice", lambda g: {"groups": [{**g["groups"][0], "gpus": [g["groups"][0]["gpus"][0]] * len(g["groups"][0]["gpus"])}]},
+     ["task groups must own disjoint GPUs"]),
+    ("task-missing", lambda g: {"groups": [{**g["groups"][0], "tasks": ["actor_gen"],
+                                            "parallelism": {"actor_gen": g["groups"][0]["parallelism"]["actor_gen"]}}]},
+     ["must place each task once"]),
+    ("malformed-json", lambda g: '{"groups": [', ["plan.json is not valid JSON"]),
+]
+
+
+@pytest.mark.parametrize("make, needles", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_bad_plan_files(tmp_path, capsys, good_plan, make, needles):
+    data = make(good_plan)
+    path = tmp_path / "plan.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    rc = main(["plan", "--cluster", str(CLUSTER), "--workload", str(WORKLOAD), "--evaluate", str(path)])
+    assert "plan.json" in one_line_error(capsys, rc, *needles)
+
+
+def test_out_is_checked_before_the_search(tmp_path, capsys):
+    args = ["plan", "--cluster", str(CLUSTER), "--workload", str(WORKLOAD), "--method", "verl"]
+    one_line_error(capsys, main([*args, "--out", str(tmp_path)]), "is a directory")
+    one_line_error(capsys, main([*args, "--out", str(tmp_path / "missing" / "p.json")]), "does not exist")
+    assert main([*args, "--out", str(tmp_path / "p.json")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]   # no stray temporary file
+
+
+TRAIN_CASES = [
+    ("infinite-lr", ["lr=.inf"], ["the command line", "lr must be a finite number > 0, got inf"]),
+    ("nan-lr", ["lr=.nan"], ["lr must be a finite number > 0"]),
+    ("fractional-steps", ["steps=2.5"], ["steps must be an int >= 1, got 2.5"]),
+    ("negative-seed", ["seed=-1"], ["seed must be an int >= 0"]),
+    ("top-p", ["top_p=2"], ["top_p must be a finite number in (0, 1]"]),
+    ("algorithm", ["algorithm=ppoo"], ["algorithm must be one of grpo, dapo"]),
+    ("dtype", ["dtype=fp8"], ["dtype must be one of float32, bfloat16, float64"]),
+    ("task-config-list", ["task_config=[1, 2]"], ["task_config must be a mapping"]),
+    ("unknown-key", ["lerning_rate=1"], ["unknown config key(s) ['lerning_rate']"]),
+    ("ray-without-cluster", ["executor=ray"], ["executor=ray needs exactly one of cluster="]),
+    ("bad-yaml-value", ["task_config=[1"], ["override 'task_config=[1': the value is not valid YAML"]),
+]
+
+
+@pytest.mark.parametrize("overrides, needles", [c[1:] for c in TRAIN_CASES], ids=[c[0] for c in TRAIN_CASES])
+def test_bad_train_config_values(tmp_path, capsys, overrides, needles):
+    rc = main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", *overrides])
+    one_line_error(capsys, rc, *needles)
+    assert not (tmp_path / "run").exists()       # refused before anything is written
+
+
+def test_bad_value_in_a_run_file_names_the_file(tmp_path, capsys):
+    path = _write(tmp_path, "run.yaml", {**yaml.safe_load(pathlib.Path(TINY).read_text()), "steps": "ten"})
+    one_line_error(capsys, main(["train", "--config", path]), "run.yaml", "steps must be an int >= 1, got 'ten'")
+    assert main(["validate", path]) == 2
+    one_line_error(capsys, 2, "run.yaml", "steps")
+
+
+def test_unusable_out_dir_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import hetrl.trainer.loop as loop
+
+    def never(*_, **__):
+        raise AssertionError("the model was loaded before out_dir was checked")
+
+    monkeypatch.setattr(loop, "load_model", never)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    one_line_error(capsys, main(["train", "--config", TINY, f"out_dir={a_file}"]), "exists and is not a directory")
+    # /proc refuses new entries even to root (root ignores permission bits, so chmod cannot stand in for this)
+    one_line_error(capsys, main(["train", "--config", TINY, "out_dir=/proc/hetrl-run"]), "cannot be created")
+
+
+def test_validate_says_ok_for_every_example(capsys):
+    files = sorted(str(p) for p in (ROOT / "examples").rglob("*") if p.suffix in (".yaml", ".json"))
+    assert main(["validate", *files]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len(files) and all(": ok (" in line for line in out)
+    assert main(["validate", "examples/plans/cpu-local-split.json", "--cluster", "examples/clusters/cpu-local.yaml",
+                 "--workload", str(WORKLOAD)]) == 2    # a 4B workload's tasks need a reference: named, not crashed
+    assert "cpu-local-split.json" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        main(["--debug", "train", "--config", TINY, "lr=.inf", f"out_dir={tmp_path}"])
+
+
+def test_a_model_too_big_for_the_cluster_is_one_line_not_a_key_error(capsys):
+    """Reproduction 1: the memory check left its free-memory map half filled and the search read a missing GPU."""
+    rc = main(["plan", "--cluster", "examples/clusters/cpu-local.yaml",
+               "--workload", "examples/workloads/qwen3-14b-ppo-sync.yaml"])
+    one_line_error(capsys, rc, "no plan fits in memory")
