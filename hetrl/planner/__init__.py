@@ -6,9 +6,11 @@
     estimate(cluster, workload, result.plan)                    # seconds per iteration, with breakdown
 """
 
+import inspect
+
 from .catalog import GPUS, gpu
 from .cost import Estimate, estimate
-from .plan import Plan, plan_from_dict, workload_tasks
+from .plan import Plan, load_plan, plan_from_dict, workload_tasks
 from .ilp import ilp
 from .search import SearchResult, exhaustive, hybrid, streamrl, verl, verl_all
 from .spec import PRESETS, ClusterSpec, WorkloadSpec, load_cluster, load_workload
@@ -17,22 +19,29 @@ METHODS = {"hybrid": hybrid, "ilp": ilp, "exhaustive": exhaustive, "verl": verl,
            "streamrl": streamrl}
 
 
-def plan(cluster: ClusterSpec, workload: WorkloadSpec, method: str = "hybrid", *, seed: int = 0,
+def plan(cluster: ClusterSpec, workload: WorkloadSpec, method: str = "hybrid", *, seed: int | None = None,
          time_limit_s: float | None = None, budget: int | None = None) -> SearchResult:
     """Search a plan with one of METHODS; unknown methods list the valid ones.
 
-    seed and budget steer `hybrid`; time_limit_s bounds `hybrid` and `ilp` (default 120 s for ilp).
-    Raises ValueError when no plan fits in memory, saying what to change.
+    seed and budget steer `hybrid`; time_limit_s bounds every method but `verl-all` (which scores one plan):
+    it returns its best plan by then, and `SearchResult.stopped` says it stopped (default 120 s for ilp).
+    An option the method does not take is refused, not dropped. Raises ValueError when no plan fits in
+    memory (or none was found in the time limit), saying what to change.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    kwargs = {"seed": seed}
-    if budget is not None:
-        kwargs["budget"] = budget
-    if time_limit_s is not None:
-        kwargs["time_limit_s"] = time_limit_s
-    result = METHODS[method](cluster, workload, **kwargs)
+    fn = METHODS[method]
+    takes = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in dict(seed=seed, budget=budget, time_limit_s=time_limit_s).items() if v is not None}
+    refused = [k for k in kwargs if k not in takes]
+    if refused:
+        raise ValueError(f"method {method} takes no {', '.join(refused)} (it takes: "
+                         f"{', '.join(k for k in takes if k not in ('cluster', 'w')) or 'no options'})")
+    result = fn(cluster, workload, **kwargs)
     if result.plan is None:
+        if result.stopped:
+            raise ValueError(f"{method}: no plan found before the time limit ({result.stopped}); raise the time "
+                             "limit, or use method=hybrid, which has a plan within seconds")
         raise ValueError(_no_plan_message(cluster, workload, method))
     return result
 
@@ -52,5 +61,5 @@ def evaluate(cluster: ClusterSpec, workload: WorkloadSpec, plan_: Plan) -> Estim
 
 
 __all__ = ["GPUS", "METHODS", "PRESETS", "ClusterSpec", "Estimate", "Plan", "SearchResult", "WorkloadSpec",
-           "estimate", "evaluate", "gpu", "ilp", "load_cluster", "load_workload", "plan", "plan_from_dict",
+           "estimate", "evaluate", "gpu", "ilp", "load_cluster", "load_plan", "load_workload", "plan", "plan_from_dict",
            "workload_tasks"]

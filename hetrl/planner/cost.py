@@ -220,8 +220,9 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
 
 
 def _memory(cluster, w: WorkloadSpec, plan: Plan) -> tuple[dict[int, float], dict[int, float], str]:
-    """Per GPU: (peak bytes, bytes left for the KV cache after everything resident), or a reason."""
-    peak, free = {}, {}
+    """Per GPU of every group: (peak bytes, bytes left for the KV cache after everything resident, the reason the
+    first GPU that does not fit fails, or '')."""
+    peak, free, why = {}, {}, ""
     for group in plan.groups:
         resident = dict.fromkeys(group.gpus, 0.0)
         working = dict.fromkeys(group.gpus, 0.0)
@@ -249,11 +250,10 @@ def _memory(cluster, w: WorkloadSpec, plan: Plan) -> tuple[dict[int, float], dic
             usable = cluster.gpus[i].type.memory_bytes * MEM_UTIL
             peak[i] = resident[i] + working[i]
             free[i] = usable - resident[i]
-            if peak[i] > usable:
+            if peak[i] > usable and not why:   # the first GPU that does not fit; every GPU still gets its entry
                 g = cluster.gpus[i]
-                return peak, free, (f"{g.name} ({g.type.name}) needs {peak[i] / 1e9:.1f} GB but has "
-                                    f"{usable / 1e9:.1f} GB usable")
-    return peak, free, ""
+                why = f"{g.name} ({g.type.name}) needs {peak[i] / 1e9:.1f} GB but has {usable / 1e9:.1f} GB usable"
+    return peak, free, why
 
 
 # ------------------------------------------------------------------------------------------ iteration

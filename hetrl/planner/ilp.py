@@ -19,33 +19,55 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 
 from .cost import INFER_TASKS, TRAIN_TASKS
-from .search import SearchResult
+from .search import Deadline, SearchResult
 from .space import build_plan, configure, groupings, iteration_s, pools, signature, sync_s, transfer_s
 from .spec import ClusterSpec, WorkloadSpec
 
 MAX_CANDIDATES = 200_000
 
 
-def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0, **_) -> SearchResult:
+ENUMERATION_SHARE = 0.6     # of the time limit, at most, for costing candidates; the solver gets the rest
+MIN_SOLVE_S = 1.0
+
+
+def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> SearchResult:
     import highspy
 
-    t0 = time.perf_counter()
+    deadline = Deadline(time_limit_s)
+    t0 = deadline.start
     all_groupings = groupings(w)
     blocks = sorted({b for g in all_groupings for b in g})
-    count_space = list(itertools.product(*(range(p.steps + 1) for p in pools(cluster))))
-    if len(blocks) * len(count_space) > MAX_CANDIDATES:
-        raise ValueError(f"the ILP would enumerate {len(blocks) * len(count_space):,} group configurations "
+    count_space = [c for c in itertools.product(*(range(p.steps + 1) for p in pools(cluster))) if any(c)]
+    total = len(blocks) * len(count_space)
+    if total > MAX_CANDIDATES:
+        raise ValueError(f"the ILP would enumerate {total:,} group configurations "
                          f"(limit {MAX_CANDIDATES:,}) on {len(cluster.gpus)} GPUs; use method=hybrid")
 
-    # 1. candidates -------------------------------------------------------------------------------
-    cands = {b: [cfg for c in count_space if any(c) for cfg in [configure(cluster, w, b, c)] if cfg] for b in blocks}
+    # 1. candidates: every (block, counts), costed by the cost model. Counts in a fixed shuffled order, all
+    #    blocks per counts, the whole cluster first: if the time limit cuts the enumeration short, every block
+    #    has a sample of the space and the one-group plan on every GPU is among them.
+    order = count_space[-1:] + random.Random(0).sample(count_space[:-1], len(count_space) - 1)
+    enumeration_end = t0 + ENUMERATION_SHARE * time_limit_s
+    cands: dict = {b: [] for b in blocks}
+    done = 0
+    for c in order:
+        if time.perf_counter() > enumeration_end:
+            break
+        for b in blocks:
+            cfg = configure(cluster, w, b, c)
+            if cfg:
+                cands[b].append(cfg)
+        done += len(blocks)
+    stopped = (deadline.stopped(f"costing {done:,} of {total:,} group configurations; the plan is the best over "
+                                "those") if done < total else None)
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("time_limit", max(MIN_SOLVE_S, deadline.left_s()))
     h.setOptionValue("mip_rel_gap", 1e-6)
     h.setOptionValue("random_seed", 0)
     inf = highspy.kHighsInf
@@ -121,12 +143,16 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0, **_)
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     chosen = [b for b in blocks for i in range(len(cands[b])) if h.val(x[b, i]) > 0.5]
+    if status == "Time limit reached":
+        stopped = stopped or deadline.stopped(f"{info.mip_node_count:,} branch-and-bound nodes (gap "
+                                              f"{info.mip_gap:.2%})")
     if not chosen:
-        return SearchResult("ilp", None, math.inf, time.perf_counter() - t0, info.mip_node_count, None)
+        return SearchResult("ilp", None, math.inf, time.perf_counter() - t0, info.mip_node_count, None, stopped)
     configs = [cands[b][i] for b in blocks for i in range(len(cands[b])) if h.val(x[b, i]) > 0.5]
     seconds = iteration_s(cluster, w, configs)
     assert math.isclose(seconds, info.objective_function_value, rel_tol=1e-6, abs_tol=1e-6), \
         f"ILP objective {info.objective_function_value} != cost model {seconds} ({status})"
-    gap = 0.0 if status == "Optimal" else float(info.mip_gap)
+    # the gap is the solver's over the candidates it was given: no bound on the whole space if they were cut
+    gap = None if done < total else 0.0 if status == "Optimal" else float(info.mip_gap)
     return SearchResult("ilp", build_plan(cluster, configs), seconds, time.perf_counter() - t0,
-                        int(info.mip_node_count), gap)
+                        int(info.mip_node_count), gap, stopped)
