@@ -1,22 +1,44 @@
-"""Checkpoints that survive a crash mid-write: written under a temporary name, then renamed into place.
+"""Checkpoints that survive a crash at any moment and never write outside out_dir.
 
-A checkpoint directory holds the policy (safetensors + config), the tokenizer, the run config,
-and `trainer_state.pt` (optimizer state, step, data-stream position, RNG states), loaded back
-with `torch.load(..., weights_only=True)`. `checkpoints/latest` names the newest one and is
-itself replaced atomically, so it never points at a half-written directory.
+A checkpoint directory `checkpoints/step_NNNNNN` holds the policy (safetensors + config), the tokenizer,
+the run config, `trainer_state.pt` (optimizer state, step, data-stream position, RNG states; loaded back
+with `torch.load(..., weights_only=True)`) and `manifest.json` (every file's size and SHA-256, written
+last). It is written under a fresh hidden name created exclusively (a planted file or symlink is never
+followed) and renamed into place; a checkpoint of the same step is moved aside, not deleted, until its
+replacement is in place. `checkpoints/latest` names the newest one; it may only name a `step_NNNNNN`
+directory inside `checkpoints/`. On resume, a checkpoint that is missing, truncated or altered (its
+manifest disagrees) is skipped for the newest intact one, renamed `step_NNNNNN.unreadable` for
+inspection, and the fallback is said.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
+import pickle
 import random
+import re
 import shutil
+import tempfile
 
 import numpy as np
 import torch
 import yaml
 from transformers.utils import logging as hf_logging
+
+from hetrl.trainer import files
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.pt"
+CONFIG = "run_config.yaml"
+_NAME = re.compile(r"step_(\d{6})")
+_TEMP = re.compile(r"\.step_\d{6}\..+")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read (missing, truncated, altered files)."""
 
 
 def _rng_state() -> dict:
@@ -34,45 +56,142 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy(), *rest))
 
 
+def _digest(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        os.fsync(f.fileno())    # on disk before the directory is renamed into place
+    return h.hexdigest()
+
+
+def _write_manifest(folder: pathlib.Path, step: int) -> None:
+    entries = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
+               for p in sorted(folder.iterdir()) if p.is_file() and not p.is_symlink()}
+    files.write_text(folder / MANIFEST, json.dumps({"step": step, "files": entries}, indent=1))
+
+
+def _clean_stale_temps(root: pathlib.Path) -> None:
+    """Hidden directories left by a save that was killed (or a replaced checkpoint not yet removed)."""
+    for p in root.iterdir():
+        if _TEMP.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: dict, config: dict) -> pathlib.Path:
-    ckpt_root = run_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    root = files.real_subdir(pathlib.Path(run_dir), "checkpoints")
+    _clean_stale_temps(root)
+    name = f"step_{step:06d}"
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))   # fresh and exclusive
     hf_logging.disable_progress_bar()  # a bar per checkpoint would bury the training bar
     try:
         model.save_pretrained(tmp, safe_serialization=True)
     finally:
         hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
-    (tmp / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(), **extra},
-               tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
+    files.write_text(tmp / CONFIG, yaml.safe_dump(config, sort_keys=False))
+    with open(tmp / STATE, "xb") as f:
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(), **extra}, f)
+    _write_manifest(tmp, step)
+    final = root / name
+    aside = None
+    if os.path.lexists(final):   # the same step saved again (after a fallback): keep the old one until replaced
+        if final.is_symlink() or not final.is_dir():
+            os.unlink(final)
+        else:
+            aside = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.replaced."))
+            os.replace(final, aside)
     os.replace(tmp, final)
-    latest_tmp = ckpt_root / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, ckpt_root / "latest")
+    files.write_text(root / "latest", name + "\n")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     return final
 
 
-def latest(run_dir: pathlib.Path) -> pathlib.Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
+def problem(path: pathlib.Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from, or None when it is intact."""
+    if path.is_symlink() or not path.is_dir():
+        return "not a directory"
+    for need in (STATE, CONFIG):
+        if not (path / need).is_file():
+            return f"{need} is missing"
+    if not list(path.glob("*.safetensors")):
+        return "no *.safetensors weights"
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None   # written before manifests existed: the load itself will tell
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for fname, want in entries.items():
+        f = path / fname
+        if not f.is_file() or f.is_symlink():
+            return f"{fname} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{fname} has {f.stat().st_size} bytes, {want['bytes']} were written"
+        if _digest(f) != want["sha256"]:
+            return f"{fname} differs from what was written (SHA-256)"
+    return None
+
+
+def _candidates(root: pathlib.Path) -> list[pathlib.Path]:
+    """The directory `latest` names (if it names a step directory inside `root`), then every step directory,
+    newest first."""
+    steps = sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name)), key=lambda p: p.name, reverse=True)
+    pointer = root / "latest"
+    first = []
+    if pointer.is_file() and not pointer.is_symlink():
+        named = pointer.read_text(errors="replace").strip()
+        if _NAME.fullmatch(named):
+            first = [root / named]
+    return first + [p for p in steps if p not in first]
+
+
+def latest(run_dir: pathlib.Path, say=print) -> pathlib.Path | None:
+    """The newest intact checkpoint of the run in `run_dir` (what `latest` names, else the newest intact step
+    directory), or None. Unreadable ones are renamed `*.unreadable` and reported through `say`."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    if root.is_symlink() or not root.is_dir():
         return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    for path in _candidates(root):
+        why = problem(path) if os.path.lexists(path) else "missing"
+        if why is None:
+            return path
+        say(f"checkpoint {path} cannot be resumed from ({why}); trying the previous one")
+        if os.path.lexists(path) and not path.is_symlink():
+            os.replace(path, path.with_name(path.name + ".unreadable"))
+    return None
+
+
+def read(path: pathlib.Path) -> tuple[dict, dict]:
+    """(weights, trainer state) of the checkpoint at `path`, read in full before anything is applied."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(f))
+        with open(path / STATE, "rb") as f:
+            state = torch.load(f, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return weights, state
+
+
+def saved_config(path: pathlib.Path) -> dict:
+    """The run config a checkpoint was written with."""
+    data = yaml.safe_load((path / CONFIG).read_text())
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path / CONFIG} does not hold a run config")
+    return data
 
 
 def load(path: pathlib.Path, model, optimizer) -> dict:
     """Restore the policy weights, optimizer state and RNG from `path`; returns the trainer state."""
-    from safetensors.torch import load_file
-
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(f))
+    weights, state = read(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in k}
     if set(missing) - tied or unexpected:
@@ -80,7 +199,6 @@ def load(path: pathlib.Path, model, optimizer) -> dict:
                          f"unexpected {sorted(unexpected)}")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])
     return state

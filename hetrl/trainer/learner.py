@@ -85,7 +85,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict(loss=0.0, policy=0.0, kl=0.0, clip=0.0, entropy=0.0)
         packed = standard = offset = 0
-        for batch in _micro_batches(groups, self.micro_batch_tokens):
+        # A data-parallel rank can get no group (DAPO's dynamic sampling may keep fewer groups than there are
+        # ranks): it still joins the gradient all-reduce below with zero gradients.
+        for batch in _micro_batches(groups, self.micro_batch_tokens) if groups else []:
             k = batch.labels.numel()
             if k == 0:
                 continue

@@ -12,8 +12,11 @@ learner updates, at most `max_staleness` policy versions behind.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import fcntl
 import json
+import os
 import logging
 import math
 import pathlib
@@ -25,12 +28,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
 from hetrl.algo import group_advantages, token_weights
 from hetrl.models import load_model
-from hetrl.trainer import checkpoint, memory
-from hetrl.trainer.config import RunConfig
+from hetrl.schema import InputError
+from hetrl.trainer import checkpoint, files, memory
+from hetrl.trainer.config import RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.learner import Learner, Scorer
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import RolloutWorker, Sample, chat_prompt_ids
@@ -79,7 +84,7 @@ def evaluate(task: Task, worker: RolloutWorker, tokenizer, max_new_tokens: int, 
         score = task.score(problem, sample.text)
         rows.append({"question": problem["question"], "answer": problem["answer"], "reply": sample.text,
                      "correct": score.correct})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return [r["correct"] for r in rows]
 
 
@@ -206,38 +211,112 @@ def _engine(cfg: RunConfig, model, tokenizer, prompt_len: int):
     return RayEngine(cfg, model.config, tokenizer, prompt_len)
 
 
-def train(cfg: RunConfig, resume: bool = False) -> dict:
-    run_dir = pathlib.Path(cfg.out_dir)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    evals = MetricsLog(run_dir / "eval.jsonl")
-    if (metrics.exists() or evals.exists()) and not resume:
-        raise ValueError(f"{run_dir} already holds a run (metrics.jsonl); pass --resume to continue it or "
-                         f"out_dir=... to start a new one")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
-    task = Task(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, cfg.reward, cfg.format_reward, cfg.prompt_suffix)
-    prompt_len = max(len(chat_prompt_ids(tokenizer, task.messages(p))) for p in task.eval_problems)
-    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
-    mem = memory.check_fits(cfg, model, prompt_len, limit)
-    log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
-    engine = _engine(cfg, model, tokenizer, prompt_len)
-    del model  # the engine holds what it needs (the Ray engine: only actors)
+def train_command(config_path: str | None, overrides: list[str], *, resume: bool = False,
+                  allow_config_change: bool = False, default_config: str | None = None) -> dict:
+    """`hetrl train [--config RUN.yaml] [key=value ...] [--resume]`. On --resume without --config, the run's own
+    config (out_dir/run_config.yaml, written when it started) is the base, so `hetrl train --resume
+    out_dir=DIR` continues exactly the run in DIR."""
+    if resume and config_path is None:
+        out_dir = config_data(default_config, overrides).get("out_dir", RunConfig.out_dir)
+        saved = pathlib.Path(str(out_dir)) / RUN_CONFIG
+        config_path = str(saved) if saved.is_file() else default_config
+    return train(load_config(config_path, overrides), resume=resume, allow_config_change=allow_config_change)
+
+
+RUN_CONFIG = "run_config.yaml"
+
+
+def resume_command(cfg: RunConfig) -> str:
+    return f"hetrl train --resume out_dir={cfg.out_dir}"
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: pathlib.Path):
+    """One run at a time in an out_dir: two would overwrite each other's checkpoints and metrics."""
+    fd = os.open(run_dir / ".hetrl.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
-        return _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, resume)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"another hetrl run is using out_dir {run_dir}; wait for it to end or choose another "
+                             "out_dir") from None
+        yield
     finally:
-        engine.close()
+        os.close(fd)
 
 
-def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, resume) -> dict:
+def _start_over(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, why: str) -> None:
+    """A run with nothing to resume from (it stopped before its first checkpoint): its rows are dropped."""
+    tqdm.write(f"{run_dir}: {why}; starting the run from step 0")
+    for log_ in (metrics, evals):
+        if os.path.lexists(log_.path):
+            os.unlink(log_.path)
+
+
+def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume: bool,
+                  allow_config_change: bool) -> pathlib.Path | None:
+    """The checkpoint to continue from (None: start at step 0), after the checks that keep a run from being
+    lost (an existing run is never overwritten) or silently changed (a resume keeps its config)."""
+    root = run_dir / "checkpoints"
+    has_ckpt = root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir())
+    if not resume:
+        if has_ckpt:
+            raise InputError(f"{run_dir} already holds a run with checkpoints; continue it with: "
+                             f"{resume_command(cfg)}, or choose another out_dir=... to start a new one")
+        if metrics.exists() or evals.exists():
+            _start_over(run_dir, metrics, evals, "the run there stopped before its first checkpoint")
+        return None
+    ckpt = checkpoint.latest(run_dir, say=tqdm.write)
+    if ckpt is None:
+        if not (metrics.exists() or evals.exists() or (run_dir / RUN_CONFIG).is_file()):
+            raise InputError(f"--resume: {run_dir} holds no run to resume (no checkpoint, no metrics); check "
+                             "out_dir, or start a new run there without --resume")
+        _start_over(run_dir, metrics, evals, "--resume: no intact checkpoint to resume from")
+        return None
+    changes = config_changes(checkpoint.saved_config(ckpt), cfg)
+    if changes:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        if not allow_config_change:
+            raise InputError(f"--resume: the config differs from the checkpoint's ({ckpt.name}) in what the run "
+                             f"computes: {listed}. Resume with the run's own config ({resume_command(cfg)}), start "
+                             "a new run in another out_dir, or pass --allow-config-change to continue with the new values")
+        tqdm.write(f"--allow-config-change: resuming {ckpt.name} with {listed} (logged in {run_dir / 'resumes.jsonl'})")
+        MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
+            k: [a, b] for k, (a, b) in changes.items()}})
+    return ckpt
+
+
+def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False) -> dict:
+    run_dir = pathlib.Path(cfg.out_dir)
+    files.prepare_out_dir(run_dir)
+    with _run_lock(run_dir):
+        metrics = MetricsLog(run_dir / "metrics.jsonl")
+        evals = MetricsLog(run_dir / "eval.jsonl")
+        ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
+        files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+        model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+        task = Task(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, cfg.reward, cfg.format_reward,
+                    cfg.prompt_suffix)
+        prompt_len = max(len(chat_prompt_ids(tokenizer, task.messages(p))) for p in task.eval_problems)
+        limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
+        mem = memory.check_fits(cfg, model, prompt_len, limit)
+        log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
+        engine = _engine(cfg, model, tokenizer, prompt_len)
+        del model  # the engine holds what it needs (the Ray engine: only actors)
+        try:
+            return _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, ckpt)
+        finally:
+            engine.close()
+
+
+def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, ckpt) -> dict:
     step, next_problem, before, version = 0, 0, None, 0
-    if resume:
-        ckpt = checkpoint.latest(run_dir)
-        if ckpt is None:
-            raise ValueError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without --resume")
+    last_saved: pathlib.Path | None = None
+    if ckpt is not None:
         state = engine.load(ckpt)
         step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
-        version = step
+        version, last_saved = step, ckpt
         metrics.truncate_after(step)
         evals.truncate_after(step)
         tqdm.write(f"resumed from {ckpt} (step {step})")
@@ -247,7 +326,10 @@ def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, resume) -> dict:
         tqdm.write(f"held-out accuracy before training: {_mean(before):.3f} ({len(before)} problems, greedy)")
 
     def save(at_step):
-        return engine.save(run_dir, at_step, {"next_problem": next_problem, "eval_before": before}, cfg.to_dict())
+        nonlocal last_saved
+        last_saved = engine.save(run_dir, at_step, {"next_problem": next_problem, "eval_before": before},
+                                 cfg.to_dict())
+        return last_saved
 
     stream = _RolloutStream(lambda start: collect_rollouts(cfg, task, engine.worker, tokenizer, start), next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
@@ -282,18 +364,18 @@ def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, resume) -> dict:
     bar.close()
     stream.close()
     if stop.requested and step < cfg.steps:
-        tqdm.write(f"stopped at step {step}; continue with: hetrl train ... out_dir={cfg.out_dir} --resume")
+        tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
         return {"stopped_at_step": step, "interrupted": True}
 
     after = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
     evals.write({"step": step, "eval_accuracy": _mean(after)})
-    final = save(step)
+    final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
     rows = metrics.read()
     summary = {"eval_accuracy_before": _mean(before), "eval_accuracy_after": _mean(after),
                "eval_problems": len(after), **paired_comparison(before, after), "steps": step,
                "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "checkpoint": str(final),
                "config": cfg.to_dict()}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     plot_curves(rows, evals.read(), run_dir / "curves.png")
     tqdm.write(f"held-out accuracy: before {summary['eval_accuracy_before']:.3f}, after "
                f"{summary['eval_accuracy_after']:.3f} ({len(after)} problems, greedy; {summary['gained']} gained, "

@@ -6,6 +6,8 @@ import json
 import os
 import pathlib
 
+from hetrl.trainer import files
+
 
 class MetricsLog:
     def __init__(self, path: pathlib.Path):
@@ -15,23 +17,29 @@ class MetricsLog:
         return self.path.is_file() and self.path.stat().st_size > 0
 
     def write(self, row: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def read(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        files.append_line(self.path, json.dumps(row) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (a resumed run redoes them), keeping the file valid throughout."""
         rows = [r for r in self.read() if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, self.path)
+        files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def read(self) -> list[dict]:
+        """Rows as written; a last line cut short by a crash mid-write is dropped (it was never complete)."""
+        if not self.path.is_file():
+            return []
+        lines = self.path.read_text().splitlines()
+        rows = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break
+                raise ValueError(f"{self.path} line {i + 1} is not JSON; the file was edited or damaged") from None
+        return rows
 
 
 def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None:
@@ -54,7 +62,11 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    tmp = files.temp_path(path, ".png")
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()

@@ -26,6 +26,7 @@ import pathlib
 import socket
 import threading
 import time
+import uuid
 import warnings
 from datetime import timedelta
 
@@ -34,12 +35,13 @@ import ray
 import torch
 from tqdm import tqdm
 
-from hetrl.planner import load_cluster, plan as plan_search, plan_from_dict
+from hetrl.planner import load_cluster, load_plan, plan as plan_search
 from hetrl.planner.spec import TokenLengths
-from hetrl.trainer import checkpoint
+from hetrl.schema import InputError
+from hetrl.trainer import checkpoint, files
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import Learner, Scorer, UpdateStats
-from hetrl.trainer.loop import DTYPES
+from hetrl.trainer.loop import DTYPES, resume_command
 from hetrl.trainer.placement import ExecutorFailure, Replica, model_spec_from_hf, node_resources, replicas, run_workload
 from hetrl.trainer.rollout import RolloutWorker
 
@@ -151,15 +153,23 @@ class LearnerActor:
     def whereabouts(self) -> dict:
         return _whereabouts()
 
-    def rendezvous(self) -> str:
-        """Rank 0: a free TCP address for torch.distributed's rendezvous."""
+    def rendezvous(self, local: bool, run_dir: str) -> str:
+        """Rank 0: where torch.distributed's ranks meet. On one machine (`local`) a file store inside out_dir, so
+        nothing listens on the network (torch's TCP store binds every interface); on a cluster a free TCP port
+        of this node."""
+        if local:
+            os.makedirs(run_dir, exist_ok=True)
+            return f"file://{os.path.abspath(run_dir)}/.torch-dist-{uuid.uuid4().hex}"
         with socket.socket() as s:
-            s.bind(("", 0))
+            s.bind((ray.util.get_node_ip_address(), 0))
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def init_process_group(self, address: str) -> None:
         backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
+        if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
+            os.environ["GLOO_SOCKET_IFNAME"] = next(
+                (name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
         torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
                                              timeout=timedelta(minutes=10))
         for p in self.model.parameters():  # identical start even if a rank's initialisation differed
@@ -350,9 +360,7 @@ class RayEngine:
         self.cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
         workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len))
         if cfg.plan:
-            with open(cfg.plan) as f:
-                data = json.load(f)
-            self.plan = plan_from_dict(data.get("plan", data), self.cluster, workload)
+            self.plan = load_plan(cfg.plan, self.cluster, workload)
         else:
             self.plan = plan_search(self.cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
@@ -371,11 +379,17 @@ class RayEngine:
 
     def _start(self, cfg: RunConfig, emulated: bool) -> None:
         if self._started:
-            if emulated:
-                ray.init(resources=node_resources(self.cluster), include_dashboard=False,
+            if emulated:   # one machine: advertise loopback only, no dashboard
+                ray.init(resources=node_resources(self.cluster), include_dashboard=False, _node_ip_address="127.0.0.1",
                          object_store_memory=1 << 30, configure_logging=False)
             else:
-                ray.init(address=cfg.ray_address, configure_logging=False)
+                try:
+                    ray.init(address=cfg.ray_address, configure_logging=False)
+                except ConnectionError as e:
+                    raise InputError(
+                        f"no Ray cluster answers at ray_address={cfg.ray_address} ({str(e).splitlines()[0]}); start "
+                        "one first (ray start --head ..., README: on a real multi-node Ray cluster), or use "
+                        "emulate_cluster=C.yaml to run on this machine alone") from None
         self._check_resources()
         by_role = collections.defaultdict(list)
         for r in self.replicas:
@@ -398,7 +412,7 @@ class RayEngine:
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references}
         ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started
         if len(learners) > 1:
-            address = ray.get(learners[0].rendezvous.remote())
+            address = ray.get(learners[0].rendezvous.remote(emulated, cfg.out_dir))
             ray.get([a.init_process_group.remote(address) for a in learners])
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed)
         self.learner = LearnerGroup(learners, on_failure=self._learner_failed)
@@ -418,7 +432,7 @@ class RayEngine:
         tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})")
         out = pathlib.Path(self.cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "placement.json").write_text(json.dumps(
+        files.write_text(out / "placement.json", json.dumps(
             {"cluster": self.cluster.name, "plan": self.plan.to_dict(self.cluster), "actors": placed}, indent=2))
 
     def _check_resources(self) -> None:
@@ -477,8 +491,8 @@ class RayEngine:
         return states[0]
 
     def _learner_failed(self, error) -> LearnerFailed:
-        where = (f"the last checkpoint is {self.last_checkpoint}; continue with: hetrl train ... "
-                 f"out_dir={self.cfg.out_dir} --resume" if self.last_checkpoint else
+        where = (f"the last checkpoint is {self.last_checkpoint}; continue with: {resume_command(self.cfg)}"
+                 if self.last_checkpoint else
                  "no checkpoint was written yet (set checkpoint_every to keep progress); start the run again")
         return LearnerFailed(f"a learner actor died ({type(error).__name__}: {str(error).splitlines()[0]}); "
                              f"the run stops: {where}")

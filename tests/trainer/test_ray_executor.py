@@ -115,14 +115,18 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
 def _learner_group(world, cfg):
     actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world) for r in range(world)]
     if world > 1:
-        address = ray.get(actors[0].rendezvous.remote())
+        address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
     return actors, LearnerGroup(actors)
 
 
-def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path):
+@pytest.mark.parametrize("shapes", [((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17])),
+                                    ((20, [5, 0, 9, 1]),)], ids=["4-groups", "1-group-so-rank-1-gets-none"])
+def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes):
+    """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
+    it joins the all-reduce with zero gradients, so the step is still the one-learner step."""
     cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
-    groups = _groups()
+    groups = _groups(shapes=shapes)
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
     g = torch.Generator().manual_seed(1)
     advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=g, dtype=torch.float64), lens)

@@ -1,0 +1,242 @@
+"""Runs are never stranded and never write outside out_dir: a crash at any moment leaves a resumable run whose
+next steps equal the uninterrupted run's; an unreadable checkpoint falls back to the previous one; a resume
+that would silently change the run is refused; planted symlinks are never followed."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hetrl.cli import main
+from hetrl.trainer import checkpoint, loop
+
+ROOT = pathlib.Path(__file__).parents[2]
+TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
+TIMING = {"gen_s", "logprob_s", "update_s", "step_s", "tokens_per_s"}
+
+
+def _rows(run_dir, name="metrics.jsonl"):
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (pathlib.Path(run_dir) / name).read_text().splitlines()]
+
+
+def _weights(run_dir, step):
+    return load_file(pathlib.Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def _same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted tiny run every crash is compared with (3 steps, a checkpoint per step)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    assert main(["train", "--config", TINY, f"out_dir={out}"]) == 0
+    return out
+
+
+def test_the_last_step_is_saved_once(tmp_path, monkeypatch):
+    saves = []
+    real = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: saves.append(a[1]) or real(*a, **k))
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'r'}"]) == 0
+    assert saves == [1, 2, 3]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["checkpoint"].endswith("step_000003")
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_can_be_restarted(tmp_path, monkeypatch, capsys, straight):
+    out = tmp_path / "r"
+    real, calls = loop.collect_rollouts, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash in step 2")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "collect_rollouts", failing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(["train", "--config", TINY, "checkpoint_every=0", f"out_dir={out}"])
+    assert [r["step"] for r in _rows(out)] == [1]
+    monkeypatch.setattr(loop, "collect_rollouts", real)
+    assert main(["train", "--config", TINY, f"out_dir={out}"]) == 0      # no --resume needed, nothing lost
+    assert "stopped before its first checkpoint; starting the run from step 0" in capsys.readouterr().out
+    assert _rows(out) == _rows(straight)
+    # the same run, resumed instead: also no dead end
+    out2 = tmp_path / "r2"
+    monkeypatch.setattr(loop, "collect_rollouts", failing)
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        main(["train", "--config", TINY, "checkpoint_every=0", f"out_dir={out2}"])
+    monkeypatch.setattr(loop, "collect_rollouts", real)
+    assert main(["train", "--resume", f"out_dir={out2}"]) == 0
+    assert [r["step"] for r in _rows(out2)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "garbage-state", "delete-state", "latest-outside"])
+def test_an_unreadable_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, straight, damage):
+    out = tmp_path / "r"
+    assert main(["train", "--config", TINY, "steps=2", f"out_dir={out}"]) == 0
+    last = out / "checkpoints" / "step_000002"
+    if damage == "truncate-weights":
+        f = last / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "garbage-state":
+        (last / "trainer_state.pt").write_bytes(os.urandom(4096))
+    elif damage == "delete-state":
+        (last / "trainer_state.pt").unlink()
+    else:   # `latest` may only name a step directory inside checkpoints/
+        outside = tmp_path / "elsewhere"
+        outside.mkdir()
+        (out / "checkpoints" / "latest").write_text("../../elsewhere\n")
+    capsys.readouterr()
+    assert main(["train", "--resume", f"out_dir={out}", "steps=3"]) == 0
+    printed = capsys.readouterr().out
+    if damage == "latest-outside":
+        assert "resumed from" in printed and "step_000002" in printed
+    else:
+        assert f"checkpoint {last} cannot be resumed from" in printed and "resumed from" in printed
+        assert (out / "checkpoints" / "step_000002.unreadable").is_dir()     # kept for inspection
+    assert _rows(out) == _rows(straight)
+    assert _same_weights(_weights(out, 3), _weights(straight, 3))
+
+
+def test_resume_refuses_a_config_that_changes_the_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["train", "--config", TINY, "steps=1", f"out_dir={out}"]) == 0
+    capsys.readouterr()
+    rc = main(["train", "--config", TINY, "steps=2", "lr=0.5", "seed=3", f"out_dir={out}", "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "lr 0.001 -> 0.5" in err and "seed 0 -> 3" in err and "--allow-config-change" in err
+    assert [r["step"] for r in _rows(out)] == [1]          # nothing ran
+    # steps may change; without --config the run's own config is the base (no size-mismatch with the default)
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2"]) == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2]
+    assert main(["train", "--resume", f"out_dir={out}", "steps=3", "lr=0.5", "--allow-config-change"]) == 0
+    logged = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    assert logged == [{"checkpoint": "step_000002", "changed": {"lr": [0.001, 0.5]}}]
+
+
+def test_planted_symlinks_are_never_followed(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["train", "--config", TINY, "steps=1", f"out_dir={out}"]) == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    ckpts = out / "checkpoints"
+    for name in (".latest.tmp", ".step_000002.tmp", ".step_000002.tmp.d", "latest"):
+        target = ckpts / name
+        if os.path.lexists(target):
+            target.unlink()
+        target.symlink_to(victim)
+    (ckpts / ".step_000003.x").symlink_to(tmp_path, target_is_directory=True)
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2"]) == 0
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r", "victim.txt"]
+    assert (ckpts / "latest").read_text() == "step_000002\n" and not (ckpts / "latest").is_symlink()
+    # a link planted at metrics.jsonl is replaced by the resumed run's own file, never written through
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to(victim)
+    assert main(["train", "--resume", f"out_dir={out}", "steps=3"]) == 0
+    assert victim.read_text() == "precious\n" and not (out / "metrics.jsonl").is_symlink()
+
+
+def test_appends_and_checkpoint_folders_refuse_links(tmp_path, capsys):
+    from hetrl.trainer import files
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        files.append_line(tmp_path / "metrics.jsonl", "{}\n")
+    assert victim.read_text() == "precious\n"
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(tmp_path, target_is_directory=True)
+    assert main(["train", "--config", TINY, "steps=1", f"out_dir={out}"]) == 2
+    assert "checkpoints is a symbolic link; hetrl writes only inside out_dir" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ kill -9
+
+_KILLER = """
+import os, signal, sys
+sys.argv = ["hetrl"] + sys.argv[2:]
+at = int(os.environ["KILL_AT_REPLACE"])
+calls = [0]
+real = os.replace
+def replace(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+os.replace = replace
+from hetrl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _hetrl(args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-c", _KILLER, "--", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "KILL_AT_REPLACE": "0", **(env or {})})
+
+
+def _renames_in_a_run(tmp_path) -> int:
+    """How many os.replace calls one whole tiny run makes (every atomic write and checkpoint rename)."""
+    probe = _KILLER.replace("if calls[0] == at:", "if False:") + ""
+    out = tmp_path / "count"
+    code = probe.replace("sys.exit(main(sys.argv[1:]))", "rc = main(sys.argv[1:]); print('REPLACES', calls[0]); "
+                                                          "sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, "--", "train", "--config", TINY, f"out_dir={out}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "KILL_AT_REPLACE": "0"})
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout.split("REPLACES")[-1].split()[0])
+
+
+def _kill_and_resume(tmp_path, straight, at: int):
+    out = tmp_path / f"killed_at_{at}"
+    p = _hetrl(["train", "--config", TINY, f"out_dir={out}"], {"KILL_AT_REPLACE": str(at)})
+    assert p.returncode == -signal.SIGKILL, f"the run was not killed at rename {at}: {p.stderr[-500:]}"
+    r = _hetrl(["train", "--resume", f"out_dir={out}"])
+    assert r.returncode == 0, f"killed at rename {at}, the resume failed: {r.stderr[-800:]}"
+    assert _rows(out) == _rows(straight), f"killed at rename {at}"
+    assert _same_weights(_weights(out, 3), _weights(straight, 3)), f"killed at rename {at}"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_kill_9_during_the_final_checkpoint_leaves_a_resumable_run(tmp_path, straight):
+    """The last renames of a run are the final checkpoint's (its directory, `latest`) and the summary's: a
+    SIGKILL at each of them, then `--resume`, ends with the uninterrupted run's rows and weights."""
+    total = _renames_in_a_run(tmp_path)
+    for at in range(max(1, total - 6), total + 1):
+        _kill_and_resume(tmp_path, straight, at)
+
+
+@pytest.mark.slow
+def test_kill_9_at_every_rename_and_at_random_moments(tmp_path, straight):
+    total = _renames_in_a_run(tmp_path)
+    for at in range(1, total + 1):
+        _kill_and_resume(tmp_path, straight, at)
+    rng = random.Random(0)
+    for k in range(4):
+        out = tmp_path / f"random_{k}"
+        proc = subprocess.Popen([sys.executable, "-m", "hetrl", "train", "--config", TINY, f"out_dir={out}"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(3.0, 12.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        r = _hetrl(["train", "--resume", f"out_dir={out}"]) if (out / "run_config.yaml").exists() else \
+            _hetrl(["train", "--config", TINY, f"out_dir={out}"])
+        assert r.returncode == 0, r.stderr[-800:]
+        assert _rows(out) == _rows(straight)
+        assert _same_weights(_weights(out, 3), _weights(straight, 3))
