@@ -2,8 +2,10 @@
 (read back from Ray's actor table), 2 data-parallel learners == 1 learner (fp64), async within the
 staleness bound, a killed rollout actor loses no sample, a dead learner stops with how to resume."""
 
+import ipaddress
 import json
 import math
+import os
 import pathlib
 import threading
 import time
@@ -148,6 +150,49 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
         assert abs(w2[name] - p).max() <= 1e-8 * scale, name
         assert (w2[name] == w2_last[name]).all(), f"ranks disagree on {name}"
         assert (p != initial[name]).any(), f"{name} did not move"
+
+
+def _listening_addresses(pid: int) -> set[tuple[str, int]]:
+    """(IP, port) pairs that process `pid` listens on (TCP), from /proc (no psutil needed)."""
+    inodes = set()
+    for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:        # 0A: LISTEN
+                hexip, hexport = f[1].split(":")
+                raw = bytes.fromhex(hexip)
+                ip = ".".join(str(b) for b in raw[::-1]) if width == 8 else \
+                    ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))).compressed
+                out.add((ip, int(hexport, 16)))
+    return out
+
+
+def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
+    """The torch.distributed rendezvous of an emulated (one-machine) run is a file store in out_dir, and gloo
+    uses the loopback interface: the learners listen on no outside address. (Ray's own gRPC servers listen on
+    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see README.)"""
+    cfg = _cfg(tmp_path)
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, 2) for r in range(2)]
+    pids = [w["pid"] for w in ray.get([a.whereabouts.remote() for a in actors])]
+    ray_own = {pid: _listening_addresses(pid) for pid in pids}          # the Ray worker's gRPC server
+    address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
+    assert address.startswith("file://")
+    ray.get([a.init_process_group.remote(address) for a in actors])
+    LearnerGroup(actors).logprobs(_groups())
+    for pid in pids:
+        new = _listening_addresses(pid) - ray_own[pid]
+        outside = {(ip, port) for ip, port in new if ip not in ("127.0.0.1", "::1")}
+        assert not outside, f"learner {pid} listens on {outside} since torch.distributed started"
+    for a in actors:
+        ray.kill(a)
 
 
 def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
