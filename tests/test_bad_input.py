@@ -204,3 +204,13 @@ def test_a_model_too_big_for_the_cluster_is_one_line_not_a_key_error(capsys):
     rc = main(["plan", "--cluster", "examples/clusters/cpu-local.yaml",
                "--workload", "examples/workloads/qwen3-14b-ppo-sync.yaml"])
     one_line_error(capsys, rc, "no plan fits in memory")
+
+
+def test_cluster_with_no_ray_running_is_one_line(tmp_path, capsys):
+    pytest.importorskip("ray")
+    import ray
+
+    assert not ray.is_initialized()
+    rc = main(["train", "--config", TINY, "executor=ray", "cluster=examples/clusters/cpu-local.yaml",
+               "ray_address=auto", f"out_dir={tmp_path / 'r'}"])
+    one_line_error(capsys, rc, "no Ray cluster answers at ray_address=auto", "emulate_cluster=")

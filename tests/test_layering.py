@@ -1,5 +1,5 @@
 """Imports go one way: trainer -> {dualkv, planner, algo}; those never import each other, trainer or ray,
-and planner never imports torch. Checked in a fresh interpreter so that nothing is already loaded."""
+and planner never imports torch; hetrl.schema (the validation layer) imports no other hetrl package. Checked in a fresh interpreter so that nothing is already loaded."""
 
 import importlib.util
 import json
@@ -12,6 +12,9 @@ FORBIDDEN = {
     "hetrl.dualkv": {"hetrl.planner", "hetrl.algo", "hetrl.trainer", "ray"},
     "hetrl.planner": {"hetrl.dualkv", "hetrl.algo", "hetrl.trainer", "ray", "torch", "transformers"},
     "hetrl.algo": {"hetrl.dualkv", "hetrl.planner", "hetrl.trainer", "ray", "transformers"},
+    # the validation layer every package uses: a leaf (yaml and the standard library)
+    "hetrl.schema": {"hetrl.dualkv", "hetrl.planner", "hetrl.algo", "hetrl.trainer", "hetrl.models", "ray", "torch",
+                     "transformers"},
 }
 PRESENT = [name for name in FORBIDDEN if importlib.util.find_spec(name) is not None]
 
