@@ -37,6 +37,9 @@ def test_smollm2_logprobs_and_grads_equal_standard(smollm2):
     got = shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.8)
     (got * weights).sum().backward()
     assert (got - want).abs().max().item() <= 1e-4
+    # fp32 over 30 layers: the gradients differ by summation order only (exactness is the fp64 tests' job, 1e-9).
+    # 1e-4 held on the Intel Xeon this was written on; an AMD EPYC gives 1.01e-4 for layer 3's input norm, with
+    # the same code (checked on the commit before), so the bound is 3e-4 of each gradient's largest entry.
     for name, p in model.named_parameters():
         scale = want_grads[name].abs().max().item()
-        assert (p.grad - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
+        assert (p.grad - want_grads[name]).abs().max().item() <= 3e-4 * scale, name
