@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from .plan import Group, Parallelism, Plan, check_structure
-from .spec import INTRA_REGION_LATENCY_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
+from .spec import INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
 
 MFU_TRAIN = 0.45     # Megatron-style 3D parallelism on A100/H100: 35-55% (peers_schedulers.md §6.1)
 MFU_INFER = 0.50     # prefill-like forward passes
@@ -36,6 +36,12 @@ MEM_UTIL = 0.90      # usable fraction of GPU memory (allocator, CUDA context, f
 BYTES = 2            # bf16/fp16 weights, activations, gradients
 SAMPLE_BYTES_PER_TOKEN = 16  # token id, masks, old/ref log-probs, advantages moved between groups
 LOGIT_CHUNK_TOKENS = 4096    # log-probs computed over vocab chunks of this many tokens (fused linear-CE)
+# Offloaded Adam runs on the host CPU and is bound by host memory bandwidth: it reads fp32 master, m, v and the
+# gradient and writes master, m, v and the bf16 weights: ~30 B per parameter. A DGX A100 node has two 8-channel
+# DDR4-3200 sockets (2 x 204.8 GB/s) for 8 GPUs; at ~50% achieved that is ~25 GB/s per GPU.
+CPU_ADAM_BYTES_PER_PARAM = 30
+HOST_BYTES_PER_S_PER_GPU = 25e9
+GATHERED_LAYERS = 2          # ZeRO-3 / FSDP keep the layer in use and the prefetched next one unsharded
 
 ROLE_OF = {"actor_gen": "actor", "actor_infer": "actor", "actor_train": "actor", "ref_infer": "reference",
            "reward_infer": "reward", "critic_infer": "critic", "critic_train": "critic"}
@@ -137,12 +143,22 @@ def _shares(group: Group, speeds: list[float]) -> list[float]:
     return [v / sum(speeds) for v in speeds]
 
 
+def _overlapped(seconds: float, compute: float, layers: float) -> float:
+    """Exposed seconds of per-layer traffic that runs beside compute (ZeRO-3 gathers, streamed offloaded
+    weights): what the link cannot hide behind compute, and at least the first layer's share."""
+    return max(seconds - compute, seconds / max(1.0, layers))
+
+
 def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: str, train: bool) -> TaskCost:
     par = group.par(task)
     shards = _shards(group, par)
     tokens, pairs = _tokens_and_pairs(w)
     attn = 4 * model.layers * model.heads * model.head_dim * pairs
-    flops = (8 * model.active_params * tokens + 4 * attn) if train else (2 * model.active_params * tokens + attn)
+    if train:   # forward + backward (2x) + the recomputed forward
+        flops = (8 * model.active_params * tokens + 4 * attn) if par.recompute else \
+            (6 * model.active_params * tokens + 3 * attn)
+    else:
+        flops = 2 * model.active_params * tokens + attn
     speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
     shares = _shares(group, speeds)
     compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
@@ -163,17 +179,35 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
             lat, bw = slowest_link(cluster, a + b)
             pp_comm = max(pp_comm, (2 if train else 1) * (act_bytes / bw + micro_batches * lat))
     terms = {"compute": compute, "pipeline_bubble": bubble, "tp_comm": tp_comm, "pp_comm": pp_comm}
-    if train:
-        shard_params = model.params / (par.tp * par.pp)
+    shard_params = model.params / (par.tp * par.pp)
+    passes = (3 if par.recompute else 2) if train else 1   # times the weights are read: fwd, recompute, bwd
+    dp_groups = [[shards[r][s][t] for r in range(par.dp)] for s in range(par.pp) for t in range(par.tp)]
+    if par.zero == 3 and par.dp > 1:
+        # every pass all-gathers each layer's shards, training reduce-scatters the gradients; each is half an
+        # all-reduce of the stage's weights, one message per layer; overlapped with compute as the link allows
+        halves = passes + (1 if train else 0)
+        gather = max(halves / 2 * allreduce_s(BYTES * shard_params, par.dp, slowest_link(cluster, ids),
+                                              max(1, round(layers_per_stage))) for ids in dp_groups)
+        terms["dp_comm"] = _overlapped(gather, compute, layers_per_stage)
+    elif train:
         dp_comm = 0.0
         if par.dp > 1:
-            for s in range(par.pp):
-                for t in range(par.tp):
-                    ids = [shards[r][s][t] for r in range(par.dp)]
-                    dp_comm = max(dp_comm, allreduce_s(BYTES * shard_params, par.dp, slowest_link(cluster, ids)))
-        slowest_hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in group.gpus)
+            for ids in dp_groups:
+                dp_comm = max(dp_comm, allreduce_s(BYTES * shard_params, par.dp, slowest_link(cluster, ids)))
         terms["dp_comm"] = dp_comm
-        terms["optimizer"] = (16 * shard_params / par.dp + 4 * shard_params) / (slowest_hbm * HBM_EFF)
+    offload = 0.0
+    if par.offload == "params":   # each pass streams this rank's weight shard in from host memory
+        offload += _overlapped(passes * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
+    if train:
+        slowest_hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in group.gpus)
+        if par.offload == "none":
+            weights_written = shard_params / par.dp if par.zero == 3 else shard_params
+            terms["optimizer"] = (16 * shard_params / par.dp + 4 * weights_written) / (slowest_hbm * HBM_EFF)
+        else:   # Adam on the host: gradients out and weights back over PCIe, the step at host memory speed
+            offload += (2 * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S
+                        + CPU_ADAM_BYTES_PER_PARAM * shard_params / par.dp / HOST_BYTES_PER_S_PER_GPU)
+    if offload:
+        terms["offload"] = offload
     return TaskCost(sum(terms.values()), terms)
 
 
@@ -219,41 +253,133 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
 # ------------------------------------------------------------------------------------------ memory
 
 
-def _memory(cluster, w: WorkloadSpec, plan: Plan) -> tuple[dict[int, float], dict[int, float], str]:
-    """Per GPU of every group: (peak bytes, bytes left for the KV cache after everything resident, the reason the
-    first GPU that does not fit fails, or '')."""
-    peak, free, why = {}, {}, ""
-    for group in plan.groups:
-        resident = dict.fromkeys(group.gpus, 0.0)
-        working = dict.fromkeys(group.gpus, 0.0)
-        for role in sorted({ROLE_OF[t] for t in group.tasks}):
-            model = w.model(role)
-            shard = max(model.params / (group.par(t).tp * group.par(t).pp) for t in group.tasks if ROLE_OF[t] == role)
-            for i in group.gpus:
-                resident[i] += BYTES * shard
-        for task in group.tasks:
-            model, par = w.model(ROLE_OF[task]), group.par(task)
-            shard = model.params / (par.tp * par.pp)
-            mb = _micro_batch_tokens(w)
-            logits = min(mb, LOGIT_CHUNK_TOKENS) * model.vocab * 4 / par.tp \
-                if task in ("actor_train", "actor_infer", "ref_infer") else 0
-            if task in TRAIN_TASKS:
-                states = BYTES * shard + 12 * shard / par.dp
-                act = mb * model.hidden * BYTES * model.layers / par.pp + 34 * mb * model.hidden / par.tp + 2 * logits
-                for i in group.gpus:
-                    resident[i] += states
-                    working[i] = max(working[i], act)
-            elif task in INFER_TASKS:
-                for i in group.gpus:
-                    working[i] = max(working[i], 34 * mb * model.hidden / par.tp + logits)
+@dataclass(frozen=True)
+class TaskMemory:
+    """Bytes one task holds per GPU: its copy of the role's weights, training states (gradients + Adam) on the
+    GPU, its working set while it runs, and what it keeps in host memory (offload)."""
+
+    weights: float
+    states: float
+    working: float
+    host: float
+
+    @property
+    def gpu(self) -> float:
+        return self.weights + self.states + self.working
+
+
+def task_memory(w: WorkloadSpec, task: str, par: Parallelism) -> TaskMemory:
+    """Per-GPU memory of `task` run with `par` (its degrees and memory strategy). Generation's KV cache is not
+    here: it takes whatever the group leaves free (see group_memory)."""
+    model = w.model(ROLE_OF[task])
+    shard = model.params / (par.tp * par.pp)
+    layer = (model.attn_params_per_layer + model.mlp_params_per_layer) / par.tp
+    if par.offload == "params":
+        weights, host = GATHERED_LAYERS * BYTES * layer, BYTES * shard / par.dp
+    elif par.zero == 3:
+        weights, host = BYTES * shard / par.dp + GATHERED_LAYERS * BYTES * layer, 0.0
+    else:
+        weights, host = BYTES * shard, 0.0
+    mb = _micro_batch_tokens(w)
+    logits = min(mb, LOGIT_CHUNK_TOKENS) * model.vocab * 4 / par.tp \
+        if task in ("actor_train", "actor_infer", "ref_infer") else 0
+    states = working = 0.0
+    if task in TRAIN_TASKS:
+        grads = BYTES * shard if par.zero == 1 else BYTES * shard / par.dp
+        if par.offload == "none":
+            states = grads + 12 * shard / par.dp
+        else:
+            states, host = grads, host + 12 * shard / par.dp
+        if par.recompute:   # layer inputs kept, one layer's internals at a time
+            working = mb * model.hidden * BYTES * model.layers / par.pp + 34 * mb * model.hidden / par.tp + 2 * logits
+        else:               # every layer's internals kept (34 B per token and hidden unit per layer, flash attention)
+            working = 34 * mb * model.hidden * model.layers / (par.pp * par.tp) + 2 * logits
+    elif task in INFER_TASKS:
+        working = 34 * mb * model.hidden / par.tp + logits
+    return TaskMemory(weights, states, working, host)
+
+
+PHASES = (("actor_gen",), INFER_TASKS, TRAIN_TASKS)
+
+
+def _phase_bytes(group: Group, mems: dict[str, TaskMemory], tasks) -> tuple[float, float, dict]:
+    """(resident, working, {item: bytes}) of a group while `tasks` run: one copy of each role's weights (the
+    largest its tasks hold), training states, and the largest working set."""
+    items: dict = {}
+    for t in tasks:
+        role = ("weights", ROLE_OF[t])
+        items[role] = max(items.get(role, 0.0), mems[t].weights)
+        if mems[t].states:
+            items[("states", t)] = mems[t].states
+    return sum(items.values()), max((mems[t].working for t in tasks), default=0.0), items
+
+
+@dataclass
+class GroupMemory:
+    peak: float            # bytes per GPU at the busiest moment
+    kv_free: float         # bytes per GPU generation may fill with KV cache
+    host: float            # bytes per GPU kept in host memory (offload, roles swapped out)
+    swap_s: float          # seconds per iteration moving swapped roles between host and GPU
+
+
+def group_memory(w: WorkloadSpec, group: Group, usable: float) -> GroupMemory:
+    """Memory of one GPU of `group` (GPUs of a group hold the same shares). Without `swap` everything in the
+    group stays resident; with it, each phase (generation, inference, training) holds only its own roles, so
+    the peak is the largest phase, and every role or state idle in some phase is moved out and back in once
+    per iteration over PCIe (the KV cache is dropped, not moved)."""
+    mems = {t: task_memory(w, t, group.par(t)) for t in group.tasks}
+    host = sum(m.host for m in mems.values())
+    if not group.swap:
+        resident, working, _ = _phase_bytes(group, mems, group.tasks)
+        gen_resident = resident
+        return GroupMemory(resident + working, usable - gen_resident, host, 0.0)
+    phases = [[t for t in group.tasks if t in p] for p in PHASES]
+    phases = [p for p in phases if p]
+    per_phase = [_phase_bytes(group, mems, p) for p in phases]
+    peak = max(r + wk for r, wk, _ in per_phase)
+    gen = next((r for p, (r, _, _) in zip(phases, per_phase) if "actor_gen" in p), 0.0)
+    moved = {}
+    for _, _, items in per_phase:
+        for k, v in items.items():
+            moved[k] = max(moved.get(k, 0.0), v)
+    out = {k: v for k, v in moved.items() if any(k not in items for _, _, items in per_phase)}
+    swapped = sum(out.values())
+    return GroupMemory(peak, usable - gen, host + swapped, 2 * swapped / PCIE_BYTES_PER_S)
+
+
+@dataclass
+class Memory:
+    peak: dict[int, float]         # GPU id -> peak bytes
+    kv_free: dict[int, float]      # GPU id -> bytes for generation's KV cache
+    swap_s: dict[int, float]       # group index -> swap seconds per iteration
+    why: str                       # the first GPU or node that does not fit, or ''
+
+
+def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
+    """Peak bytes of every GPU and host memory of every node under `plan`, and the first thing that does not
+    fit (a constraint: a plan that does not fit is infeasible, whatever its speed)."""
+    peak, free, swap_s, why = {}, {}, {}, ""
+    host_of_node: dict[str, float] = {}
+    for k, group in enumerate(plan.groups):
+        by_usable: dict[float, GroupMemory] = {}
+        swap_s[k] = 0.0
         for i in group.gpus:
             usable = cluster.gpus[i].type.memory_bytes * MEM_UTIL
-            peak[i] = resident[i] + working[i]
-            free[i] = usable - resident[i]
+            if usable not in by_usable:   # a group's GPUs hold the same shares: once per GPU type
+                by_usable[usable] = group_memory(w, group, usable)
+            gm = by_usable[usable]
+            peak[i], free[i] = gm.peak, gm.kv_free
+            swap_s[k] = gm.swap_s
+            host_of_node[cluster.gpus[i].node] = host_of_node.get(cluster.gpus[i].node, 0.0) + gm.host
             if peak[i] > usable and not why:   # the first GPU that does not fit; every GPU still gets its entry
                 g = cluster.gpus[i]
                 why = f"{g.name} ({g.type.name}) needs {peak[i] / 1e9:.1f} GB but has {usable / 1e9:.1f} GB usable"
-    return peak, free, why
+    for name, need in host_of_node.items():
+        have = cluster.node(name).host_memory_bytes * MEM_UTIL
+        if need > have and not why:
+            why = (f"node {name} needs {need / 1e9:.1f} GB of host memory for offloaded and swapped states but has "
+                   f"{have / 1e9:.1f} GB usable (host_memory_gb in the cluster YAML)")
+    return Memory(peak, free, swap_s, why)
 
 
 # ------------------------------------------------------------------------------------------ iteration
@@ -306,23 +432,50 @@ def aggregate(mode: str, groups: list[dict[str, float]], transfer: float, sync: 
     return max(sum(busiest.values()), transfer, sync), list(busiest)
 
 
+def _swap_task(group: Group) -> str:
+    """The task whose phase change pays the group's swap: training if the group trains, else inference."""
+    for phase in reversed(PHASES):
+        for t in group.tasks:
+            if t in phase:
+                return t
+    return group.tasks[0]
+
+
+def task_costs(cluster: ClusterSpec, w: WorkloadSpec, group: Group, kv_free: dict[int, float] | None = None,
+               swap_s: float | None = None) -> dict[str, TaskCost]:
+    """Seconds of every task of `group`, by named terms (the swap term on the task that pays it). `kv_free` and
+    `swap_s` come from the plan's `memory`; without them they are computed for the group alone. The one way
+    in to task seconds for estimate, the search space and reports."""
+    if kv_free is None or swap_s is None:
+        mem = memory(cluster, w, Plan((group,)))
+        kv_free, swap_s = mem.kv_free, mem.swap_s[0]
+    costs = {}
+    for task in group.tasks:
+        model = w.model(ROLE_OF[task])
+        if task == "actor_gen":
+            costs[task] = _generation(cluster, w, model, group, kv_free)
+        else:
+            costs[task] = _dense_pass(cluster, w, model, group, task, task in TRAIN_TASKS)
+    if group.swap:
+        t = _swap_task(group)
+        costs[t] = TaskCost(costs[t].seconds + swap_s, {**costs[t].terms, "swap": swap_s})
+    return costs
+
+
 def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     """Predicted seconds per iteration of `plan`, with its breakdown; infeasible plans say why."""
     check_structure(plan, cluster, w)
-    peak, free, why = _memory(cluster, w, plan)
-    if why:
-        return Estimate(False, f"out of memory: {why}", memory_bytes=peak)
+    mem = memory(cluster, w, plan)
+    peak = mem.peak
+    if mem.why:
+        return Estimate(False, f"out of memory: {mem.why}", memory_bytes=peak)
     costs: dict[str, TaskCost] = {}
-    for group in plan.groups:
-        for task in group.tasks:
-            model = w.model(ROLE_OF[task])
-            if task == "actor_gen":
-                costs[task] = _generation(cluster, w, model, group, free)
-            else:
-                costs[task] = _dense_pass(cluster, w, model, group, task, task in TRAIN_TASKS)
-            if math.isinf(costs[task].seconds):
-                return Estimate(False, f"{task}: not even one sequence's KV cache fits next to the resident "
-                                       "weights and optimizer states", memory_bytes=peak)
+    for k, group in enumerate(plan.groups):
+        costs |= task_costs(cluster, w, group, mem.kv_free, mem.swap_s[k])
+    for task, c in costs.items():
+        if math.isinf(c.seconds):
+            return Estimate(False, f"{task}: not even one sequence's KV cache fits next to the resident "
+                                   "weights and optimizer states", memory_bytes=peak)
     gen_group, train_group = plan.group_of("actor_gen"), plan.group_of("actor_train")
     transfer = max([_transfer_s(cluster, gen_group, g, sample_bytes(w)) for g in plan.groups if g is not gen_group],
                    default=0.0)
@@ -340,4 +493,5 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak)
 
 
-__all__ = ["Estimate", "aggregate", "estimate", "sample_bytes", "slowest_link", "weight_sync_s"]
+__all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
+           "memory", "sample_bytes", "slowest_link", "task_costs", "task_memory", "weight_sync_s"]

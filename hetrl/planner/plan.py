@@ -22,6 +22,7 @@ BOUND = {"actor_infer": "actor_train", "critic_infer": "critic_train"}
 # How a group's DP replicas share its batch: in proportion to their speed (HetRL's load balancing), or
 # evenly, as verl / Megatron / vLLM data parallelism does (they assume identical GPUs).
 DATA_SPLITS = ("by_speed", "even")
+OFFLOADS = ("none", "optimizer", "params")
 
 
 def workload_tasks(w: WorkloadSpec) -> tuple[str, ...]:
@@ -40,12 +41,27 @@ def workload_tasks(w: WorkloadSpec) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Parallelism:
+    """Degrees of one task, and its memory strategy (training and inference tasks; generation keeps defaults):
+    zero 1 | 2 | 3 (3 = FSDP full sharding of parameters, gradients and optimizer states over the DP group),
+    offload none | optimizer | params (to host memory; params needs zero 3), recompute (activation
+    checkpointing: +1 forward of FLOPs, activations of one layer instead of all)."""
+
     tp: int = rule(1, ge=1)
     pp: int = rule(1, ge=1)
     dp: int = rule(1, ge=1)
+    zero: int = rule(1, choices=(1, 2, 3))
+    offload: str = rule("none", choices=OFFLOADS)
+    recompute: bool = True
 
     def __post_init__(self):
         check(self)
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError(f"offload: params needs zero: 3 (parameters are offloaded shard by shard, as FSDP and "
+                             f"ZeRO-3 do), got zero: {self.zero}; set zero: 3 or offload: optimizer")
+
+    @property
+    def default_memory(self) -> bool:
+        return self.zero == 1 and self.offload == "none" and self.recompute
 
     @property
     def size(self) -> int:
@@ -58,6 +74,7 @@ class Group:
     gpus: tuple[int, ...]                       # GPU ids in shard order
     parallelism: tuple[tuple[str, Parallelism], ...]
     data_split: str = "by_speed"                # one of DATA_SPLITS
+    swap: bool = False                          # time-shared colocation: roles idle in a phase wait in host memory
 
     def par(self, task: str) -> Parallelism:
         return dict(self.parallelism)[task]
@@ -73,12 +90,19 @@ class Plan:
     def to_dict(self, cluster: ClusterSpec) -> dict:
         return {"groups": [
             {"tasks": list(g.tasks), "gpus": [cluster.gpus[i].name for i in g.gpus],
-             "parallelism": {t: {"tp": p.tp, "pp": p.pp, "dp": p.dp} for t, p in g.parallelism},
-             "data_split": g.data_split}
+             "parallelism": {t: _par_dict(p) for t, p in g.parallelism},
+             "data_split": g.data_split, "swap": g.swap}
             for g in self.groups]}
 
 
-GROUP_KEYS = ("tasks", "gpus", "parallelism", "data_split")
+GROUP_KEYS = ("tasks", "gpus", "parallelism", "data_split", "swap")
+
+
+def _par_dict(p: Parallelism) -> dict:
+    out = {"tp": p.tp, "pp": p.pp, "dp": p.dp}
+    if not p.default_memory:
+        out |= {"zero": p.zero, "offload": p.offload, "recompute": p.recompute}
+    return out
 
 
 def plan_from_dict(data: dict, cluster: ClusterSpec, workload: WorkloadSpec, where: str = "plan") -> Plan:
@@ -151,7 +175,17 @@ def plan_shape(data, where: str, gpu_ids: dict[str, int] | None = None, cluster:
         if split not in DATA_SPLITS:
             raise InputError(f"{at}: {choice_error('data_split', split, DATA_SPLITS)} (by_speed: replicas get data "
                              "in proportion to their speed; even: as verl does)", located=True)
-        groups.append(Group(tuple(tasks), tuple(ids), tuple(par), split))
+        swap = g.get("swap", False)
+        if not isinstance(swap, bool):
+            raise InputError(f"{at}.swap must be true or false (time-shared colocation), got {show(swap)}",
+                             located=True)
+        for t, p in par:
+            if t == "actor_gen" and not p.default_memory:
+                raise InputError(f"{at}.parallelism.actor_gen: generation keeps its weights whole per TP shard; "
+                                 "zero, offload and recompute apply to training and inference tasks", located=True)
+            if t not in ("actor_train", "critic_train") and not p.recompute:
+                raise InputError(f"{at}.parallelism.{t}: recompute applies to training tasks only", located=True)
+        groups.append(Group(tuple(tasks), tuple(ids), tuple(par), split, swap))
     return Plan(tuple(groups))
 
 

@@ -15,12 +15,13 @@ the ILP and the hybrid search all go through these functions, so they search the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
 from dataclasses import dataclass
 
-from .cost import (ROLE_OF, TRAIN_TASKS, _dense_pass, _generation, _memory, _transfer_s, aggregate, sample_bytes,
+from .cost import (PHASES, ROLE_OF, TRAIN_TASKS, _transfer_s, aggregate, memory, sample_bytes, task_costs, task_memory,
                    weight_sync_s)
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
 from .spec import ClusterSpec, Node, WorkloadSpec
@@ -116,16 +117,13 @@ def parallelisms(w: WorkloadSpec, task: str, n: int) -> list[Parallelism]:
 
 
 def _task_seconds(cluster, w, group: Group, task: str) -> float:
-    model = w.model(ROLE_OF[task])
-    if task == "actor_gen":
-        _, free, _ = _memory(cluster, w, Plan((group,)))
-        return _generation(cluster, w, model, group, free).seconds
-    return _dense_pass(cluster, w, model, group, task, task in TRAIN_TASKS).seconds
+    return task_costs(cluster, w, group)[task].seconds
 
 
 def _footprint(w: WorkloadSpec, task: str, p: Parallelism) -> float:
-    params = w.model(ROLE_OF[task]).params / (p.tp * p.pp)
-    return params * (4 + 12 / p.dp) if task in TRAIN_TASKS else params * 2
+    """GPU bytes the task keeps resident (the cost model's own rule), to pick what to shard further."""
+    m = task_memory(w, task, p)
+    return m.weights + m.states
 
 
 @dataclass(frozen=True)
@@ -138,35 +136,64 @@ class GroupConfig:
     seconds: tuple[tuple[str, float], ...]
     local_sync_s: float            # weight sync when generation and actor training share this group
     data_split: str = "by_speed"
+    swap: bool = False
 
     def time(self, tasks) -> float:
         return sum(s for t, s in self.seconds if t in tasks)
 
 
+# Memory strategies tried, in this order, only when a group does not fit with everything resident (ZeRO-1):
+# each step holds less per GPU and costs more time (communication, PCIe, host Adam).
+TRAIN_STRATEGIES = ({}, {"zero": 2}, {"zero": 3}, {"zero": 3, "offload": "optimizer"}, {"zero": 3, "offload": "params"})
+INFER_STRATEGIES = ({}, {"zero": 3}, {"zero": 3, "offload": "params"})
+
+
+def _variants(task: str, p: Parallelism, strategies: bool) -> list[Parallelism]:
+    if not strategies or task == "actor_gen":
+        return [p]
+    ladder = TRAIN_STRATEGIES if task in TRAIN_TASKS else INFER_STRATEGIES
+    # ZeRO-2/3 shard over the DP group: with one replica only offloading changes anything
+    return [dataclasses.replace(p, **s) for s in ladder if p.dp > 1 or not s or "offload" in s]
+
+
 @functools.lru_cache(maxsize=500_000)
 def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...],
               data_split: str = "by_speed") -> GroupConfig | None:
-    """Pick TP/PP/DP for every task of a group; None when no choice fits in memory."""
+    """Pick TP/PP/DP (and, where memory forces it, a memory strategy, then time-shared colocation) for every
+    task of a group; None when nothing fits in memory."""
     gpus = gpu_ids(cluster, counts)
-    n = len(gpus)
-    if n == 0:
+    if not gpus:
         return None
+    phases = {next(i for i, ph in enumerate(PHASES) if t in ph) for t in tasks}
+    for strategies, swap in ((False, False), (True, False), (True, True)):
+        if swap and len(phases) < 2:
+            break
+        found = _configure(cluster, w, tasks, counts, gpus, data_split, strategies, swap)
+        if found is not None:
+            return found
+    return None
+
+
+def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, swap: bool) -> GroupConfig | None:
+    """Each task's fastest option, then more sharding (or a leaner strategy) for the task holding the most
+    memory until the group fits."""
     options = {}
     for t in tasks:
-        opts = parallelisms(w, t, n)
+        opts = [v for p in parallelisms(w, t, len(gpus)) for v in _variants(t, p, strategies)]
         if not opts:
             return None
         options[t] = sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((t,), gpus, ((t, p),), data_split), t),
                                                  p.pp, p.tp))
     choice = dict.fromkeys(tasks, 0)
     for _ in range(sum(len(o) for o in options.values()) + 1):
-        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks), data_split)
-        _, _, why = _memory(cluster, w, Plan((group,)))
-        if not why:
-            seconds = tuple((t, _task_seconds(cluster, w, group, t)) for t in tasks)
+        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks), data_split, swap)
+        mem = memory(cluster, w, Plan((group,)))
+        if not mem.why:
+            costs = task_costs(cluster, w, group, mem.kv_free, mem.swap_s[0])
+            seconds = tuple((t, costs[t].seconds) for t in tasks)
             if all(math.isfinite(s) for _, s in seconds):
                 local = weight_sync_s(cluster, w, group, group, True) if {"actor_gen", "actor_train"} <= set(tasks) else 0.0
-                return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split)
+                return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split, swap)
         # shard the task holding the most memory further (next option with a smaller per-GPU share)
         heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
         cur = _footprint(w, heavy, options[heavy][choice[heavy]])
@@ -220,7 +247,8 @@ def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
 
 def build_plan(cluster: ClusterSpec, configs: list[GroupConfig]) -> Plan:
     offsets = [0] * len(pools(cluster))
-    return Plan(tuple(Group(c.tasks, gpu_ids(cluster, c.counts, offsets), c.parallelism, c.data_split) for c in configs))
+    return Plan(tuple(Group(c.tasks, gpu_ids(cluster, c.counts, offsets), c.parallelism, c.data_split, c.swap)
+                      for c in configs))
 
 
 def compositions(total: int, parts: int):

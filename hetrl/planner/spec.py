@@ -124,6 +124,12 @@ class Node:
     count: int = rule(ge=1)
     intra_node: str = rule("nvlink", choices=("nvlink", "pcie"))
     network_gbps: float = rule(100.0, gt=0)
+    host_memory_gb: float | None = rule(None, gt=0)   # CPU RAM for offload and swap; default per GPU, below
+
+    @property
+    def host_memory_bytes(self) -> float:
+        return (self.host_memory_gb if self.host_memory_gb is not None
+                else DEFAULT_HOST_MEMORY_GB_PER_GPU * self.count) * 1e9
 
     def __post_init__(self):  # the GPU type is checked by ClusterSpec, which also knows the cluster's own types
         check(self)
@@ -153,6 +159,9 @@ class GPU:
     type: GPUType
 
 
+# DGX A100 (1 TB for 8 GPUs) and DGX H100 (2 TB for 8): 128 GB per GPU is the smaller; say host_memory_gb
+# on a node that has less (or more).
+DEFAULT_HOST_MEMORY_GB_PER_GPU = 128
 PCIE_BYTES_PER_S = 25e9   # PCIe Gen4 x16 ~32 GB/s per direction at ~80% NCCL bus efficiency
 INTRA_NODE_LATENCY_S = 5e-6
 INTRA_REGION_LATENCY_S = 50e-6
