@@ -55,13 +55,16 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
     cands: dict = {b: [] for b in blocks}
     done = 0
     for c in order:
-        if time.perf_counter() > enumeration_end:
-            break
         for b in blocks:
+            if time.perf_counter() > enumeration_end:
+                break
             cfg = configure(cluster, w, b, c)
             if cfg:
                 cands[b].append(cfg)
-        done += len(blocks)
+            done += 1
+        else:
+            continue
+        break
     stopped = (deadline.stopped(f"costing {done:,} of {total:,} group configurations; the plan is the best over "
                                 "those") if done < total else None)
 

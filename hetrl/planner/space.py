@@ -121,9 +121,8 @@ def _task_seconds(cluster, w, group: Group, task: str) -> float:
 
 
 def _footprint(w: WorkloadSpec, task: str, p: Parallelism) -> float:
-    """GPU bytes the task keeps resident (the cost model's own rule), to pick what to shard further."""
-    m = task_memory(w, task, p)
-    return m.weights + m.states
+    """GPU bytes the task holds (the cost model's own rule), to pick what to shard further."""
+    return task_memory(w, task, p).gpu
 
 
 @dataclass(frozen=True)
@@ -149,8 +148,19 @@ INFER_STRATEGIES = ({}, {"zero": 3}, {"zero": 3, "offload": "params"})
 
 
 def _variants(task: str, p: Parallelism, strategies: bool) -> list[Parallelism]:
-    if not strategies or task == "actor_gen":
+    """Options of one task for one set of degrees. Always, for training, those that can be faster: no
+    recompute (a quarter less compute where memory allows) and, on pure data parallelism, ZeRO-3 (FSDP as
+    verl and NeMo-RL run it: gathers that hide behind compute instead of TP and pipeline costs). With
+    `strategies` (memory forces it), every rung of the ladder."""
+    if task == "actor_gen":
         return [p]
+    if not strategies:
+        if task not in TRAIN_TASKS:
+            return [p]
+        out = [p, dataclasses.replace(p, recompute=False)]
+        if p.tp == p.pp == 1 and p.dp > 1:
+            out += [dataclasses.replace(p, zero=3), dataclasses.replace(p, zero=3, recompute=False)]
+        return out
     ladder = TRAIN_STRATEGIES if task in TRAIN_TASKS else INFER_STRATEGIES
     # ZeRO-2/3 shard over the DP group: with one replica only offloading changes anything
     return [dataclasses.replace(p, **s) for s in ladder if p.dp > 1 or not s or "offload" in s]
