@@ -93,6 +93,7 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _preset("qwen3-14b", 40, 5120, 40, 8, 17408, 151936),
     _preset("qwen3-32b", 64, 5120, 64, 8, 25600, 151936),
     _preset("qwen3-30b-a3b", 48, 2048, 32, 4, 0, 151936, experts=128, experts_per_token=8, moe_intermediate=768),
+    _preset("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064),
     _preset("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
     _preset("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256),
 ]}

@@ -190,3 +190,20 @@ def test_host_memory_is_a_constraint():
     e = estimate(small_host, big_w, plan_from_dict(p, small_host, big_w))
     assert not e.feasible and "host memory" in e.reason and "host_memory_gb" in e.reason
     assert MEM_UTIL < 1 and task_memory(w, "actor_train", par).host > 0
+
+
+@pytest.mark.parametrize("cluster, workload, plan_file", [
+    ("h100-2x8", "llama3.1-8b-grpo-nemorl", "nemorl-llama3.1-8b-16xh100"),
+    ("a100-40g-8x8", "qwen3-8b-grpo-dualkv-paper", "dualkv-paper-qwen3-8b-64xa100-40g"),
+    ("h20-8x8", "qwen2.5-7b-dapo-verl", "verl-dapo-qwen2.5-7b-64xh20"),
+])
+def test_published_setups_are_scored(cluster, workload, plan_file, capsys):
+    """The plans teams publish (colocated, time-shared, FSDP / offload) evaluate as feasible with a breakdown."""
+    from hetrl.cli import main
+
+    args = ["plan", "--cluster", f"examples/clusters/{cluster}.yaml", "--workload",
+            f"examples/workloads/{workload}.yaml", "--evaluate", f"examples/plans/{plan_file}.json", "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert math.isfinite(r["iteration_time_s"]) and r["breakdown"]["compute"] > 0
+    assert r["plan"]["groups"][0]["swap"] is True
