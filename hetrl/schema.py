@@ -78,6 +78,7 @@ def choice_error(name: str, value, choices) -> str:
     return f"{name} must be one of {', '.join(map(str, choices))}, got {show(value)}{hint}"
 
 
+_PLAIN = {bool: "true or false", str: "a string", dict: "a mapping"}   # checked by isinstance alone
 NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
@@ -116,9 +117,9 @@ def _coerce(name: str, value, tp, meta: dict):
     origin = typing.get_origin(tp) or tp
     if tp is Any:
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise InputError(f"{name} must be true or false, got {show(value)}")
+    if origin in _PLAIN:
+        if not isinstance(value, origin):
+            raise InputError(f"{name} must be {_PLAIN[origin]}, got {show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int) or not _in_range(value, meta):
@@ -131,14 +132,6 @@ def _coerce(name: str, value, tp, meta: dict):
                 or not _in_range(value, meta):
             raise InputError(f"{name} must be a finite number{_range_text(meta)}, got {show(value)}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise InputError(f"{name} must be a string, got {show(value)}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise InputError(f"{name} must be a mapping, got {show(value)}")
-        return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise InputError(f"{name} must be a list, got {show(value)}")

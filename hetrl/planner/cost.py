@@ -140,7 +140,8 @@ def _shares(group: Group, speeds: list[float]) -> list[float]:
     """Fraction of the batch each DP replica processes."""
     if group.data_split == "even":
         return [1 / len(speeds)] * len(speeds)
-    return [v / sum(speeds) for v in speeds]
+    total = sum(speeds)
+    return [v / total for v in speeds]
 
 
 def _overlapped(seconds: float, compute: float, layers: float) -> float:
@@ -446,8 +447,8 @@ def task_costs(cluster: ClusterSpec, w: WorkloadSpec, group: Group, kv_free: dic
     """Seconds of every task of `group`, by named terms (the swap term on the task that pays it). `kv_free` and
     `swap_s` come from the plan's `memory`; without them they are computed for the group alone. The one way
     in to task seconds for estimate, the search space and reports."""
-    if kv_free is None or swap_s is None:
-        mem = memory(cluster, w, Plan((group,)))
+    if (kv_free is None or swap_s is None) and ("actor_gen" in group.tasks or group.swap):
+        mem = memory(cluster, w, Plan((group,)))   # only generation (its KV budget) and swap read it
         kv_free, swap_s = mem.kv_free, mem.swap_s[0]
     costs = {}
     for task in group.tasks:

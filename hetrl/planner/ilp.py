@@ -48,14 +48,15 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
                          f"(limit {MAX_CANDIDATES:,}) on {len(cluster.gpus)} GPUs; use method=hybrid")
 
     # 1. candidates: every (block, counts), costed by the cost model. Counts in a fixed shuffled order, all
-    #    blocks per counts, the whole cluster first: if the time limit cuts the enumeration short, every block
-    #    has a sample of the space and the one-group plan on every GPU is among them.
+    #    blocks per counts (largest first), the whole cluster first: if the time limit cuts the enumeration
+    #    short, the blocks have a sample of the space and the one-group plan on every GPU is among them.
     order = count_space[-1:] + random.Random(0).sample(count_space[:-1], len(count_space) - 1)
     enumeration_end = t0 + ENUMERATION_SHARE * time_limit_s
     cands: dict = {b: [] for b in blocks}
     done = 0
+    by_size = sorted(blocks, key=lambda b: -len(b))   # the whole workload first: a one-group plan always exists
     for c in order:
-        for b in blocks:
+        for b in by_size:
             if time.perf_counter() > enumeration_end:
                 break
             cfg = configure(cluster, w, b, c)

@@ -60,11 +60,13 @@ class Deadline:
         return f"stopped at the {self.limit_s:g} s time limit after {what}"
 
 
-def _score(cluster, w, grouping, counts) -> tuple[float, list[GroupConfig] | None]:
+def _score(cluster, w, grouping, counts, deadline: Deadline | None = None) -> tuple[float, list[GroupConfig] | None]:
     if any(sum(c) == 0 for c in counts):
         return math.inf, None
     configs = []
     for tasks, c in zip(grouping, counts):
+        if deadline is not None and deadline.passed():   # between group configurations (~1 s at 2048 GPUs)
+            raise _OutOfTime
         cfg = configure(cluster, w, tasks, c)
         if cfg is None:
             return math.inf, None
@@ -283,7 +285,7 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
         if counts not in arm.scores:
             if deadline.passed():
                 raise _OutOfTime
-            t, configs = _score(cluster, w, arm.grouping, counts)
+            t, configs = _score(cluster, w, arm.grouping, counts, deadline)
             arm.scores[counts] = (t, sum(c.time(c.tasks) for c in configs) if configs else math.inf)
             n += 1
             if math.isfinite(t):

@@ -176,6 +176,7 @@ class ClusterSpec:
     gpu_types: tuple[GPUType, ...] = ()   # types beyond the catalog (e.g. a CPU that emulates a GPU), with sources
     gpus: tuple[GPU, ...] = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
+    _nodes: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check(self)
@@ -207,6 +208,7 @@ class ClusterSpec:
         object.__setattr__(self, "gpus", tuple(GPU(k, f"{n.name}:{i}", n.name, n.region, self.gpu_type(n.gpu))
                                                for k, (n, i) in enumerate(gpus)))
         object.__setattr__(self, "_hash", hash((self.name, self.nodes, self.regions, self.gpu_types)))
+        object.__setattr__(self, "_nodes", {n.name: n for n in self.nodes})
 
     def gpu_type(self, name: str) -> GPUType:
         """The cluster's own GPU types first, then the catalog; unknown names list both."""
@@ -224,7 +226,7 @@ class ClusterSpec:
         return self._hash
 
     def node(self, name: str) -> Node:
-        return next(n for n in self.nodes if n.name == name)
+        return self._nodes[name]
 
     def link(self, a: GPU, b: GPU) -> tuple[float, float]:
         """(latency_s, bytes_per_s) of the path between two GPUs."""
