@@ -303,7 +303,7 @@ def task_memory(w: WorkloadSpec, task: str, par: Parallelism) -> TaskMemory:
 PHASES = (("actor_gen",), INFER_TASKS, TRAIN_TASKS)
 
 
-def _phase_bytes(group: Group, mems: dict[str, TaskMemory], tasks) -> tuple[float, float, dict]:
+def _phase_bytes(mems: dict[str, TaskMemory], tasks) -> tuple[float, float, dict]:
     """(resident, working, {item: bytes}) of a group while `tasks` run: one copy of each role's weights (the
     largest its tasks hold), training states, and the largest working set."""
     items: dict = {}
@@ -331,12 +331,11 @@ def group_memory(w: WorkloadSpec, group: Group, usable: float) -> GroupMemory:
     mems = {t: task_memory(w, t, group.par(t)) for t in group.tasks}
     host = sum(m.host for m in mems.values())
     if not group.swap:
-        resident, working, _ = _phase_bytes(group, mems, group.tasks)
-        gen_resident = resident
-        return GroupMemory(resident + working, usable - gen_resident, host, 0.0)
+        resident, working, _ = _phase_bytes(mems, group.tasks)
+        return GroupMemory(resident + working, usable - resident, host, 0.0)
     phases = [[t for t in group.tasks if t in p] for p in PHASES]
     phases = [p for p in phases if p]
-    per_phase = [_phase_bytes(group, mems, p) for p in phases]
+    per_phase = [_phase_bytes(mems, p) for p in phases]
     peak = max(r + wk for r, wk, _ in per_phase)
     gen = next((r for p, (r, _, _) in zip(phases, per_phase) if "actor_gen" in p), 0.0)
     moved = {}

@@ -148,6 +148,13 @@ def _candidates(root: pathlib.Path) -> list[pathlib.Path]:
     return first + [p for p in steps if p not in first]
 
 
+def any_saved(run_dir: pathlib.Path) -> bool:
+    """Whether the run in `run_dir` has written a checkpoint (intact or not; `*.unreadable` ones set aside do
+    not count)."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    return root.is_dir() and not root.is_symlink() and any(_NAME.fullmatch(p.name) for p in root.iterdir())
+
+
 def latest(run_dir: pathlib.Path, say=print) -> pathlib.Path | None:
     """The newest intact checkpoint of the run in `run_dir` (what `latest` names, else the newest intact step
     directory), or None. Unreadable ones are renamed `*.unreadable` and reported through `say`."""

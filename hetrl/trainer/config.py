@@ -189,7 +189,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     """Read a run YAML (optional) and apply `key=value` overrides; unknown keys and bad values are errors that
     name the file (or the command line) and the key."""
     data = config_data(path, overrides)
-    given = parse_overrides(list(overrides))
+    given = {item.partition("=")[0].partition(".")[0] for item in overrides}   # the keys the command line set
     try:
         return RunConfig(**data)
     except InputError as e:

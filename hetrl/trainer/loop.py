@@ -257,10 +257,8 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
                   allow_config_change: bool) -> pathlib.Path | None:
     """The checkpoint to continue from (None: start at step 0), after the checks that keep a run from being
     lost (an existing run is never overwritten) or silently changed (a resume keeps its config)."""
-    root = run_dir / "checkpoints"
-    has_ckpt = root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir())
     if not resume:
-        if has_ckpt:
+        if checkpoint.any_saved(run_dir):
             raise InputError(f"{run_dir} already holds a run with checkpoints; continue it with: "
                              f"{resume_command(cfg)}, or choose another out_dir=... to start a new one")
         if metrics.exists() or evals.exists():
