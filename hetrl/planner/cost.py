@@ -144,6 +144,27 @@ def _shares(group: Group, speeds: list[float]) -> list[float]:
     return [v / total for v in speeds]
 
 
+def _dp_groups(shards, par: Parallelism) -> list[list[int]]:
+    """GPU ids of each data-parallel group: the replicas' GPUs holding the same stage and tensor slice."""
+    return [[shards[r][s][t] for r in range(par.dp)] for s in range(par.pp) for t in range(par.tp)]
+
+
+def _dp_links(cluster, dp_groups) -> list[tuple[float, float]]:
+    """The link each DP group's ring runs at. Rings that leave their node run side by side (one per stage and
+    tensor slice) and share each node's network: a node carrying k such rings gives each 1/k of its bandwidth."""
+    nodes = [{cluster.gpus[i].node for i in ids} for ids in dp_groups]
+    crossing: dict[str, int] = {}
+    for ns in nodes:
+        if len(ns) > 1:
+            for n in ns:
+                crossing[n] = crossing.get(n, 0) + 1
+    links = []
+    for ids, ns in zip(dp_groups, nodes):
+        lat, bw = slowest_link(cluster, ids)
+        links.append((lat, bw / max(crossing[n] for n in ns)) if len(ns) > 1 else (lat, bw))
+    return links
+
+
 def _overlapped(seconds: float, compute: float, layers: float) -> float:
     """Exposed seconds of per-layer traffic that runs beside compute (ZeRO-3 gathers, streamed offloaded
     weights): what the link cannot hide behind compute, and at least the first layer's share."""
@@ -164,7 +185,8 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     shares = _shares(group, speeds)
     compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
     micro_batches = max(1, math.ceil(w.samples / par.dp / w.micro_batch_responses))
-    bubble = compute * (par.pp - 1) / micro_batches
+    steps = w.optimizer_steps if train else 1   # the pipeline drains before every optimizer step
+    bubble = compute * (par.pp - 1) * steps / micro_batches
     layers_per_stage = model.layers / par.pp
     tp_comm = pp_comm = 0.0
     for f, stages in zip(shares, shards):
@@ -182,19 +204,20 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     terms = {"compute": compute, "pipeline_bubble": bubble, "tp_comm": tp_comm, "pp_comm": pp_comm}
     shard_params = model.params / (par.tp * par.pp)
     passes = (3 if par.recompute else 2) if train else 1   # times the weights are read: fwd, recompute, bwd
-    dp_groups = [[shards[r][s][t] for r in range(par.dp)] for s in range(par.pp) for t in range(par.tp)]
+    dp_links = _dp_links(cluster, _dp_groups(shards, par)) if par.dp > 1 else []
     if par.zero == 3 and par.dp > 1:
-        # every pass all-gathers each layer's shards, training reduce-scatters the gradients; each is half an
-        # all-reduce of the stage's weights, one message per layer; overlapped with compute as the link allows
-        halves = passes + (1 if train else 0)
-        gather = max(halves / 2 * allreduce_s(BYTES * shard_params, par.dp, slowest_link(cluster, ids),
-                                              max(1, round(layers_per_stage))) for ids in dp_groups)
+        # FSDP frees a layer's gathered weights after use, so every micro-batch all-gathers each layer's shards for
+        # its forward and again for its backward (which also serves the recomputed forward), and reduce-scatters
+        # its gradients (verl and FSDP2 do not skip the reduce while accumulating). Each is half an all-reduce of
+        # the stage's weights, one message per layer; overlapped with compute as far as the link allows.
+        halves = micro_batches * (3 if train else 1)
+        gather = max(halves / 2 * allreduce_s(BYTES * shard_params, par.dp, link, max(1, round(layers_per_stage)))
+                     for link in dp_links)
         terms["dp_comm"] = _overlapped(gather, compute, layers_per_stage)
-    elif train:
+    elif train:   # gradients accumulate locally and are all-reduced (ZeRO-2: reduce-scattered) once per optimizer step
         dp_comm = 0.0
-        if par.dp > 1:
-            for ids in dp_groups:
-                dp_comm = max(dp_comm, allreduce_s(BYTES * shard_params, par.dp, slowest_link(cluster, ids)))
+        for link in dp_links:
+            dp_comm = max(dp_comm, steps * allreduce_s(BYTES * shard_params, par.dp, link))
         terms["dp_comm"] = dp_comm
     offload = 0.0
     if par.offload == "params":   # each pass streams this rank's weight shard in from host memory
@@ -203,10 +226,10 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
         slowest_hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in group.gpus)
         if par.offload == "none":
             weights_written = shard_params / par.dp if par.zero == 3 else shard_params
-            terms["optimizer"] = (16 * shard_params / par.dp + 4 * weights_written) / (slowest_hbm * HBM_EFF)
+            terms["optimizer"] = steps * (16 * shard_params / par.dp + 4 * weights_written) / (slowest_hbm * HBM_EFF)
         else:   # Adam on the host: gradients out and weights back over PCIe, the step at host memory speed
-            offload += (2 * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S
-                        + CPU_ADAM_BYTES_PER_PARAM * shard_params / par.dp / HOST_BYTES_PER_S_PER_GPU)
+            offload += steps * (2 * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S
+                                + CPU_ADAM_BYTES_PER_PARAM * shard_params / par.dp / HOST_BYTES_PER_S_PER_GPU)
     if offload:
         terms["offload"] = offload
     return TaskCost(sum(terms.values()), terms)
@@ -385,7 +408,7 @@ def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
 # ------------------------------------------------------------------------------------------ iteration
 
 
-def _transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
+def group_transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
     """Seconds to move `nbytes` from group a to group b over the best path between them."""
     if a is b:
         return 0.0
@@ -407,12 +430,24 @@ def sample_bytes(w: WorkloadSpec) -> float:
     return w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
 
 
+def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float:
+    """Seconds for actor training sharded with ZeRO-3 to all-gather its shards over its DP groups (half an
+    all-reduce) before its weights can go to generation; 0 for every other training or a group without it."""
+    par = train.par("actor_train") if "actor_train" in train.tasks else None
+    if par is None or par.zero != 3 or par.dp == 1:
+        return 0.0
+    shard = w.actor.params * BYTES / (par.tp * par.pp)
+    return max(allreduce_s(shard, par.dp, link) / 2 for link in _dp_links(cluster, _dp_groups(_shards(train, par), par)))
+
+
 def weight_sync_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group, gen: Group, colocated: bool) -> float:
-    """Actor weights from training to generation: a local reshard when they share a group, else over the network."""
+    """Actor weights from training to generation: a local reshard when they share a group, else over the network,
+    after gathering ZeRO-3 shards (shard_gather_s)."""
+    gather = shard_gather_s(cluster, w, train)
     if colocated:
         hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in gen.gpus)
-        return w.actor.params * BYTES / (hbm * HBM_EFF) / len(gen.gpus)
-    return _transfer_s(cluster, train, gen, w.actor.params * BYTES)
+        return gather + w.actor.params * BYTES / (hbm * HBM_EFF) / len(gen.gpus)
+    return gather + group_transfer_s(cluster, train, gen, w.actor.params * BYTES)
 
 
 def aggregate(mode: str, groups: list[dict[str, float]], transfer: float, sync: float) -> tuple[float, list[str]]:
@@ -477,7 +512,7 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
             return Estimate(False, f"{task}: not even one sequence's KV cache fits next to the resident "
                                    "weights and optimizer states", memory_bytes=peak)
     gen_group, train_group = plan.group_of("actor_gen"), plan.group_of("actor_train")
-    transfer = max([_transfer_s(cluster, gen_group, g, sample_bytes(w)) for g in plan.groups if g is not gen_group],
+    transfer = max([group_transfer_s(cluster, gen_group, g, sample_bytes(w)) for g in plan.groups if g is not gen_group],
                    default=0.0)
     sync = weight_sync_s(cluster, w, train_group, gen_group, gen_group is train_group)
     total, critical = aggregate(w.mode, [{t: costs[t].seconds for t in g.tasks} for g in plan.groups], transfer, sync)
@@ -494,4 +529,4 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
-           "memory", "sample_bytes", "slowest_link", "task_costs", "task_memory", "weight_sync_s"]
+           "group_transfer_s", "memory", "sample_bytes", "shard_gather_s", "slowest_link", "task_costs", "task_memory", "weight_sync_s"]

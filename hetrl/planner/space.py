@@ -21,8 +21,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .cost import (PHASES, ROLE_OF, TRAIN_TASKS, _transfer_s, aggregate, memory, sample_bytes, task_costs, task_memory,
-                   weight_sync_s)
+from .cost import (PHASES, ROLE_OF, TRAIN_TASKS, group_transfer_s, aggregate, memory, sample_bytes, task_costs, task_memory,
+                   shard_gather_s, weight_sync_s)
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
 from .spec import ClusterSpec, Node, WorkloadSpec
 
@@ -136,6 +136,7 @@ class GroupConfig:
     local_sync_s: float            # weight sync when generation and actor training share this group
     data_split: str = "by_speed"
     swap: bool = False
+    gather_s: float = 0.0          # ZeRO-3 actor training: gathering its shards before any weight sync
 
     def time(self, tasks) -> float:
         return sum(s for t, s in self.seconds if t in tasks)
@@ -203,7 +204,8 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, sw
             seconds = tuple((t, costs[t].seconds) for t in tasks)
             if all(math.isfinite(s) for _, s in seconds):
                 local = weight_sync_s(cluster, w, group, group, True) if {"actor_gen", "actor_train"} <= set(tasks) else 0.0
-                return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split, swap)
+                return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split, swap,
+                                   shard_gather_s(cluster, w, group))
         # shard the task holding the most memory further (next option with a smaller per-GPU share)
         heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
         cur = _footprint(w, heavy, options[heavy][choice[heavy]])
@@ -238,7 +240,7 @@ def _sig_group(cluster, counts) -> Group:
 @functools.lru_cache(maxsize=200_000)
 def transfer_s(cluster, w, a: tuple[int, ...], b: tuple[int, ...]) -> float:
     """Samples from the generation group (counts a) to another group (counts b)."""
-    return _transfer_s(cluster, _sig_group(cluster, a), _sig_group(cluster, b), sample_bytes(w))
+    return group_transfer_s(cluster, _sig_group(cluster, a), _sig_group(cluster, b), sample_bytes(w))
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -251,7 +253,7 @@ def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
     gen = next(c for c in configs if "actor_gen" in c.tasks)
     train = next(c for c in configs if "actor_train" in c.tasks)
     transfer = max([transfer_s(cluster, w, gen.counts, c.counts) for c in configs if c is not gen], default=0.0)
-    sync = gen.local_sync_s if gen is train else sync_s(cluster, w, train.counts, gen.counts)
+    sync = gen.local_sync_s if gen is train else sync_s(cluster, w, train.counts, gen.counts) + train.gather_s
     return aggregate(w.mode, [dict(c.seconds) for c in configs], transfer, sync)[0]
 
 

@@ -272,11 +272,17 @@ class WorkloadSpec:
     dualkv: bool = True
     precision: str = rule("bf16", choices=("bf16", "fp16"))
     micro_batch_responses: int | None = rule(None, ge=1)  # responses per training micro-batch; default: a whole group
+    # optimizer steps per iteration: the batch is split into this many mini-batches (verl ppo_mini_batch_size,
+    # NeMo-RL train_global_batch_size, OpenRLHF train_batch_size), each one gradient sync and one Adam step
+    optimizer_steps: int = rule(1, ge=1)
 
     def __post_init__(self):
         check(self)
         if self.micro_batch_responses is None:
             object.__setattr__(self, "micro_batch_responses", self.responses_per_prompt)
+        if self.prompts_per_step % self.optimizer_steps:
+            raise ValueError(f"optimizer_steps must divide prompts_per_step ({self.prompts_per_step}) so every "
+                             f"mini-batch holds whole prompt groups, got {self.optimizer_steps}")
         if self.algorithm == "ppo" and self.critic is None:
             raise ValueError("ppo needs a critic model: set models.critic (e.g. the actor's preset)")
         if self.algorithm != "ppo" and self.critic is not None:
@@ -312,7 +318,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
-                 "response_tokens", "dualkv", "precision", "micro_batch_responses")
+                 "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

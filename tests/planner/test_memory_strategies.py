@@ -10,7 +10,7 @@ import pytest
 
 from hetrl.planner import estimate, load_cluster, load_workload, plan, plan_from_dict
 from hetrl.planner.cost import (CPU_ADAM_BYTES_PER_PARAM, HOST_BYTES_PER_S_PER_GPU, MEM_UTIL, _dense_pass,
-                                allreduce_s, group_memory, slowest_link, task_memory)
+                                allreduce_s, group_memory, slowest_link, task_memory, weight_sync_s)
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import PCIE_BYTES_PER_S, cluster_from_dict, workload_from_dict
 
@@ -92,11 +92,56 @@ def test_zero3_gathers_overlap_compute_as_far_as_the_link_allows(big):
     base = _dense_pass(cluster, w, w.actor, _group(cluster, Parallelism(1, 1, 8)), "actor_train", True)
     z3 = _dense_pass(cluster, w, w.actor, _group(cluster, Parallelism(1, 1, 8, zero=3)), "actor_train", True)
     link = slowest_link(cluster, _group(cluster, Parallelism(1, 1, 8)).gpus)
-    gather = 4 / 2 * allreduce_s(2 * w.actor.params, 8, link, w.actor.layers)   # fwd, recompute, bwd + grads
+    # every micro-batch gathers each layer for its forward and its backward and reduce-scatters its gradients
+    micro_batches = math.ceil(w.samples / 8 / w.micro_batch_responses)
+    gather = micro_batches * 3 / 2 * allreduce_s(2 * w.actor.params, 8, link, w.actor.layers)
     assert z3.terms["dp_comm"] == pytest.approx(max(gather - z3.terms["compute"], gather / w.actor.layers), rel=1e-12)
     assert z3.terms["compute"] == base.terms["compute"]
     # the optimizer writes only its shard of the weights
     assert z3.terms["optimizer"] == pytest.approx(base.terms["optimizer"] * 20 / (16 + 4 * 8), rel=1e-12)
+
+
+def test_per_optimizer_step_terms_scale_with_optimizer_steps(big):
+    cluster, _ = big
+    one = load_workload(str(ROOT / "examples" / "workloads" / "qwen3-8b-grpo-sync.yaml"))
+    four = workload_from_dict({**json.loads(json.dumps(_as_dict(one))), "optimizer_steps": 4})
+    for par in (Parallelism(1, 2, 4), Parallelism(1, 1, 8, offload="optimizer", zero=3)):
+        a = _dense_pass(cluster, one, one.actor, _group(cluster, par), "actor_train", True).terms
+        b = _dense_pass(cluster, four, four.actor, _group(cluster, par), "actor_train", True).terms
+        assert b["compute"] == a["compute"]
+        for term in ("optimizer", "offload", "pipeline_bubble"):   # once per optimizer step
+            assert b.get(term, 0) == pytest.approx(4 * a.get(term, 0), rel=1e-12), term
+        if par.zero == 1:   # gradients all-reduced once per optimizer step; ZeRO-3 reduces every micro-batch
+            assert b["dp_comm"] == pytest.approx(4 * a["dp_comm"], rel=1e-12)
+    with pytest.raises(ValueError, match="optimizer_steps must divide prompts_per_step"):
+        workload_from_dict({**_as_dict(one), "optimizer_steps": 3})
+
+
+def _as_dict(w):
+    return {"algorithm": w.algorithm, "mode": w.mode, "models": {"actor": w.actor.name, "reference": w.reference.name},
+            "prompts_per_step": w.prompts_per_step, "responses_per_prompt": w.responses_per_prompt,
+            "prompt_tokens": {"max": w.prompt_tokens.max, "mean": w.prompt_tokens.mean},
+            "response_tokens": {"max": w.response_tokens.max, "mean": w.response_tokens.mean},
+            "micro_batch_responses": w.micro_batch_responses, "dualkv": w.dualkv}
+
+
+def test_rings_that_leave_their_node_share_its_network():
+    """TP=2 x DP=8 on two 8-GPU nodes: two DP rings (one per tensor slice) cross the same two NICs, so each runs
+    at half the node's bandwidth; with TP=1 on one node the ring stays on NVLink at full speed."""
+    cluster = cluster_from_dict({"name": "two", "nodes": [
+        {"name": f"n{i}", "region": "r", "gpu": "H100", "count": 8, "network_gbps": 400} for i in range(2)]})
+    w = load_workload(str(ROOT / "examples" / "workloads" / "qwen3-8b-grpo-sync.yaml"))
+    group = Group(("actor_train",), tuple(range(16)), (("actor_train", Parallelism(2, 1, 8)),))
+    got = _dense_pass(cluster, w, w.actor, group, "actor_train", True).terms["dp_comm"]
+    lat, bw = slowest_link(cluster, (0, 8))
+    assert bw == 400e9 / 8
+    assert got == pytest.approx(allreduce_s(2 * w.actor.params / 2, 8, (lat, bw / 2)), rel=1e-12)
+    # ZeRO-3 training colocated with generation gathers its shards before the weights reach the rollout
+    z3 = Group(("actor_gen", "actor_train"), tuple(range(16)),
+               (("actor_gen", Parallelism(2, 1, 8)), ("actor_train", Parallelism(2, 1, 8, zero=3))))
+    base = Group(z3.tasks, z3.gpus, (("actor_gen", Parallelism(2, 1, 8)), ("actor_train", Parallelism(2, 1, 8))))
+    extra = weight_sync_s(cluster, w, z3, z3, True) - weight_sync_s(cluster, w, base, base, True)
+    assert extra == pytest.approx(allreduce_s(2 * w.actor.params / 2, 8, (lat, bw / 2)) / 2, rel=1e-12)
 
 
 def test_offload_and_recompute_time_terms_by_hand(big):
