@@ -292,34 +292,43 @@ class TaskMemory:
         return self.weights + self.states + self.working
 
 
-def task_memory(w: WorkloadSpec, task: str, par: Parallelism) -> TaskMemory:
+def precision_bytes(w: WorkloadSpec) -> tuple[int, int]:
+    """(bytes per weight, gradient and activation value; bytes of optimizer state per parameter): mixed precision
+    keeps 16-bit values and an fp32 master copy plus Adam's two fp32 moments (12 B); fp32 keeps the two moments."""
+    return (4, 8) if w.precision == "fp32" else (BYTES, 12)
+
+
+def task_memory(w: WorkloadSpec, task: str, par: Parallelism, micro_batch_tokens: float | None = None) -> TaskMemory:
     """Per-GPU memory of `task` run with `par` (its degrees and memory strategy). Generation's KV cache is not
-    here: it takes whatever the group leaves free (see group_memory)."""
+    here: it takes whatever the group leaves free (see group_memory). `micro_batch_tokens` overrides the
+    micro-batch the workload implies (the trainer packs micro-batches by tokens)."""
     model = w.model(ROLE_OF[task])
+    b, adam = precision_bytes(w)
     shard = model.params / (par.tp * par.pp)
     layer = (model.attn_params_per_layer + model.mlp_params_per_layer) / par.tp
     if par.offload == "params":
-        weights, host = GATHERED_LAYERS * BYTES * layer, BYTES * shard / par.dp
+        weights, host = GATHERED_LAYERS * b * layer, b * shard / par.dp
     elif par.zero == 3:
-        weights, host = BYTES * shard / par.dp + GATHERED_LAYERS * BYTES * layer, 0.0
+        weights, host = b * shard / par.dp + GATHERED_LAYERS * b * layer, 0.0
     else:
-        weights, host = BYTES * shard, 0.0
-    mb = _micro_batch_tokens(w)
+        weights, host = b * shard, 0.0
+    mb = _micro_batch_tokens(w) if micro_batch_tokens is None else micro_batch_tokens
     logits = min(mb, LOGIT_CHUNK_TOKENS) * model.vocab * 4 / par.tp \
         if task in ("actor_train", "actor_infer", "ref_infer") else 0
+    act = 34 * b // 2   # bytes per token and hidden unit per layer (34 in 16-bit, flash attention; Korthikanti et al.)
     states = working = 0.0
     if task in TRAIN_TASKS:
-        grads = BYTES * shard if par.zero == 1 else BYTES * shard / par.dp
+        grads = b * shard if par.zero == 1 else b * shard / par.dp
         if par.offload == "none":
-            states = grads + 12 * shard / par.dp
+            states = grads + adam * shard / par.dp
         else:
-            states, host = grads, host + 12 * shard / par.dp
+            states, host = grads, host + adam * shard / par.dp
         if par.recompute:   # layer inputs kept, one layer's internals at a time
-            working = mb * model.hidden * BYTES * model.layers / par.pp + 34 * mb * model.hidden / par.tp + 2 * logits
-        else:               # every layer's internals kept (34 B per token and hidden unit per layer, flash attention)
-            working = 34 * mb * model.hidden * model.layers / (par.pp * par.tp) + 2 * logits
+            working = mb * model.hidden * b * model.layers / par.pp + act * mb * model.hidden / par.tp + 2 * logits
+        else:               # every layer's internals kept
+            working = act * mb * model.hidden * model.layers / (par.pp * par.tp) + 2 * logits
     elif task in INFER_TASKS:
-        working = 34 * mb * model.hidden / par.tp + logits
+        working = act * mb * model.hidden / par.tp + logits
     return TaskMemory(weights, states, working, host)
 
 
@@ -529,4 +538,4 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
-           "group_transfer_s", "memory", "sample_bytes", "shard_gather_s", "slowest_link", "task_costs", "task_memory", "weight_sync_s"]
+           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link", "task_costs", "task_memory", "weight_sync_s"]

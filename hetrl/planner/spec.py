@@ -270,7 +270,9 @@ class WorkloadSpec:
     prompt_tokens: TokenLengths
     response_tokens: TokenLengths
     dualkv: bool = True
-    precision: str = rule("bf16", choices=("bf16", "fp16"))
+    # bf16/fp16: mixed precision (16-bit weights, gradients and activations; fp32 master weights and Adam moments);
+    # fp32: everything in fp32 (hetrl train on CPU)
+    precision: str = rule("bf16", choices=("bf16", "fp16", "fp32"))
     micro_batch_responses: int | None = rule(None, ge=1)  # responses per training micro-batch; default: a whole group
     # optimizer steps per iteration: the batch is split into this many mini-batches (verl ppo_mini_batch_size,
     # NeMo-RL train_global_batch_size, OpenRLHF train_batch_size), each one gradient sync and one Adam step

@@ -1,10 +1,11 @@
 """A memory estimate made before training starts, so a config that cannot fit is refused up front.
 
-Terms (bytes): policy weights, gradients, AdamW's two moments, a frozen reference copy when
-the KL term is on, activations kept for backward for one micro-batch of packed tokens
-(~(16·hidden + 4·intermediate) values per token and layer, plus one layer's attention scores
-H x T² as a bound), logits of the micro-batch's predicting rows (x3: logits, softmax, grad),
-and generation's KV cache plus last-step logits. It is an estimate, meant to catch the
+The planner's rule, not a second one: weights, gradients + optimizer states and the training working set
+(activations of one packed micro-batch, logits) come from `hetrl.planner.cost.task_memory` for the run's
+workload (`placement.run_workload`, in the run's precision), one data-parallel rank holding everything. Two terms
+are the trainer's own because the planner does not charge them to a task: generation's KV cache for one rollout
+batch (the planner gives generation whatever memory is left), and one layer's attention scores (heads x T^2),
+which SDPA's math path on CPU materialises where GPU flash attention does not. It is an estimate, meant to catch
 configurations that are off by a wide margin, not to predict the peak to the megabyte.
 """
 
@@ -29,26 +30,28 @@ def available_bytes() -> int:
 
 def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
     """-> term -> bytes for training `model` with RunConfig `cfg` on prompts of about `prompt_tokens`."""
-    c = model.config.get_text_config()
+    from hetrl.planner.cost import task_memory
+    from hetrl.planner.plan import Parallelism
+    from hetrl.planner.spec import TokenLengths
+
+    from .placement import model_spec_from_hf, run_workload
+
+    spec = model_spec_from_hf(model.config.get_text_config())
     b = next(model.parameters()).element_size()
-    n = sum(p.numel() for p in model.parameters())
-    layers, hidden, inter = c.num_hidden_layers, c.hidden_size, c.intermediate_size
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", heads) or heads
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    vocab = c.vocab_size
+    w = run_workload(cfg, spec, TokenLengths(prompt_tokens, float(prompt_tokens)), "bf16" if b == 2 else "fp32")
+    scale = b / 4 if b > 4 else 1   # float64 (exactness checks): every fp32 term twice over
     t = cfg.micro_batch_tokens
-    rows = min(t, cfg.prompts_per_step * cfg.responses_per_prompt * cfg.max_new_tokens)
+    train = task_memory(w, "actor_train", Parallelism(1, 1, 1, recompute=False), micro_batch_tokens=t)
+    ref = task_memory(w, "ref_infer", Parallelism(), micro_batch_tokens=t) if w.reference else None
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
     gen_len = prompt_tokens + cfg.max_new_tokens
     return {
-        "weights": n * b,
-        "gradients": n * b,
-        "adamw_moments": 2 * n * b,
-        "reference_model": n * b if cfg.kl_coef > 0 else 0,
-        "activations": t * layers * (16 * hidden + 4 * inter) * b + heads * t * t * b,
-        "logits": 3 * rows * vocab * max(b, 4),
-        "generation_kv_cache": gen_rows * gen_len * layers * 2 * kv_heads * head_dim * b + gen_rows * vocab * 4,
+        "weights": int(train.weights * scale),
+        "gradients_and_optimizer": int(train.states * scale),
+        "activations_and_logits": int(train.working * scale),
+        "attention_scores": spec.heads * t * t * b,
+        "reference_model": int(ref.weights * scale) if ref else 0,
+        "generation_kv_cache": gen_rows * gen_len * spec.kv_bytes_per_token * b // 2 + gen_rows * spec.vocab * 4,
     }
 
 
