@@ -39,13 +39,24 @@ def synthetic_cluster(n_gpus: int):
     return cluster_from_dict({"name": f"synthetic-{n_gpus}", "nodes": nodes, "regions": regions})
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, partial: pathlib.Path) -> dict:
+    """Every finished row is appended to `partial` (JSON lines) at once, and rows already there are reused, so an
+    interrupted run continues where it stopped; delete the file to start over."""
     scenarios = SCENARIOS[:2] if quick else SCENARIOS
     workloads = WORKLOADS[:4] if quick else WORKLOADS
+    done = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[r["scenario"], r["workload"]] = r
     rows = []
     for sc in tqdm(scenarios, desc="scenarios"):
         cluster = load_cluster(str(ROOT / "examples" / "clusters" / f"{sc}.yaml"))
         for wl in tqdm(workloads, desc=sc, leave=False):
+            if (sc, wl) in done:
+                rows.append(done[sc, wl])
+                continue
             w = load_workload(str(ROOT / "examples" / "workloads" / f"{wl}.yaml"))
             row = {"scenario": sc, "workload": wl}
             found = {}
@@ -62,6 +73,8 @@ def run(quick: bool) -> dict:
             row["speedup_vs_verl_all"] = row["verl-all"]["iteration_time_s"] / row[best]["iteration_time_s"]
             row["speedup_vs_streamrl"] = row["streamrl"]["iteration_time_s"] / row[best]["iteration_time_s"]
             rows.append(row)
+            with partial.open("a") as f:
+                f.write(json.dumps(row) + "\n")
     scaling = []
     w = load_workload(str(ROOT / "examples" / "workloads" / "qwen3-8b-grpo-async.yaml"))
     for n in tqdm(SYNTHETIC[:2] if quick else SYNTHETIC, desc="scaling"):
@@ -151,12 +164,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="2 scenarios x 4 workloads, 16-64 GPUs")
     args = parser.parse_args()
-    res = run(args.quick)
+    out = ROOT / "benchmarks" / "results"
+    partial = out / f"{'planner_quick' if args.quick else 'planner'}.partial.jsonl"
+    res = run(args.quick, partial)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "planner_quick" if args.quick else "planner"
     (out / f"{name}.json").write_text(json.dumps(res, indent=2))
     (out / f"{name}.md").write_text(markdown(res))
+    partial.unlink(missing_ok=True)
     print(markdown(res))
 
 

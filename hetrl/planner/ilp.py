@@ -117,6 +117,9 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
     syncs = [(u, sync_s(cluster, w, ct, cg)) for u, ct, cg in
              pairs("actor_train", lambda b: "actor_gen" in b)]
     local_sync = sum(cfg.local_sync_s * x[b, i] for b in blocks for i, cfg in enumerate(cands[b]) if cfg.local_sync_s)
+    # ZeRO-3 actor training apart from generation gathers its shards before sending (in local_sync when together)
+    gather = sum(cfg.gather_s * x[b, i] for b in blocks if "actor_gen" not in b
+                 for i, cfg in enumerate(cands[b]) if cfg.gather_s)
 
     # C5 + 4. objective ---------------------------------------------------------------------------
     def share(b, tasks):
@@ -132,13 +135,15 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
             if any(t in TRAIN_TASKS for t in b):
                 h.addConstr(t_train - share(b, TRAIN_TASKS) >= 0)
         gen = sum(share(b, ("actor_gen",)) for b in blocks if "actor_gen" in b)
-        objective = gen + t_tr + t_inf + t_train + sum(s * u for u, s in syncs) + local_sync
+        objective = gen + t_tr + t_inf + t_train + sum(s * u for u, s in syncs) + local_sync + gather
     else:
         objective = h.addVariable(lb=0, ub=inf)
         for b in blocks:
             h.addConstr(objective - share(b, b) >= 0)
-        for u, s in transfers + syncs:
+        for u, s in transfers:
             h.addConstr(objective - s * u >= 0)
+        for u, s in syncs:   # the chosen pair's sync plus its gather; for other pairs this only says T >= gather
+            h.addConstr(objective - s * u - gather >= 0)
         if not isinstance(local_sync, (int, float)):
             h.addConstr(objective - local_sync >= 0)
     h.minimize(objective)

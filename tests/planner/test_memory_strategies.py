@@ -162,21 +162,28 @@ def test_offload_and_recompute_time_terms_by_hand(big):
     assert ref.terms["offload"] == pytest.approx(max(stream - ref.terms["compute"], stream / w.actor.layers), rel=1e-12)
 
 
-def test_default_strategies_score_the_committed_benchmark_plans_as_before():
-    """Every plan of benchmarks/results/planner.json (48 pairs x 5 methods) scored by today's cost model. Bit
-    for bit against the code before memory strategies (checked when they were added); against the committed
-    file within a few ulps (1e-15), by which an earlier refactor of the compute rule (7b0041d) moved 32 of the 240."""
+def test_committed_benchmark_plans_score_as_committed_and_written_out_defaults_change_nothing():
+    """Every plan of benchmarks/results/planner.json (48 pairs x 5 methods) scores as committed (within a few ulps),
+    and the same plan with the default strategies written out (zero 1, no offload, recompute, no swap) scores
+    bit-identically: the strategy dimensions at their defaults are today's model."""
     res = json.loads((ROOT / "benchmarks" / "results" / "planner.json").read_text())
     n = 0
     for row in res["rows"]:
         c = load_cluster(str(ROOT / "examples" / "clusters" / f"{row['scenario']}.yaml"))
         w = load_workload(str(ROOT / "examples" / "workloads" / f"{row['workload']}.yaml"))
         for m in ("hybrid", "ilp", "verl", "verl-all", "streamrl"):
-            p = plan_from_dict(row[m]["plan"], c, w)
-            assert all(par.default_memory for g in p.groups for _, par in g.parallelism) and not any(
-                g.swap for g in p.groups)
-            got = estimate(c, w, p).iteration_time_s
+            data = row[m]["plan"]
+            got = estimate(c, w, plan_from_dict(data, c, w)).iteration_time_s
             assert math.isclose(got, row[m]["iteration_time_s"], rel_tol=1e-15, abs_tol=0), (row["scenario"], m)
+            p = plan_from_dict(data, c, w)
+            if all(par.default_memory for g in p.groups for _, par in g.parallelism) and not any(g.swap for g in p.groups):
+                explicit = json.loads(json.dumps(data))
+                for g in explicit["groups"]:
+                    g["swap"] = False
+                    for t, par in g["parallelism"].items():
+                        if t != "actor_gen":
+                            par.update({"zero": 1, "offload": "none"}, **({"recompute": True} if t.endswith("_train") else {}))
+                assert estimate(c, w, plan_from_dict(explicit, c, w)).iteration_time_s == got
             n += 1
     assert n == 240
 
