@@ -1,0 +1,133 @@
+"""A user's reward functions (TRL and verl conventions) receive exactly their row's columns, weights skip None,
+and every bad reward is one clear line."""
+
+import math
+import textwrap
+
+import pytest
+
+from hetrl.schema import InputError
+from hetrl.trainer.rewards import RewardSet, convention, load_reward
+
+ROWS = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "level": 1},
+        {"prompt": [{"role": "user", "content": "3+3?"}], "answer": "6", "level": 2}]
+
+
+def test_a_trl_reward_receives_each_rows_columns_by_value():
+    seen = {}
+
+    def correct(completions, answer, level, prompts, completion_ids, **kwargs):
+        seen.update(completions=completions, answer=answer, level=level, prompts=prompts, ids=completion_ids,
+                    extra=kwargs)
+        return [1.0 if c[0]["content"] == a else 0.0 for c, a in zip(completions, answer)]
+
+    s = RewardSet([correct]).score(ROWS, [r["prompt"] for r in ROWS], ["4", "5"], [[7], [8, 9]])
+    assert s.total == [1.0, 0.0]
+    assert seen["answer"] == ["4", "6"] and seen["level"] == [1, 2]
+    assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    assert seen["prompts"] == [r["prompt"] for r in ROWS] and seen["ids"] == [[7], [8, 9]] and seen["extra"] == {}
+
+
+def test_string_prompts_get_string_completions():
+    got = {}
+
+    def f(completions, **kw):
+        got["c"] = completions
+        return [len(c) for c in completions]
+
+    assert RewardSet([f]).score([{"prompt": "a"}], ["a"], ["xyz"]).total == [3.0]
+    assert got["c"] == ["xyz"]
+
+
+def test_a_verl_compute_score_receives_ground_truth_from_reward_model():
+    calls = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        calls.append((data_source, solution_str, ground_truth, extra_info))
+        return {"score": float(solution_str == ground_truth), "acc": solution_str == ground_truth}
+
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "data_source": "gsm8k",
+             "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"index": 3}}]
+    s = RewardSet([compute_score]).score(rows, [rows[0]["prompt"]], ["72"])
+    assert calls == [("gsm8k", "72", "72", {"index": 3})]
+    assert s.total == [1.0] and s.extra == {"compute_score/acc": [True]}
+
+
+def test_weighted_rewards_leave_none_out_of_the_sum():
+    def a(completions, **kw):
+        return [1.0, None, None]
+
+    def b(completions, **kw):
+        return [0.5, 0.25, None]
+
+    s = RewardSet([a, b], weights=[2.0, 4.0]).score([{}] * 3, ["p"] * 3, ["x", "y", "z"])
+    assert s.total == [2.0 + 2.0, 1.0, 0.0]
+    assert s.per_function == {"a": [1.0, None, None], "b": [0.5, 0.25, None]}
+
+
+def test_the_two_conventions_are_told_apart_by_signature():
+    def trl(completions, **kwargs):
+        return []
+
+    def verl(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    def neither(x, y):
+        return 0.0
+
+    assert convention(trl) == "trl" and convention(verl) == "verl"
+    with pytest.raises(InputError, match="fit neither"):
+        convention(neither)
+
+
+def test_specs_load_from_a_file_and_a_module(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text("def r(completions, **kw):\n    return [1.0 for _ in completions]\n")
+    assert load_reward(f"{f}:r")(completions=["a"]) == [1.0]
+    assert load_reward("math:sqrt") is math.sqrt
+
+
+@pytest.mark.parametrize("body, spec_name, match", [
+    ("def r(completions, **kw):\n    return [1.0]\n", "nope", "has no 'nope' .*callables there: r"),
+    ("def r(completions, **kw)\n    return []\n", "r", r"my_reward.py:1: syntax error"),
+    ("import not_a_module_anywhere\n", "r", r"importing it failed at .*my_reward.py:1: ModuleNotFoundError"),
+])
+def test_a_reward_spec_that_does_not_load_says_where(tmp_path, body, spec_name, match):
+    f = tmp_path / "my_reward.py"
+    f.write_text(body)
+    with pytest.raises(InputError, match=match):
+        load_reward(f"{f}:{spec_name}")
+
+
+def test_bad_spec_forms_are_refused(tmp_path):
+    for spec in ("noseparator", "a:b:c", ":r", f"{tmp_path / 'missing.py'}:r"):
+        with pytest.raises(InputError):
+            load_reward(spec)
+
+
+@pytest.mark.parametrize("ret, match", [
+    ("[1.0]", "returned 1 rewards for 2 completions"),
+    ("[1.0, float('nan')]", "row 1: returned nan, not a finite number"),
+    ("[1.0, 'good']", "row 1: returned 'good', not a number"),
+    ("7", "returned int, expected a list of 2 numbers"),
+    ("[1.0, 1 / 0]", r"raised ZeroDivisionError: division by zero \(.*:3\)"),
+])
+def test_a_reward_that_misbehaves_is_one_clear_line(tmp_path, ret, match):
+    f = tmp_path / "bad.py"
+    f.write_text(textwrap.dedent(f"""\
+        def bad(completions, **kw):
+            x = 1
+            return {ret}
+        """))
+    with pytest.raises(InputError, match=match):
+        RewardSet([f"{f}:bad"]).score([{}, {}], ["p", "p"], ["a", "b"])
+
+
+def test_a_verl_reward_that_raises_names_the_row():
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0 / len(solution_str)
+
+    with pytest.raises(InputError, match="row 1: raised ZeroDivisionError"):
+        RewardSet([compute_score]).score([{}, {}], ["p", "p"], ["a", ""])
+    with pytest.raises(InputError, match="2 weights for 1 reward functions"):
+        RewardSet([compute_score], weights=[1, 2])
