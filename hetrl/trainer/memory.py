@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import os
 
+from hetrl.planner.cost import task_memory
+from hetrl.planner.plan import Parallelism
+from hetrl.planner.spec import TokenLengths
+
+from .placement import model_spec_from_hf, run_workload
+
 GIB = 1024**3
 
 
@@ -30,12 +36,6 @@ def available_bytes() -> int:
 
 def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
     """-> term -> bytes for training `model` with RunConfig `cfg` on prompts of about `prompt_tokens`."""
-    from hetrl.planner.cost import task_memory
-    from hetrl.planner.plan import Parallelism
-    from hetrl.planner.spec import TokenLengths
-
-    from .placement import model_spec_from_hf, run_workload
-
     spec = model_spec_from_hf(model.config.get_text_config())
     b = next(model.parameters()).element_size()
     w = run_workload(cfg, spec, TokenLengths(prompt_tokens, float(prompt_tokens)), "bf16" if b == 2 else "fp32")
