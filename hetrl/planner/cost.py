@@ -7,8 +7,9 @@ aggregation). Formulas and constants are in docs/cost_model.md; in short:
   training   8·N_active FLOPs per token (full recompute) + causal attention, at MFU_TRAIN of the
              slowest GPU of each pipeline stage; DP replicas get data in proportion to their speed
              (or evenly, the group's data_split, as verl does: then the slowest replica sets the pace);
-             bubble (pp-1)/m; TP 4 all-reduces per layer; PP activations; DP gradient all-reduce;
-             Adam step HBM traffic. ZeRO-1 (optimizer states sharded over DP).
+             bubble (pp-1)/m per optimizer step; TP 4 all-reduces per layer; PP activations; DP gradient
+             all-reduce per optimizer step (ZeRO-1/2) or per-micro-batch gathers (ZeRO-3), over rings that
+             share their nodes' network; Adam step HBM traffic, or host Adam and PCIe (offload).
   inference  2·N_active FLOPs per token + attention; TP 2 all-reduces per layer; PP one way.
   generation prefill once per prompt (prefix sharing) + decode for max-response-length steps: each
              step reads the weights and the KV cache (HBM) or is compute-bound, whichever is slower;
