@@ -36,8 +36,7 @@ from hetrl.planner.spec import TokenLengths  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.loop import train  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
-from hetrl.trainer.rollout import chat_prompt_ids  # noqa: E402
-from hetrl.trainer.tasks import Task  # noqa: E402
+from hetrl.data import TaskSource  # noqa: E402
 
 CONFIGS = {"tiny": "examples/runs/tiny.yaml", "default": "examples/runs/default.yaml"}
 
@@ -90,9 +89,9 @@ def fixed_plans(tasks: list[str]) -> dict[str, dict]:
 def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path, cluster) -> list[dict]:
     base = load_config(CONFIGS[config], [f"steps={steps}"])
     model, tokenizer = load_model(base.model, seed=base.seed)
-    task = Task(base.task, base.task_config, base.seed, base.eval_size, base.reward, base.format_reward,
-                base.prompt_suffix)
-    prompt_len = max(len(chat_prompt_ids(tokenizer, task.messages(p))) for p in task.eval_problems)
+    task = TaskSource(base.task, base.task_config, base.seed, base.eval_size, tokenizer, base.max_prompt_tokens,
+                      base.prompt_suffix)
+    prompt_len = max(len(e.prompt_ids) for e in task.eval_examples)
     spec = model_spec_from_hf(model.config, base.model)
     del model
     rows = []

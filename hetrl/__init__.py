@@ -1,3 +1,35 @@
 """hetrl: RL post-training of LLMs on heterogeneous hardware (HetRL planning + DualKV training)."""
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+
+def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=None, resume: bool = False,
+          **overrides) -> dict:
+    """`hetrl train` from Python.
+
+    config: a RunConfig, a mapping of its fields, a run YAML path, or None (the built-in defaults); `overrides`
+      are more fields (`hetrl.train("run.yaml", steps=5)`).
+    train_dataset / eval_dataset: a `datasets.Dataset`, a list of dicts, or a path (JSONL, JSON, Parquet, CSV, a
+      save_to_disk directory); the prompt is in column `prompt_key` (default "prompt").
+    reward_funcs: callables in TRL's `f(completions, **columns) -> list[float | None]` or verl's
+      `compute_score(data_source, solution_str, ground_truth, extra_info=None)` convention, built-in names
+      ("exact_match", "math_verify", ...) or "FILE.py:NAME" specs; weighted by the config's `reward_weights`.
+    Returns the run's summary (as summary.json).
+    """
+    from hetrl.trainer.config import RunConfig, load_config
+    from hetrl.trainer.loop import python_fields, train as _train
+
+    if isinstance(config, RunConfig):
+        fields = config.to_dict()
+    elif config is None or isinstance(config, str):
+        fields = load_config(config).to_dict()
+    elif isinstance(config, dict):
+        fields = dict(config)
+    else:
+        raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
+    fields |= overrides
+    fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs)
+    return _train(RunConfig(**fields), resume=resume, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                  reward_funcs=reward_funcs)

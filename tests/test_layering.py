@@ -1,4 +1,4 @@
-"""Imports go one way: trainer -> {dualkv, planner, algo}; those never import each other, trainer or ray,
+"""Imports go one way: trainer -> {dualkv, planner, algo, data}; those never import each other, trainer or ray,
 and planner never imports torch; hetrl.schema (the validation layer) imports no other hetrl package. Checked in a fresh interpreter so that nothing is already loaded."""
 
 import importlib.util
@@ -9,12 +9,15 @@ import sys
 import pytest
 
 FORBIDDEN = {
-    "hetrl.dualkv": {"hetrl.planner", "hetrl.algo", "hetrl.trainer", "ray"},
-    "hetrl.planner": {"hetrl.dualkv", "hetrl.algo", "hetrl.trainer", "ray", "torch", "transformers"},
-    "hetrl.algo": {"hetrl.dualkv", "hetrl.planner", "hetrl.trainer", "ray", "transformers"},
+    "hetrl.dualkv": {"hetrl.planner", "hetrl.algo", "hetrl.data", "hetrl.trainer", "ray"},
+    "hetrl.planner": {"hetrl.dualkv", "hetrl.algo", "hetrl.data", "hetrl.trainer", "ray", "torch", "transformers"},
+    "hetrl.algo": {"hetrl.dualkv", "hetrl.planner", "hetrl.data", "hetrl.trainer", "ray", "transformers"},
+    # prompts and rewards: no model code (a reward worker process imports only this and the user's module)
+    "hetrl.data": {"hetrl.dualkv", "hetrl.planner", "hetrl.algo", "hetrl.trainer", "hetrl.models", "ray", "torch",
+                   "transformers"},
     # the validation layer every package uses: a leaf (yaml and the standard library)
-    "hetrl.schema": {"hetrl.dualkv", "hetrl.planner", "hetrl.algo", "hetrl.trainer", "hetrl.models", "ray", "torch",
-                     "transformers"},
+    "hetrl.schema": {"hetrl.dualkv", "hetrl.planner", "hetrl.algo", "hetrl.data", "hetrl.trainer", "hetrl.models",
+                     "ray", "torch", "transformers"},
 }
 PRESENT = [name for name in FORBIDDEN if importlib.util.find_spec(name) is not None]
 

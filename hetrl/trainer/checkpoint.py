@@ -1,6 +1,7 @@
 """Checkpoints that survive a crash at any moment and never write outside out_dir.
 
-A checkpoint directory `checkpoints/step_NNNNNN` holds the policy (safetensors + config), the tokenizer,
+A checkpoint directory `checkpoints/step_NNNNNN` holds the policy (safetensors + config; a LoRA run: the adapter
+in peft's format), the tokenizer,
 the run config, `trainer_state.pt` (optimizer state, step, data-stream position, RNG states; loaded back
 with `torch.load(..., weights_only=True)`) and `manifest.json` (every file's size and SHA-256, written
 last). It is written under a fresh hidden name created exclusively (a planted file or symlink is never
@@ -93,19 +94,28 @@ def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: d
     with open(tmp / STATE, "xb") as f:
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(), **extra}, f)
     _write_manifest(tmp, step)
-    final = root / name
-    aside = None
-    if os.path.lexists(final):   # the same step saved again (after a fallback): keep the old one until replaced
+    final = _put_in_place(tmp, root / name)
+    files.write_text(root / "latest", name + "\n")
+    _remove_replaced(root, name)
+    return final
+
+
+def _put_in_place(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path:
+    """Rename directory `tmp` to `final`. An existing `final` (the same step saved again after a fallback) is moved
+    aside first and kept until `_remove_replaced`, so at no moment is there neither."""
+    if os.path.lexists(final):
         if final.is_symlink() or not final.is_dir():
             os.unlink(final)
         else:
-            aside = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.replaced."))
-            os.replace(final, aside)
+            os.replace(final, pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.replaced.")))
     os.replace(tmp, final)
-    files.write_text(root / "latest", name + "\n")
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def _remove_replaced(root: pathlib.Path, name: str) -> None:
+    for p in root.glob(f".{name}.replaced.*"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def problem(path: pathlib.Path) -> str | None:
@@ -196,9 +206,41 @@ def saved_config(path: pathlib.Path) -> dict:
     return data
 
 
+def save_merged(run_dir: pathlib.Path, model, tokenizer) -> pathlib.Path:
+    """`run_dir/merged`: a LoRA run's final policy with the adapter merged in, as a plain transformers model
+    directory (written under a fresh name and renamed into place; an older one is replaced only then)."""
+    run_dir = pathlib.Path(run_dir)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=run_dir, prefix=".merged."))
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(tmp)
+    final = _put_in_place(tmp, run_dir / "merged")
+    _remove_replaced(run_dir, "merged")
+    return final
+
+
+def _load_adapter(path: pathlib.Path, peft_model, weights: dict) -> None:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(peft_model, weights)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint {path} does not match the model's LoRA adapter (lora_rank, lora_target_modules): "
+                         f"missing {missing[:4]}, unexpected {list(result.unexpected_keys)[:4]}")
+
+
 def load(path: pathlib.Path, model, optimizer) -> dict:
-    """Restore the policy weights, optimizer state and RNG from `path`; returns the trainer state."""
+    """Restore the policy weights (a peft model: its adapter), optimizer state and RNG from `path`; returns the
+    trainer state."""
     weights, state = read(path)
+    if hasattr(model, "peft_config"):
+        _load_adapter(path, model, weights)
+        optimizer.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"])
+        return state
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in k}
     if set(missing) - tied or unexpected:

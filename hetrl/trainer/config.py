@@ -2,7 +2,8 @@
 
 Algorithm presets fill the knobs left unset (None): GRPO = symmetric clip 0.2, KL (k3) 0.001,
 per-sequence token-mean loss; DAPO = clip-higher 0.2/0.28, token-level loss, no KL, dynamic
-sampling and overlong filtering.
+sampling and overlong filtering. Prompts come from `task` (a reasoning-gym generator) unless `data`
+names the user's rows, which then replace the task (README "Your data and reward").
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from hetrl.algo.losses import LOSS_AGGREGATIONS
 from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 
 ALGORITHMS = ("grpo", "dapo")
-REWARDS = ("verifier", "partial", "math_verify")
+# Built-in reward names (hetrl.data): verifier and partial are a reasoning-gym task's own check; exact_match and
+# math_verify compare with the answer column (answer_key); format: the reply is exactly its final answer.
+BUILTIN_REWARDS = ("verifier", "partial", "exact_match", "math_verify", "format")
+TASK_REWARDS = ("verifier", "partial")
+PYTHON = "<python>"   # data or a reward passed to hetrl.train() from Python, not by a path
+REPORT_TO = ("none", "tensorboard", "wandb")
 DTYPES = ("float32", "bfloat16", "float64")
 EXECUTORS = ("local", "ray")
 MODES = ("sync", "async")
@@ -41,11 +47,24 @@ class RunConfig:
     # what to train
     model: str = "smollm2-135m"           # "smollm2-135m" (embedded), "tiny" (config-built), or a local HF dir
     dtype: str = rule("float32", choices=DTYPES)
-    task: str = "basic_arithmetic"        # a reasoning-gym generator name
+    task: str | None = "basic_arithmetic"  # a reasoning-gym generator name (None when `data` is given)
     task_config: dict = field(default_factory=lambda: dict(DEFAULT_TASK_CONFIG))
-    prompt_suffix: str = ""               # appended to each question; the default leaves the format to RL
-    reward: str = rule("verifier", choices=REWARDS)  # verifier: the task's exact match; partial: its graded score
-    format_reward: float = rule(0.0, ge=0)  # bonus when the reply is exactly the extracted answer
+    data: str | None = None               # your rows: JSONL / JSON / Parquet / CSV / save_to_disk dir (replaces task)
+    eval_data: str | None = None          # held-out rows (default: eval_size rows drawn out of data by seed)
+    prompt_key: str = "prompt"            # the column holding the prompt (a string or chat messages)
+    answer_key: str = "answer"            # what exact_match / math_verify compare with (dotted: reward_model.ground_truth)
+    max_prompt_tokens: int = rule(512, ge=1)  # longer prompts are skipped and counted, never truncated
+    prompt_suffix: str = ""               # appended to each prompt (the last user message); the default leaves the format to RL
+    # built-ins (BUILTIN_REWARDS) or your functions FILE.py:NAME / package.module:NAME (TRL or verl convention)
+    reward: str | tuple[str, ...] = "verifier"
+    reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each)
+    reward_workers: int = rule(0, ge=0)   # processes for your reward functions (0: in this process)
+    format_reward: float = rule(0.0, ge=0)  # bonus when the reply is exactly the extracted answer (built-in format)
+    # LoRA through peft (0: full fine-tuning); the reference is the base model with the adapter off
+    lora_rank: int = rule(0, ge=0)
+    lora_alpha: float = rule(16.0, gt=0)
+    lora_dropout: float = rule(0.0, ge=0, lt=1)
+    lora_target_modules: str | tuple[str, ...] = "all-linear"   # peft's names, or all-linear (every Linear but the LM head)
     # algorithm
     algorithm: str = rule("grpo", choices=ALGORITHMS)
     steps: int = rule(16, ge=1)
@@ -78,6 +97,7 @@ class RunConfig:
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
     out_dir: str = "runs/default"
+    report_to: str = rule("none", choices=REPORT_TO)   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
     seed: int = rule(0, ge=0)
     # execution (README "hetrl train on Ray"); the local executor runs every role in this process
     executor: str = rule("local", choices=EXECUTORS)
@@ -94,6 +114,7 @@ class RunConfig:
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, value)
         check(self)
+        self._check_data_and_rewards()
         if self.mini_batches > self.prompts_per_step:
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) cannot exceed prompts_per_step ({self.prompts_per_step}): "
@@ -117,8 +138,38 @@ class RunConfig:
                              "or emulate_cluster=C.yaml (a local Ray declaring C's GPUs, e.g. "
                              "examples/clusters/cpu-2x2.yaml); plan=PLAN.json is optional")
 
+    def _check_data_and_rewards(self) -> None:
+        if self.data is not None and self.task is not None:
+            object.__setattr__(self, "task", None)   # data= replaces the task (README "Your data and reward")
+        if self.data is None and self.task is None:
+            raise ValueError("give task=NAME (a reasoning-gym generator) or data=PATH (your rows)")
+        if self.eval_data is not None and self.data is None:
+            raise ValueError("eval_data is the held-out part of your data; it needs data=PATH (a task holds out "
+                             "eval_size problems of its own)")
+        rewards = self.rewards
+        if not rewards:
+            raise ValueError("reward is empty; give a built-in (" + ", ".join(BUILTIN_REWARDS) + ") or FILE.py:NAME")
+        for r in rewards:
+            if not isinstance(r, str) or not r.strip():
+                raise ValueError(f"reward entries must be names or FILE.py:NAME specs, got {r!r}")
+            if ":" not in r and r not in BUILTIN_REWARDS:
+                raise ValueError(f"reward {r!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}); a function of "
+                                 "yours is given as FILE.py:NAME or package.module:NAME")
+            if r in TASK_REWARDS and self.task is None:
+                raise ValueError(f"reward {r!r} is a reasoning-gym task's own check, and this run trains on "
+                                 f"data={self.data}; use exact_match or math_verify (on answer_key="
+                                 f"{self.answer_key}) or your own function FILE.py:NAME")
+        if self.reward_weights is not None and len(self.reward_weights) != len(rewards):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {len(rewards)} rewards "
+                             f"({', '.join(rewards)}); give one weight per reward")
+
+    @property
+    def rewards(self) -> tuple[str, ...]:
+        return (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain YAML-able values (tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
@@ -127,7 +178,7 @@ _TYPES = typing.get_type_hints(RunConfig)
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address")
+                     "emulate_cluster", "ray_address", "reward_workers", "report_to")
 
 
 def _check_keys(keys, where: str) -> None:

@@ -8,6 +8,7 @@ the concatenated micro-batch outputs. The mini-batch loss is a weighted sum of p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,14 +45,16 @@ class Scorer:
     """No-grad log-probs of sampled responses under a fixed model (the reference, or a rollout worker's
     behaviour policy), through the same DualKV path as the learner."""
 
-    def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096):
+    def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
+        self.context = context   # entered around every pass (a LoRA reference: the adapter off)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
         if not groups:
             return torch.zeros(0, dtype=self.model.dtype)
-        with torch.no_grad():
+        with torch.no_grad(), self.context():
             parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
                      for b in _micro_batches(groups, self.micro_batch_tokens)]
         return torch.cat(parts).detach().cpu()

@@ -1,6 +1,6 @@
 """`hetrl train`: the whole RL loop in one function you can read top to bottom.
 
-sample N responses per prompt -> verifiable reward -> group-relative advantages -> pack groups
+sample N responses per prompt -> reward (built-in checks or the user's functions) -> group-relative advantages -> pack groups
 (DualKV) -> old and reference log-probs -> clipped policy update in `mini_batches` optimizer
 steps -> weight sync to the rollout workers -> log. Where the roles run is the engine's business:
 `LocalEngine` keeps them in this process on one shared policy (the weight sync is a no-op);
@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import fcntl
 import json
 import os
@@ -32,67 +33,112 @@ import yaml
 from tqdm import tqdm
 
 from hetrl.algo import group_advantages, token_weights
+from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
+from hetrl.data.rewards import nested
 from hetrl.models import load_model
 from hetrl.schema import InputError
-from hetrl.trainer import checkpoint, files, memory
-from hetrl.trainer.config import RunConfig, config_changes, config_data, load_config
-from hetrl.trainer.learner import Learner, Scorer
+from hetrl.trainer import build, checkpoint, files, memory
+from hetrl.trainer.build import DTYPES
+from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.metrics import MetricsLog, plot_curves
-from hetrl.trainer.rollout import RolloutWorker, Sample, chat_prompt_ids
-from hetrl.trainer.tasks import Score, Task
+from hetrl.trainer.rollout import RolloutWorker, Sample
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass
 class Rollout:
-    """One prompt with its N samples and their scores."""
+    """One prompt with its N samples and their rewards (the weighted total per sample)."""
 
-    problem: dict
-    prompt: list[int]
+    example: Example
     samples: list[Sample]
-    scores: list[Score]
+    rewards: list[float]
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.example.prompt_ids
 
 
-def collect_rollouts(cfg: RunConfig, task: Task, worker: RolloutWorker, tokenizer, next_problem: int):
+def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]]) -> Scores:
+    """Every sample of every group in one call of each reward function (TRL's batch convention)."""
+    rows = [e.row for e, samples in zip(examples, outputs) for _ in samples]
+    return rewards.score(rows, [r["prompt"] for r in rows], [s.text for g in outputs for s in g],
+                         [s.tokens for g in outputs for s in g])
+
+
+def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int):
     """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
-    are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds."""
+    are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds.
+    -> (kept, sampled, next stream index, reward statistics of everything sampled)."""
     kept: list[Rollout] = []
     sampled: list[Rollout] = []
+    scored: list[Scores] = []
+    too_long = 0
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
     for _ in range(rounds):
         if len(kept) >= cfg.prompts_per_step:
             break
-        problems, next_problem = task.train_problems(next_problem, cfg.prompts_per_step - len(kept))
-        prompts = [chat_prompt_ids(tokenizer, task.messages(p)) for p in problems]
-        outputs = worker.generate(prompts, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
-        for problem, prompt, samples in zip(problems, prompts, outputs):
-            r = Rollout(problem, prompt, samples, [task.score(problem, s.text) for s in samples])
+        examples, start, skipped = source.train_examples(start, cfg.prompts_per_step - len(kept))
+        too_long += skipped
+        outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt, cfg.max_new_tokens,
+                                  cfg.temperature, cfg.top_p)
+        scores = score_groups(rewards, examples, outputs)
+        scored.append(scores)
+        offset = 0
+        for example, samples in zip(examples, outputs):
+            r = Rollout(example, samples, scores.total[offset:offset + len(samples)])
+            offset += len(samples)
             sampled.append(r)
-            if not cfg.dynamic_sampling or len({s.reward for s in r.scores}) > 1:
+            if not cfg.dynamic_sampling or len(set(r.rewards)) > 1:
                 kept.append(r)
-    return kept, sampled, next_problem
+    return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long}
 
 
-def evaluate(task: Task, worker: RolloutWorker, tokenizer, max_new_tokens: int, path: pathlib.Path) -> list[bool]:
-    """Greedy correctness on each held-out problem; every reply is written to `path` (JSONL) for inspection."""
-    prompts = [chat_prompt_ids(tokenizer, task.messages(p)) for p in task.eval_problems]
-    outputs = worker.generate(prompts, 1, max_new_tokens, greedy=True)
+def _reward_stats(scored: list[Scores]) -> dict:
+    total = [v for s in scored for v in s.total]
+    out = {"reward_mean": float(np.mean(total))}
+    if scored[0].correct is not None:
+        out["accuracy"] = float(np.mean([c for s in scored for c in s.correct]))
+    merged = Scores(total, {k: [v for s in scored for v in s.per_function[k]] for k in scored[0].per_function},
+                    {k: [v for s in scored for v in s.extra.get(k, [None] * len(s.total))]
+                     for k in {k for s in scored for k in s.extra}})
+    return out | merged.means()
+
+
+def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker,
+             path: pathlib.Path) -> tuple[list[float], dict]:
+    """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
+    (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
+    correctness, else the weighted reward; the means for eval.jsonl)."""
+    examples = source.eval_examples
+    outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.eval_max_new_tokens, greedy=True)
+    scores = score_groups(rewards, examples, outputs)
     rows = []
-    for problem, (sample,) in zip(task.eval_problems, outputs):
-        score = task.score(problem, sample.text)
-        rows.append({"question": problem["question"], "answer": problem["answer"], "reply": sample.text,
-                     "correct": score.correct})
-    files.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-    return [r["correct"] for r in rows]
+    for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
+        row = {"prompt": example.row["prompt"]}
+        answer = nested(example.row, cfg.answer_key)
+        if answer is not None:
+            row["answer"] = answer
+        row |= {"reply": sample.text, "reward": scores.total[i],
+                "rewards": {name: values[i] for name, values in scores.per_function.items()}}
+        if scores.correct is not None:
+            row["correct"] = scores.correct[i]
+        rows.append(row)
+    files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+    means = {"eval_reward": float(np.mean(scores.total))}
+    if scores.correct is not None:
+        means["eval_accuracy"] = float(np.mean(scores.correct))
+    means |= {f"eval_{k}": v for k, v in scores.means().items()}
+    per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else scores.total
+    return per_prompt, means
 
 
-def paired_comparison(before: list[bool], after: list[bool]) -> dict:
-    """Same problems before and after: how many flipped each way, and the exact two-sided sign-test
-    p-value on the flips (McNemar's exact test). Small p: the change is more than evaluation noise."""
-    gained = sum(a and not b for b, a in zip(before, after))
-    lost = sum(b and not a for b, a in zip(before, after))
+def paired_comparison(before: list[float], after: list[float]) -> dict:
+    """Same prompts before and after: how many got better and how many worse, and the exact two-sided sign-test
+    p-value on those (for correct/incorrect this is McNemar's exact test). Small p: the change is more than
+    evaluation noise."""
+    gained = sum(a > b for b, a in zip(before, after))
+    lost = sum(b > a for b, a in zip(before, after))
     n, k = gained + lost, min(gained, lost)
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
     return {"gained": gained, "lost": lost, "sign_test_p": p}
@@ -100,7 +146,7 @@ def paired_comparison(before: list[bool], after: list[bool]) -> dict:
 
 def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     """Per-token advantages and loss weights [K], in the order of the packed responses."""
-    rewards = torch.tensor([[s.reward for s in r.scores] for r in rollouts], dtype=torch.float64)
+    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
     adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
     lens = torch.tensor([len(s.tokens) for r in rollouts for s in r.samples])
     keep = torch.tensor([not (cfg.overlong_filter and s.truncated) for r in rollouts for s in r.samples])
@@ -152,24 +198,24 @@ class LocalEngine:
     """Every role in this process: the rollout worker and the learner share one policy (no weight sync)."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
-        self.reference = (Scorer(copy.deepcopy(model).eval().requires_grad_(False), impl=cfg.impl,
-                                 temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens)
-                          if cfg.kl_coef > 0 else None)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.learner = Learner(model, self.optimizer, impl=cfg.impl, temperature=cfg.temperature,
-                               micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
-                               clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
-        self.worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
+        self.tokenizer = tokenizer
+        self.policy = build.policy(cfg, model)
+        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
+        self.optimizer = build.optimizer(cfg, self.policy)
+        self.learner = build.learner(cfg, self.policy, self.optimizer)
+        self.worker = RolloutWorker(self.policy.module, tokenizer, cfg.rollout_batch_size)
 
     def sync_weights(self, version: int) -> dict:
         return {}
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        return checkpoint.save(run_dir, step, self.model, self.tokenizer, self.optimizer, extra, config)
+        return checkpoint.save(run_dir, step, self.policy.saved, self.tokenizer, self.optimizer, extra, config)
 
     def load(self, path: pathlib.Path) -> dict:
-        return checkpoint.load(path, self.model, self.optimizer)
+        return checkpoint.load(path, self.policy.saved, self.optimizer)
+
+    def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
+        return checkpoint.save_merged(run_dir, self.policy.merged(), self.tokenizer)
 
     def close(self) -> None:
         pass
@@ -186,11 +232,11 @@ class _RolloutStream:
         self.pending: collections.deque = collections.deque()
 
     def _job(self):
-        kept, sampled, self.next_problem = self.collect(self.next_problem)
-        return kept, sampled, self.next_problem
+        kept, sampled, self.next_problem, stats = self.collect(self.next_problem)
+        return kept, sampled, self.next_problem, stats
 
     def next(self):
-        """-> (kept, sampled, index of the next unused problem once this step is trained)."""
+        """-> (kept, sampled, index of the next unused problem once this step is trained, reward statistics)."""
         if self.pool is None:
             return self._job()
         while self.left and len(self.pending) <= self.ahead:
@@ -284,7 +330,63 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
     return ckpt
 
 
-def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False) -> dict:
+def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=None) -> Source:
+    """The run's prompts: the user's rows (`data=` or a dataset from Python) or the reasoning-gym task."""
+    if cfg.data is None and eval_dataset is not None:
+        raise InputError("eval_dataset is the held-out part of train_dataset; pass train_dataset too")
+    if cfg.data is None:
+        return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cfg.max_prompt_tokens,
+                          cfg.prompt_suffix)
+    if cfg.data == PYTHON and train_dataset is None:
+        raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
+                         "from Python with the same dataset: hetrl.train(..., train_dataset=..., resume=True)")
+    data = train_dataset if train_dataset is not None else cfg.data
+    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    if evals == PYTHON:
+        raise InputError("this run's eval data was passed from Python; pass it again: hetrl.train(..., eval_dataset=...)")
+    return RowSource(data, evals, eval_size=cfg.eval_size, seed=cfg.seed, tokenizer=tokenizer,
+                     prompt_key=cfg.prompt_key, max_prompt_tokens=cfg.max_prompt_tokens,
+                     prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
+
+
+def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None) -> RewardSet:
+    """The run's reward functions (the config's, or those passed from Python), plus the format bonus."""
+    funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
+    weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
+    if cfg.format_reward > 0:
+        funcs.append("format")
+        weights.append(cfg.format_reward)
+    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key))
+
+
+def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs) -> dict:
+    """The config fields recorded for data or rewards given from Python: `<python>` where no path names them."""
+    changes = {}
+    if train_dataset is not None:
+        if cfg_data not in (None, PYTHON):
+            raise InputError(f"give the data once: data={cfg_data} in the config and train_dataset from Python")
+        changes["data"] = PYTHON
+        if eval_dataset is not None:
+            if cfg_eval_data not in (None, PYTHON):
+                raise InputError(f"give the eval data once: eval_data={cfg_eval_data} in the config and eval_dataset "
+                                 "from Python")
+            changes["eval_data"] = PYTHON
+    if reward_funcs is not None:
+        if not reward_funcs:
+            raise InputError("reward_funcs is empty; give at least one reward function")
+        changes["reward"] = tuple(f if isinstance(f, str) else f"{PYTHON}:{getattr(f, '__name__', type(f).__name__)}"
+                                  for f in reward_funcs)
+    return changes
+
+
+def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False, *, train_dataset=None,
+          eval_dataset=None, reward_funcs=None) -> dict:
+    """Run (or with `resume`, continue) the training run `cfg` describes. From Python, `train_dataset` /
+    `eval_dataset` (a datasets.Dataset or a list of dicts) and `reward_funcs` (callables, built-in names or
+    FILE.py:NAME specs) stand in for the config's data and reward."""
+    changes = python_fields(cfg.data, cfg.eval_data, train_dataset, eval_dataset, reward_funcs)
+    if any(getattr(cfg, k) != v for k, v in changes.items()):
+        cfg = dataclasses.replace(cfg, **changes)
     run_dir = pathlib.Path(cfg.out_dir)
     files.prepare_out_dir(run_dir)
     with _run_lock(run_dir):
@@ -294,50 +396,74 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
         files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
         model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
-        task = Task(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, cfg.reward, cfg.format_reward,
-                    cfg.prompt_suffix)
-        prompt_len = max(len(chat_prompt_ids(tokenizer, task.messages(p))) for p in task.eval_problems)
+        source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
+        rewards = build_rewards(cfg, source, reward_funcs)
+        tqdm.write(f"prompts: {source.description}; rewards: "
+                   + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights)))
+        first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
+        prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
         limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
         mem = memory.check_fits(cfg, model, prompt_len, limit)
         log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
         engine = _engine(cfg, model, tokenizer, prompt_len)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
-            return _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, ckpt)
+            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt)
         finally:
             engine.close()
+            rewards.close()
 
 
-def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, ckpt) -> dict:
+def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path) -> None:
+    """A checkpoint continues only on the data and rewards it was trained with (a path's file may have changed,
+    and data or rewards from Python have no path to compare)."""
+    if state.get("data_fingerprint") not in (None, source.fingerprint):
+        raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
+                         "held-out split or the prompt columns differ); resume with the run's own data, or start a "
+                         "new run in another out_dir")
+    if state.get("reward_names") not in (None, rewards.names):
+        raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
+                         f"{', '.join(rewards.names)}; pass the same reward functions")
+
+
+def _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt) -> dict:
     step, next_problem, before, version = 0, 0, None, 0
     last_saved: pathlib.Path | None = None
     if ckpt is not None:
         state = engine.load(ckpt)
+        _check_same_data(state, source, rewards, ckpt)
         step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
+        # checkpoints written before rewards were pluggable held correctness flags only
+        before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
         version, last_saved = step, ckpt
         metrics.truncate_after(step)
         evals.truncate_after(step)
         tqdm.write(f"resumed from {ckpt} (step {step})")
     if before is None:
-        before = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens, run_dir / "eval_step_0.jsonl")
-        evals.write({"step": 0, "eval_accuracy": _mean(before)})
-        tqdm.write(f"held-out accuracy before training: {_mean(before):.3f} ({len(before)} problems, greedy)")
+        before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl")
+        evals.write({"step": 0, **before_means})
+        tqdm.write(f"held-out {_score_name(before_means)} before training: {_headline(before_means):.3f} "
+                   f"({len(before)} prompts, greedy)")
 
     def save(at_step):
         nonlocal last_saved
-        last_saved = engine.save(run_dir, at_step, {"next_problem": next_problem, "eval_before": before},
-                                 cfg.to_dict())
+        last_saved = engine.save(run_dir, at_step, {
+            "next_problem": next_problem, "eval_before": [float(v) for v in before],
+            "eval_before_means": before_means, "data_fingerprint": source.fingerprint,
+            "reward_names": rewards.names}, cfg.to_dict())
         return last_saved
 
-    stream = _RolloutStream(lambda start: collect_rollouts(cfg, task, engine.worker, tokenizer, start), next_problem,
+    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start), next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     with _StopAfterStep() as stop:
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
-            kept, sampled, next_problem = stream.next()
+            kept, sampled, next_problem, reward_stats = stream.next()
             t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
-            row = {"step": step + 1, **_rollout_stats(sampled, kept), "gen_s": t_gen}
+            row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
+            if isinstance(source, RowSource):
+                row["epoch"] = source.epoch(next_problem - 1)
             versions = [s.version for r in kept for s in r.samples if s.version is not None]
             if versions:
                 row["staleness"] = version - min(versions)
@@ -351,13 +477,13 @@ def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, ckpt) -> dict:
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
             metrics.write(row)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                correct = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens,
-                                   run_dir / f"eval_step_{step}.jsonl")
-                evals.write({"step": step, "eval_accuracy": _mean(correct)})
+                _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl")
+                evals.write({"step": step, **means})
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 save(step)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}",
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
+                            **({"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}),
                             tok_s=f"{row['tokens_per_s']:.0f}")
     bar.close()
     stream.close()
@@ -365,24 +491,36 @@ def _run(cfg, engine, task, tokenizer, run_dir, metrics, evals, ckpt) -> dict:
         tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
         return {"stopped_at_step": step, "interrupted": True}
 
-    after = evaluate(task, engine.worker, tokenizer, cfg.eval_max_new_tokens, run_dir / f"eval_step_{step}.jsonl")
-    evals.write({"step": step, "eval_accuracy": _mean(after)})
+    after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl")
+    evals.write({"step": step, **after_means})
     final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
+    merged = engine.save_merged(run_dir) if cfg.lora_rank else None   # the adapter is in the checkpoint
     rows = metrics.read()
-    summary = {"eval_accuracy_before": _mean(before), "eval_accuracy_after": _mean(after),
-               "eval_problems": len(after), **paired_comparison(before, after), "steps": step,
+    summary = {**{f"{k}_before": v for k, v in before_means.items()},
+               **{f"{k}_after": v for k, v in after_means.items()},
+               "eval_problems": len(after), "paired_on": _score_name(after_means),
+               **paired_comparison(before, after), "steps": step,
+               "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
+               "eval_prompts_too_long": source.eval_too_long, "data": source.description,
                "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "checkpoint": str(final),
+               **({"merged_model": str(merged)} if merged else {}),
                "config": cfg.to_dict()}
     files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     plot_curves(rows, evals.read(), run_dir / "curves.png")
-    tqdm.write(f"held-out accuracy: before {summary['eval_accuracy_before']:.3f}, after "
-               f"{summary['eval_accuracy_after']:.3f} ({len(after)} problems, greedy; {summary['gained']} gained, "
-               f"{summary['lost']} lost, sign-test p = {summary['sign_test_p']:.3g}); results in {run_dir}")
+    tqdm.write(f"held-out {_score_name(after_means)}: before {_headline(before_means):.3f}, after "
+               f"{_headline(after_means):.3f} ({len(after)} prompts, greedy; {summary['gained']} "
+               f"{'gained' if 'eval_accuracy' in after_means else 'better'}, {summary['lost']} "
+               f"{'lost' if 'eval_accuracy' in after_means else 'worse'}, sign-test p = {summary['sign_test_p']:.3g}); "
+               f"results in {run_dir}")
     return summary
 
 
-def _mean(flags: list[bool]) -> float:
-    return sum(flags) / len(flags)
+def _score_name(means: dict) -> str:
+    return "accuracy" if "eval_accuracy" in means else "reward"
+
+
+def _headline(means: dict) -> float:
+    return means.get("eval_accuracy", means["eval_reward"])
 
 
 def _token_slice(groups, part) -> torch.Tensor:
@@ -393,12 +531,8 @@ def _token_slice(groups, part) -> torch.Tensor:
 
 
 def _rollout_stats(sampled: list[Rollout], kept: list[Rollout]) -> dict:
-    scores = [s for r in sampled for s in r.scores]
     samples = [s for r in sampled for s in r.samples]
     return {
-        "reward_mean": float(np.mean([s.reward for s in scores])),
-        "accuracy": float(np.mean([s.correct for s in scores])),
-        "format_rate": float(np.mean([s.formatted for s in scores])),
         "groups_sampled": len(sampled), "groups_kept": len(kept),
         "response_len_mean": float(np.mean([len(s.tokens) for s in samples])),
         "truncated_frac": float(np.mean([s.truncated for s in samples])),

@@ -45,14 +45,34 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
     ref = task_memory(w, "ref_infer", Parallelism(), micro_batch_tokens=t) if w.reference else None
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
     gen_len = prompt_tokens + cfg.max_new_tokens
+    # LoRA: gradients and Adam moments only for the adapter's parameters (the planner's per-parameter bytes, scaled
+    # to their count); the reference is the same weights with the adapter off, so no second copy.
+    trained = lora_parameters(cfg, model) / sum(p.numel() for p in model.parameters()) if cfg.lora_rank else 1.0
     return {
-        "weights": int(train.weights * scale),
-        "gradients_and_optimizer": int(train.states * scale),
+        "weights": int(train.weights * scale * (1 + (trained if cfg.lora_rank else 0))),
+        "gradients_and_optimizer": int(train.states * scale * trained),
         "activations_and_logits": int(train.working * scale),
         "attention_scores": spec.heads * t * t * b,
-        "reference_model": int(ref.weights * scale) if ref else 0,
+        "reference_model": int(ref.weights * scale) if ref and not cfg.lora_rank else 0,
         "generation_kv_cache": gen_rows * gen_len * spec.kv_bytes_per_token * b // 2 + gen_rows * spec.vocab * 4,
     }
+
+
+def lora_parameters(cfg, model) -> int:
+    """Parameters of the LoRA adapter `cfg` puts on `model`: rank x (in + out) per targeted Linear (peft's
+    all-linear: every Linear but the output embedding)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    targets = cfg.lora_target_modules
+    count = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or m is head:
+            continue
+        if targets == "all-linear" or (isinstance(targets, str) and name.endswith(targets)) or \
+                (not isinstance(targets, str) and name.rsplit(".", 1)[-1] in targets):
+            count += cfg.lora_rank * (m.in_features + m.out_features)
+    return count
 
 
 def check_fits(cfg, model, prompt_tokens: int, limit_bytes: int | None = None) -> dict[str, int]:

@@ -54,11 +54,15 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
     if train:
         steps = [r["step"] for r in train]
         ax.plot(steps, [r["reward_mean"] for r in train], "--", lw=2.5, alpha=0.6, label="train reward (mean)")
-        ax.plot(steps, [r["accuracy"] for r in train], ".-", label="train accuracy (sampled)")
+        if all("accuracy" in r for r in train):
+            ax.plot(steps, [r["accuracy"] for r in train], ".-", label="train accuracy (sampled)")
+    key = "eval_accuracy" if evals and all("eval_accuracy" in r for r in evals) else "eval_reward"
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+        ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-",
+                label=f"held-out {key.removeprefix('eval_')} (greedy)")
     ax.set_xlabel("step")
-    ax.set_ylim(-0.02, max([1.0] + [r["reward_mean"] for r in train]))
+    values = [r["reward_mean"] for r in train] + [r[key] for r in evals]
+    ax.set_ylim(min([-0.02] + values), max([1.0] + values))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

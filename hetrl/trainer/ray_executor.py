@@ -38,10 +38,11 @@ from tqdm import tqdm
 from hetrl.planner import load_cluster, load_plan, plan as plan_search
 from hetrl.planner.spec import TokenLengths
 from hetrl.schema import InputError
-from hetrl.trainer import checkpoint, files
+from hetrl.trainer import build, checkpoint, files
+from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import Learner, Scorer, UpdateStats
-from hetrl.trainer.loop import DTYPES, resume_command
+from hetrl.trainer.learner import UpdateStats
+from hetrl.trainer.loop import resume_command
 from hetrl.trainer.placement import ExecutorFailure, Replica, model_spec_from_hf, node_resources, replicas, run_workload
 from hetrl.trainer.rollout import RolloutWorker
 
@@ -56,27 +57,31 @@ class LearnerFailed(ExecutorFailure):
 # ------------------------------------------------------------------------------------------ weights over Ray
 
 
-def weights_to_numpy(model) -> dict[str, np.ndarray]:
-    """State dict as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies."""
+def weights_to_numpy(pol: build.Policy) -> dict[str, np.ndarray]:
+    """What weight sync sends (the whole state dict, or with LoRA only the adapter's tensors) as numpy arrays
+    (bf16 as its int16 bits), which Ray's object store shares without copies."""
     out = {}
-    for k, v in model.state_dict().items():
+    for k, v in pol.sync_state().items():
         v = v.detach().cpu()
         out[k] = v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy()
     return out
 
 
-def load_numpy_weights(model, weights: dict[str, np.ndarray]) -> None:
-    state = model.state_dict()
+def load_numpy_weights(pol: build.Policy, weights: dict[str, np.ndarray]) -> None:
+    state = pol.sync_state()
     with torch.no_grad(), warnings.catch_warnings():
         # object-store arrays are read-only; they are only read here (copied into the parameters)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if set(weights) != set(state):
+            raise ValueError(f"weight sync: {len(weights)} tensors arrived for {len(state)} (LoRA on one side only?)")
         for k, arr in weights.items():
             t = torch.from_numpy(arr)
             state[k].copy_(t.view(torch.bfloat16) if state[k].dtype == torch.bfloat16 else t)
 
 
-def _setup(cfg: RunConfig, threads: int):
-    """Actor start-up: thread count, then the policy and tokenizer (on the actor's GPU when Ray gave one)."""
+def _setup(cfg: RunConfig, threads: int, lora: bool = True):
+    """Actor start-up: thread count, then the policy (with its LoRA adapter when the run has one and `lora`) and
+    the tokenizer, on the actor's GPU when Ray gave one."""
     from transformers.utils import logging as hf_logging
 
     from hetrl.models import load_model
@@ -86,7 +91,7 @@ def _setup(cfg: RunConfig, threads: int):
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     if ray.get_gpu_ids():
         model = model.to("cuda")
-    return model, tokenizer
+    return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
 
 def _whereabouts() -> dict:
@@ -100,10 +105,9 @@ def _whereabouts() -> dict:
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, threads: int, behaviour_logprobs: bool):
-        model, tokenizer = _setup(cfg, threads)
-        self.worker = RolloutWorker(model, tokenizer, cfg.rollout_batch_size)
-        self.scorer = (Scorer(model, impl=cfg.impl, temperature=cfg.temperature,
-                              micro_batch_tokens=cfg.micro_batch_tokens) if behaviour_logprobs else None)
+        self.policy, tokenizer = _setup(cfg, threads)
+        self.worker = RolloutWorker(self.policy.module, tokenizer, cfg.rollout_batch_size)
+        self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs else None
         self.version = 0
 
     def whereabouts(self) -> dict:
@@ -112,7 +116,7 @@ class RolloutActor:
     def load_weights(self, boxed_ref: list, version: int) -> float:
         """Fetch version `version` (boxed so that the fetch is timed here) and load it; -> seconds."""
         t0 = time.perf_counter()
-        load_numpy_weights(self.worker.model, ray.get(boxed_ref[0]))
+        load_numpy_weights(self.policy, ray.get(boxed_ref[0]))
         self.version = version
         return time.perf_counter() - t0
 
@@ -129,9 +133,8 @@ class RolloutActor:
 
 class ReferenceActor:
     def __init__(self, cfg: RunConfig, threads: int):
-        model, _ = _setup(cfg, threads)
-        self.scorer = Scorer(model.eval().requires_grad_(False), impl=cfg.impl, temperature=cfg.temperature,
-                             micro_batch_tokens=cfg.micro_batch_tokens)
+        base, _ = _setup(cfg, threads, lora=False)   # the reference is the base model (with LoRA: the adapter off)
+        self.scorer = build.scorer(cfg, base.module.eval().requires_grad_(False))
 
     def whereabouts(self) -> dict:
         return _whereabouts()
@@ -142,13 +145,11 @@ class ReferenceActor:
 
 class LearnerActor:
     def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int):
-        self.model, self.tokenizer = _setup(cfg, threads)
+        self.policy, self.tokenizer = _setup(cfg, threads)
         self.rank, self.world = rank, world
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.learner = Learner(self.model, self.optimizer, impl=cfg.impl, temperature=cfg.temperature,
-                               micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low,
-                               clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm,
-                               grad_sync=allreduce_grads if world > 1 else None)
+        self.optimizer = build.optimizer(cfg, self.policy)
+        self.learner = build.learner(cfg, self.policy, self.optimizer,
+                                     grad_sync=allreduce_grads if world > 1 else None)
 
     def whereabouts(self) -> dict:
         return _whereabouts()
@@ -172,7 +173,7 @@ class LearnerActor:
                 (name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
         torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
                                              timeout=timedelta(minutes=10))
-        for p in self.model.parameters():  # identical start even if a rank's initialisation differed
+        for p in self.policy.module.parameters():  # identical start even if a rank's initialisation differed
             torch.distributed.broadcast(p.data, src=0)
 
     def logprobs(self, groups):
@@ -182,14 +183,17 @@ class LearnerActor:
         return self.learner.update(groups, advantages, weights, old_logp, ref_logp)
 
     def weights(self) -> dict[str, np.ndarray]:
-        return weights_to_numpy(self.model)
+        return weights_to_numpy(self.policy)
 
     def save(self, run_dir: str, step: int, extra: dict, config: dict) -> str:
-        return str(checkpoint.save(pathlib.Path(run_dir), step, self.model, self.tokenizer, self.optimizer, extra,
-                                   config))
+        return str(checkpoint.save(pathlib.Path(run_dir), step, self.policy.saved, self.tokenizer, self.optimizer,
+                                   extra, config))
+
+    def save_merged(self, run_dir: str) -> str:
+        return str(checkpoint.save_merged(pathlib.Path(run_dir), self.policy.merged(), self.tokenizer))
 
     def load(self, path: str) -> dict:
-        state = checkpoint.load(pathlib.Path(path), self.model, self.optimizer)
+        state = checkpoint.load(pathlib.Path(path), self.policy.saved, self.optimizer)
         return {k: v for k, v in state.items() if k not in ("optimizer", "rng")}
 
 
@@ -254,6 +258,10 @@ class ShardedScorer:
         for idx, res in zip(_rank_tokens(groups, parts), results):
             out[idx] = res
         return out
+
+    def call_first(self, method: str, *args):
+        """`method(*args)` on the first actor (learner rank 0 writes checkpoints), with the failure handling."""
+        return self._get([getattr(self.actors[0], method).remote(*args)])[0]
 
     def _get(self, refs):
         try:
@@ -480,10 +488,12 @@ class RayEngine:
         return out
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        path = pathlib.Path(self.learner._get([self.actors["learner"][0].save.remote(str(run_dir), step, extra,
-                                                                                    config)])[0])
+        path = pathlib.Path(self.learner.call_first("save", str(run_dir), step, extra, config))
         self.last_checkpoint = path
         return path
+
+    def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
+        return pathlib.Path(self.learner.call_first("save_merged", str(run_dir)))
 
     def load(self, path: pathlib.Path) -> dict:
         states = ray.get([a.load.remote(str(path)) for a in self.actors["learner"]])

@@ -23,11 +23,6 @@ class Sample:
     logprobs: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-
-
 class RolloutWorker:
     def __init__(self, model, tokenizer, batch_size: int = 64):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size

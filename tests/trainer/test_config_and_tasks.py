@@ -1,7 +1,8 @@
 import pytest
 
 from hetrl.trainer.config import RunConfig, load_config, parse_overrides
-from hetrl.trainer.tasks import Task, extract_answer
+from hetrl.data import RewardSet, TaskSource, extract_answer, prompt_ids
+from hetrl.models import tiny_tokenizer
 
 ARITH = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=["+", "-"], allow_negation=False,
              allow_parentheses=False)
@@ -33,6 +34,11 @@ def test_algorithm_presets_fill_unset_knobs():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(algorithm="ppo"), r"algorithm must be one of grpo, dapo, got 'ppo'"),
+    (dict(data="x.jsonl"), "reward 'verifier' is a reasoning-gym task's own check"),
+    (dict(reward="exactmatch"), "reward 'exactmatch' is not a built-in"),
+    (dict(reward=("verifier", "format"), reward_weights=(1.0,)), "reward_weights has 1 weights for 2 rewards"),
+    (dict(eval_data="e.jsonl"), "eval_data is the held-out part of your data"),
+    (dict(report_to="mlflow"), "report_to must be one of none, tensorboard, wandb"),
     (dict(responses_per_prompt=1), "must be >= 2: group-relative"),
     (dict(mini_batches=9, prompts_per_step=8), r"mini_batches \(9\) cannot exceed prompts_per_step \(8\)"),
     (dict(algorithm="dapo", kl_coef=0.1), "DAPO has no KL term"),
@@ -61,42 +67,58 @@ def test_extract_answer():
     assert extract_answer("no digits") == ""
 
 
+def _task(**kw):
+    return TaskSource("basic_arithmetic", kw.pop("options", ARITH), seed=kw.pop("seed", 0),
+                      eval_size=kw.pop("eval_size", 10), tokenizer=tiny_tokenizer(), **kw)
+
+
+def _score(task, names, reply, weights=None, example=None):
+    example = example or task.eval_examples[0]
+    scores = RewardSet(list(names), weights, builtins=task.builtin_rewards()).score(
+        [example.row], [example.row["prompt"]], [reply])
+    return scores.total[0], scores.correct[0] if scores.correct is not None else None
+
+
 def test_rewards_on_known_right_and_wrong_answers():
-    task = Task("basic_arithmetic", ARITH, seed=0, eval_size=10)
-    problem = task.eval_problems[0]
-    gold = problem["answer"]
-    right = task.score(problem, gold)
-    assert right.correct and right.formatted and right.reward == 1.0
-    assert task.score(problem, f"so the result is {gold}").correct
-    wrong = task.score(problem, str(int(gold) + 1))
-    assert not wrong.correct and wrong.reward == 0.0
-    assert task.score(problem, "I do not know").reward == 0.0
-    with_format = Task("basic_arithmetic", ARITH, seed=0, eval_size=10, format_reward=0.5)
-    assert with_format.score(problem, gold).reward == 1.5
-    assert with_format.score(problem, f"It is {gold}").reward == 1.0
-    partial = Task("basic_arithmetic", ARITH, seed=0, eval_size=10, reward="partial")
-    assert 0 < partial.score(problem, gold + "00").reward < 1
+    task = _task()
+    gold = task.eval_examples[0].row["answer"]
+    assert _score(task, ["verifier"], gold) == (1.0, True)
+    assert _score(task, ["verifier"], f"so the result is {gold}") == (1.0, True)
+    assert _score(task, ["verifier"], str(int(gold) + 1)) == (0.0, False)
+    assert _score(task, ["verifier"], "I do not know") == (0.0, False)
+    assert _score(task, ["verifier", "format"], gold, [1.0, 0.5]) == (1.5, True)
+    assert _score(task, ["verifier", "format"], f"It is {gold}", [1.0, 0.5]) == (1.0, True)
+    assert 0 < _score(task, ["partial"], gold + "00")[0] < 1
+    assert _score(task, ["exact_match"], f"= {gold}") == (1.0, True)
 
 
 def test_math_verify_reward():
-    task = Task("basic_arithmetic", ARITH, seed=0, eval_size=10, reward="math_verify")
-    problem = task.eval_problems[0]
-    assert task.score(problem, f"The result is {problem['answer']}.").correct
-    assert not task.score(problem, f"The result is {int(problem['answer']) + 3}.").correct
+    task = _task()
+    gold = task.eval_examples[0].row["answer"]
+    assert _score(task, ["math_verify"], f"The result is {gold}.") == (1.0, True)
+    assert _score(task, ["math_verify"], f"The result is {int(gold) + 3}.") == (0.0, False)
 
 
 def test_training_stream_is_deterministic_and_disjoint_from_eval():
-    a = Task("basic_arithmetic", ARITH, seed=3, eval_size=50)
-    b = Task("basic_arithmetic", ARITH, seed=3, eval_size=50)
-    first, nxt = a.train_problems(0, 20)
-    assert [p["question"] for p in first] == [p["question"] for p in b.train_problems(0, 20)[0]]
-    assert nxt >= 20
-    eval_q = {p["question"] for p in a.eval_problems}
-    assert not eval_q & {p["question"] for p in a.train_problems(0, 300)[0]}
+    a, b = _task(seed=3, eval_size=50), _task(seed=3, eval_size=50)
+    first, nxt, too_long = a.train_examples(0, 20)
+    assert [e.row["question"] for e in first] == [e.row["question"] for e in b.train_examples(0, 20)[0]]
+    assert nxt >= 20 and too_long == 0
+    assert first[0].prompt_ids == prompt_ids(tiny_tokenizer(), first[0].row["prompt"])
+    eval_q = {e.row["question"] for e in a.eval_examples}
+    assert not eval_q & {e.row["question"] for e in a.train_examples(0, 300)[0]}
+
+
+def test_prompts_longer_than_the_limit_are_skipped_and_counted():
+    lengths = [len(e.prompt_ids) for e in _task().train_examples(0, 50)[0]]
+    limit = sorted(lengths)[len(lengths) // 2]
+    task = _task(max_prompt_tokens=limit)
+    kept, _, too_long = task.train_examples(0, 50)
+    assert len(kept) == 50 and too_long > 0 and all(len(e.prompt_ids) <= limit for e in kept)
 
 
 def test_unknown_task_and_bad_options():
     with pytest.raises(ValueError, match="unknown task 'arithmetics'; reasoning-gym has: .*basic_arithmetic"):
-        Task("arithmetics", {}, seed=0, eval_size=10)
+        TaskSource("arithmetics", {}, 0, 10, tiny_tokenizer())
     with pytest.raises(ValueError, match="bad task_config for 'basic_arithmetic'"):
-        Task("basic_arithmetic", {"max_digitz": 2}, seed=0, eval_size=10)
+        _task(options={"max_digitz": 2})

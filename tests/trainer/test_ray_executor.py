@@ -20,6 +20,8 @@ from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import load_cluster, plan_from_dict  # noqa: E402
 from hetrl.planner.spec import TokenLengths  # noqa: E402
 from hetrl.trainer import loop  # noqa: E402
+from hetrl.trainer import build  # noqa: E402
+from hetrl.trainer.build import Policy  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, node_resources, replicas, run_workload  # noqa: E402
 from hetrl.trainer.ray_executor import (LearnerActor, LearnerFailed, LearnerGroup, RayEngine,  # noqa: E402
@@ -144,7 +146,7 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
     (old1, s1, w1, _), (old2, s2, w2, w2_last) = results[1], results[2]
     assert torch.allclose(old1, old2, rtol=0, atol=1e-12)
     assert math.isclose(s1.loss, s2.loss, rel_tol=1e-9) and math.isclose(s1.grad_norm, s2.grad_norm, rel_tol=1e-8)
-    initial = weights_to_numpy(load_model("tiny", torch.float64, seed=0)[0])
+    initial = weights_to_numpy(Policy(load_model("tiny", torch.float64, seed=0)[0]))
     for name, p in w1.items():
         scale = abs(p).max()
         assert abs(w2[name] - p).max() <= 1e-8 * scale, name
@@ -206,6 +208,21 @@ def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_pa
     assert pathlib.Path(summary["checkpoint"]).is_dir()
 
 
+def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
+    """The rollout actors hold the base weights: each weight sync carries the adapter's tensors alone, and the
+    merged model comes back from learner rank 0."""
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(PLAN))
+    cfg = _cfg(tmp_path, "lora_rank=4", "steps=2", "checkpoint_every=0", f"plan={plan_path}")
+    summary = loop.train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    adapter = weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0]))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert [r["weight_sync_bytes"] for r in rows] == [sum(a.nbytes for a in adapter.values())] * 2
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert (pathlib.Path(summary["merged_model"]) / "config.json").is_file()
+
+
 def test_a_killed_rollout_actor_loses_no_sample(local_ray):
     cfg = load_config(TINY, ["max_new_tokens=24"])
     actors = [ray.remote(RolloutActor).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(cfg, 1, False)
@@ -215,7 +232,7 @@ def test_a_killed_rollout_actor_loses_no_sample(local_ray):
     with torch.no_grad():  # version 1 differs from what a restarted actor loads, so a missed re-sync would show
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    ray.get(pool.push_weights(ray.put(weights_to_numpy(model)), 1))
+    ray.get(pool.push_weights(ray.put(weights_to_numpy(Policy(model))), 1))
     prompts = [[5 + i, 6 + i, 7, 8 + i % 3] for i in range(24)]
     expected = pool.generate(prompts, 4, 24, temperature=1.0)
 

@@ -1,0 +1,380 @@
+"""Reward functions: the built-in checks and a user's own, in the two conventions the field uses, one interface.
+
+- TRL: `f(completions, **kwargs) -> list[float | None]`, called once per batch with `prompts`, `completions`,
+  `completion_ids` and every other dataset column as a list (the row's value at each position). Completions are
+  strings for string prompts and `[{"role": "assistant", "content": ...}]` for chat prompts. `None` means "not
+  applicable": it is left out of the weighted sum, as TRL does (a row where every function says None gets 0).
+- verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`, called once
+  per row with the row's `data_source`, `reward_model.ground_truth` and `extra_info`; a dict's `score` is the
+  reward and its other keys are reported.
+
+The built-ins (`exact_match`, `math_verify`, `format`; a reasoning-gym task adds `verifier` and `partial`) are
+TRL-convention functions too, so `RewardSet.score` never knows which it has. A built-in that checks correctness
+is marked (`correctness`): its value >= 1 is what "accuracy" counts. A user's function is named by a spec,
+`FILE.py:NAME` or `package.module:NAME`. With `workers` > 0 the user's functions run in that many processes
+(slow rewards: a sandbox, a verifier service); the built-ins stay in this process.
+
+Written by hand because neither engine exposes this layer on its own (TRL's lives inside GRPOTrainer, verl's
+inside its reward manager).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import multiprocessing
+import pathlib
+import pickle
+import re
+import sys
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hetrl.schema import InputError
+
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str:
+    """The final answer of a reply: the content of <answer>...</answer> if present, else its last number."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.S)
+    if tagged:
+        return tagged[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else ""
+
+
+def completion_text(completion) -> str:
+    """A completion as text, whether given as a string or as TRL's chat form [{"role": "assistant", ...}]."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def nested(row: dict, key: str):
+    """`reward_model.ground_truth` style lookups into a row; None when a part is missing."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+# ------------------------------------------------------------------------------------------ built-ins
+
+
+def builtin(name: str, fn: Callable, correctness: bool) -> Callable:
+    fn.__name__, fn.correctness = name, correctness
+    return fn
+
+
+def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
+    """The checks any dataset with an answer column gets (`answer_key`, dotted for nested columns such as verl's
+    `reward_model.ground_truth`), plus `format` (the reply is exactly its extracted answer)."""
+
+    def answers(kwargs, n):
+        head, _, rest = answer_key.partition(".")
+        if head not in kwargs:
+            raise InputError(f"reward: the built-in checks read the answer column {answer_key!r}, but the rows have "
+                             f"{', '.join(sorted(k for k in kwargs if k not in ('completions', 'completion_ids')))}; "
+                             "set answer_key=COLUMN (dotted for nested, e.g. reward_model.ground_truth)")
+        return [nested({head: v}, answer_key) for v in kwargs[head]]
+
+    def exact_match(completions, **kwargs):
+        gold = answers(kwargs, len(completions))
+        return [float(g is not None and _same_answer(extract_answer(completion_text(c)), str(g)))
+                for c, g in zip(completions, gold)]
+
+    def math_verify(completions, **kwargs):
+        from math_verify import parse, verify
+
+        gold = answers(kwargs, len(completions))
+        out = []
+        for c, g in zip(completions, gold):
+            text = completion_text(c)
+            out.append(float(g is not None and bool(extract_answer(text)) and bool(verify(parse(str(g)), parse(text)))))
+        return out
+
+    def format(completions, **kwargs):   # noqa: A001 - the reward's name as users write it
+        texts = [completion_text(c) for c in completions]
+        return [float(bool(extract_answer(t)) and t.strip() == extract_answer(t)) for t in texts]
+
+    return {"exact_match": builtin("exact_match", exact_match, True),
+            "math_verify": builtin("math_verify", math_verify, True),
+            "format": builtin("format", format, False)}
+
+
+def _same_answer(got: str, gold: str) -> bool:
+    got, gold = got.strip(), gold.strip()
+    if got == gold:
+        return True
+    try:
+        return float(got) == float(gold)
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ a user's functions
+
+
+def load_reward(spec: str) -> Callable:
+    """The function a spec names: `path/to/file.py:NAME` or `package.module:NAME`."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise InputError(f"reward {spec!r}: expected FILE.py:NAME or package.module:NAME")
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            path = pathlib.Path(where)
+            if not path.is_file():
+                raise InputError(f"reward {spec!r}: no such file {where}")
+            module_name = f"hetrl_reward_{abs(hash(str(path.resolve())))}"
+            loader = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[module_name] = module
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except InputError:
+        raise
+    except SyntaxError as e:
+        raise InputError(f"reward {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # the user's module failed while importing: say where
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise InputError(f"reward {spec!r}: importing it failed at {frame.filename}:{frame.lineno}: "
+                         f"{type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise InputError(f"reward {spec!r}: {where} has no {name!r} (callables there: {', '.join(found) or 'none'})")
+    if not callable(fn):
+        raise InputError(f"reward {spec!r}: {name} is not callable")
+    return fn
+
+
+def resolve(specs, builtins: dict[str, Callable]) -> list[tuple[Callable, str | None]]:
+    """Reward specs -> [(function, spec it was loaded from or None)]. A spec is a built-in's name, FILE.py:NAME,
+    package.module:NAME, or a callable (from Python)."""
+    out = []
+    for s in specs:
+        if callable(s):
+            out.append((s, None))
+        elif isinstance(s, str) and ":" not in s:
+            if s not in builtins:
+                raise InputError(f"reward {s!r} is not a built-in here (built-ins: {', '.join(builtins)}); a function "
+                                 "of yours is given as FILE.py:NAME or package.module:NAME")
+            out.append((builtins[s], None))
+        else:
+            out.append((load_reward(s), s))
+    return out
+
+
+def convention(fn: Callable) -> str:
+    """'verl' when the first parameters are (data_source, solution_str, ground_truth), else 'trl' when the function
+    takes `completions` and keyword arguments; anything else is refused."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "trl"   # a builtin or C callable: assume TRL's keyword call
+    names = [p.name for p in params]
+    if tuple(names[:3]) == VERL_PARAMS:
+        return "verl"
+    if "completions" in names or any(p.kind is p.VAR_KEYWORD for p in params):
+        return "trl"
+    raise InputError(f"reward {getattr(fn, '__name__', fn)!r}: its parameters ({', '.join(names)}) fit neither "
+                     "TRL's f(completions, **kwargs) nor verl's compute_score(data_source, solution_str, "
+                     "ground_truth, extra_info=None)")
+
+
+def _number(value, fn_name: str, row: int, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:   # numpy / torch scalars
+            value = float(value)
+        except (TypeError, ValueError):
+            raise InputError(f"reward {fn_name}: row {row}: returned {value!r}, not a number") from None
+    value = float(value)
+    if not math.isfinite(value):
+        raise InputError(f"reward {fn_name}: row {row}: returned {value}, not a finite number")
+    return value
+
+
+def _where(e: BaseException) -> str:
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: int = 0) -> list[float | None]:
+    chat = [isinstance(p, list) for p in prompts]
+    comps = [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(completions, chat)]
+    columns = {k for r in rows for k in r if k not in ("prompt", "completion", "completion_ids")}
+    kwargs = {k: [r.get(k) for r in rows] for k in sorted(columns)}
+    try:
+        out = fn(prompts=prompts, completions=comps,
+                 completion_ids=completion_ids if completion_ids is not None else [None] * len(comps), **kwargs)
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"reward {name}: raised {type(e).__name__}: {e} ({_where(e)}) on a batch of {len(comps)} "
+                         f"completions (rows {first_row}..{first_row + len(comps) - 1})") from None
+    try:
+        out = list(out)
+    except TypeError:
+        raise InputError(f"reward {name}: returned {type(out).__name__}, expected a list of "
+                         f"{len(comps)} numbers") from None
+    if len(out) != len(comps):
+        raise InputError(f"reward {name}: returned {len(out)} rewards for {len(comps)} completions")
+    return [_number(v, name, first_row + i, True) for i, v in enumerate(out)]
+
+
+def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[float], dict[str, list]]:
+    out, extra = [], {}
+    for i, (row, text) in enumerate(zip(rows, completions)):
+        try:
+            got = fn(row.get("data_source"), text, nested(row, "reward_model.ground_truth"), row.get("extra_info"))
+        except Exception as e:
+            raise InputError(f"reward {name}: row {first_row + i}: raised {type(e).__name__}: {e} ({_where(e)})") \
+                from None
+        if isinstance(got, dict):
+            if "score" not in got:
+                raise InputError(f"reward {name}: row {first_row + i}: returned a dict without 'score' "
+                                 f"(keys: {', '.join(map(str, got))})")
+            for k, v in got.items():
+                if k != "score":
+                    extra.setdefault(f"{name}/{k}", [None] * len(rows))[i] = v
+            got = got["score"]
+        out.append(_number(got, name, first_row + i, False))
+    return out, extra
+
+
+# ------------------------------------------------------------------------------------------ worker processes
+
+_LOADED: dict[str, Callable] = {}
+
+
+def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, first_row):
+    """One chunk of one function, in a reward worker process. `ref` is a spec (loaded once per process) or a
+    pickled function."""
+    if isinstance(ref, str):
+        if ref not in _LOADED:
+            _LOADED[ref] = load_reward(ref)
+        fn = _LOADED[ref]
+    else:
+        fn = pickle.loads(ref)
+    if kind == "trl":
+        return call_trl(fn, name, rows, prompts, completions, completion_ids, first_row), {}
+    return call_verl(fn, name, rows, completions, first_row)
+
+
+@dataclass
+class Scores:
+    total: list[float]                                   # weighted sum per completion
+    per_function: dict[str, list[float | None]]          # each function's raw reward (None: not applicable)
+    extra: dict[str, list[Any]] = field(default_factory=dict)   # verl dict keys other than `score`
+    correct: list[bool] | None = None                    # the first correctness check's value >= 1 (built-ins)
+
+    def means(self) -> dict[str, float]:
+        """metrics: `reward/<function>` (mean over the rows it applied to) and numeric verl extras."""
+        out = {}
+        for name, values in {**self.per_function, **self.extra}.items():
+            nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, str)]
+            if nums:
+                out[f"reward/{name}"] = sum(nums) / len(nums)
+        return out
+
+
+class RewardSet:
+    """Several reward functions with weights (default 1 each), applied to a batch of completions."""
+
+    def __init__(self, funcs: list, weights: list[float] | None = None, workers: int = 0,
+                 builtins: dict[str, Callable] | None = None):
+        if not funcs:
+            raise InputError("reward: give at least one reward function")
+        loaded = resolve(funcs, builtins or {})
+        self.funcs = [f for f, _ in loaded]
+        self.specs = [s for _, s in loaded]
+        for f in self.funcs:
+            if not callable(f):
+                raise InputError(f"reward: {f!r} is not callable")
+        self.kinds = [convention(f) for f in self.funcs]
+        names = [getattr(f, "__name__", type(f).__name__) for f in self.funcs]
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+        if weights is None:
+            weights = [1.0] * len(self.funcs)
+        weights = list(weights)
+        if len(weights) != len(self.funcs):
+            raise InputError(f"reward_weights: {len(weights)} weights for {len(self.funcs)} reward functions "
+                             f"({', '.join(self.names)})")
+        self.weights = [_number(w, "reward_weights", i, False) for i, w in enumerate(weights)]
+        self.correctness = next((n for f, n in zip(self.funcs, self.names) if getattr(f, "correctness", False)), None)
+        self.workers = workers
+        self._refs = [self._worker_ref(f, s, n) if workers and not hasattr(f, "correctness") else None
+                      for f, s, n in zip(self.funcs, self.specs, self.names)]
+        self._pool = None
+
+    @staticmethod
+    def _worker_ref(fn, spec, name):
+        if spec is not None:
+            return spec
+        try:
+            return pickle.dumps(fn)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise InputError(f"reward {name}: reward_workers > 0 runs it in other processes, which needs a function "
+                             f"defined at the top level of an importable module (or given as FILE.py:NAME); it "
+                             f"cannot be sent there ({type(e).__name__}: {e})") from None
+
+    def score(self, rows: list[dict], prompts: list, completions: list[str],
+              completion_ids: list[list[int]] | None = None) -> Scores:
+        """Rewards of `completions[i]`, sampled for `prompts[i]` from dataset row `rows[i]` (the whole row; its
+        `prompt` column is passed as `prompts`). A chat prompt (a list of messages) gets chat completions."""
+        n = len(completions)
+        if not (len(rows) == len(prompts) == n):
+            raise ValueError(f"reward: {len(rows)} rows, {len(prompts)} prompts, {n} completions")
+        per: dict[str, list[float | None]] = {}
+        extra: dict[str, list[Any]] = {}
+        pending = {}
+        for fn, kind, name, ref in zip(self.funcs, self.kinds, self.names, self._refs):
+            if ref is not None and n:
+                pending[name] = self._submit(ref, kind, name, rows, prompts, completions, completion_ids)
+            elif kind == "trl":
+                per[name] = call_trl(fn, name, rows, prompts, completions, completion_ids)
+            else:
+                per[name], got = call_verl(fn, name, rows, completions)
+                extra.update(got)
+        for name, futures in pending.items():
+            per[name] = []
+            for future, start in futures:
+                values, got = future.result()
+                for k, v in got.items():
+                    extra.setdefault(k, [None] * n)[start:start + len(v)] = v
+                per[name] += values
+        per = {name: per[name] for name in self.names}
+        total = [sum(w * per[name][i] for w, name in zip(self.weights, self.names) if per[name][i] is not None)
+                 for i in range(n)]
+        correct = [v is not None and v >= 1.0 for v in per[self.correctness]] if self.correctness else None
+        return Scores(total, per, extra, correct)
+
+    def _submit(self, ref, kind, name, rows, prompts, completions, completion_ids):
+        if self._pool is None:
+            # spawn: the workers start clean (no copy of the trainer's threads or model memory)
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        n = len(completions)
+        size = math.ceil(n / self.workers)
+        out = []
+        for start in range(0, n, size):
+            sl = slice(start, start + size)
+            out.append((self._pool.submit(_in_worker, ref, kind, name, rows[sl], prompts[sl], completions[sl],
+                                          None if completion_ids is None else completion_ids[sl], start), start))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+__all__ = ["RewardSet", "Scores", "builtin_rewards", "convention", "extract_answer", "load_reward", "resolve"]

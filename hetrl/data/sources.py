@@ -1,0 +1,323 @@
+"""Where a run's prompts come from: a reasoning-gym generator (`task=`) or a user's rows (`data=`), one interface.
+
+Both give `Example`s (the dataset row with every column, its prompt under `prompt`, and the prompt as token ids)
+through the same calls: `eval_examples` (held out, never trained on) and `train_examples(start, count)`, a
+deterministic stream indexed by position, so a checkpoint stores one integer and a resumed run draws the same
+prompts. A prompt is a string (tokenized as is, no special tokens added, as TRL does) or a list of chat messages
+(rendered with the tokenizer's chat template, generation prompt added). Prompts longer than `max_prompt_tokens`
+are skipped and counted, never truncated.
+
+- reasoning-gym: training problems are generator indices 0, 1, 2, ... of one seed; the held-out set comes from
+  another seed, and a training problem whose question is also held out is skipped.
+- a user's rows (JSONL, JSON, Parquet, CSV, or a `datasets.save_to_disk` directory, read with `datasets`, offline):
+  the held-out rows are `eval_data`, or else `eval_size` rows drawn out of `data` by seed; training rows whose
+  prompt equals a held-out prompt are dropped too. Each epoch visits the training rows in a new order drawn from
+  (seed, epoch). Rows are held in memory as Python dicts (fine to millions of short rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import random
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from hetrl.schema import InputError, show
+
+from .rewards import builtin, builtin_rewards, completion_text, extract_answer
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class Example:
+    row: dict              # every column of the dataset row; the prompt is under "prompt"
+    prompt_ids: list[int]
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """A prompt as token ids: a string as is, chat messages through the chat template (generation prompt added)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def _check_prompt(prompt, where: str):
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return
+    raise InputError(f"{where}: the prompt must be a string or a list of chat messages "
+                     f"[{{'role': ..., 'content': ...}}], got {show(prompt)}")
+
+
+def _with_suffix(prompt, suffix: str):
+    if not suffix:
+        return prompt
+    if isinstance(prompt, str):
+        return prompt + suffix
+    last = max(i for i, m in enumerate(prompt) if m["role"] == "user") if any(
+        m["role"] == "user" for m in prompt) else len(prompt) - 1
+    return [{**m, "content": m["content"] + suffix} if i == last else m for i, m in enumerate(prompt)]
+
+
+class Source(Protocol):
+    """What the loop uses of a data source (TaskSource, RowSource)."""
+
+    description: str        # one line for the start of a run
+    fingerprint: str        # a checkpoint is resumed only on the same data
+    eval_examples: list[Example]
+    eval_too_long: int
+
+    def train_examples(self, start: int, count: int) -> tuple[list[Example], int, int]: ...
+
+    def builtin_rewards(self, answer_key: str = "answer") -> dict[str, Callable]: ...
+
+
+class _Stream:
+    """The parts both sources share: rendering with the length limit, and the evaluation examples."""
+
+    def __init__(self, tokenizer, max_prompt_tokens: int | None):
+        self.tokenizer, self.max_prompt_tokens = tokenizer, max_prompt_tokens
+
+    def _example(self, row: dict) -> Example | None:
+        ids = prompt_ids(self.tokenizer, row["prompt"])
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            return None
+        return Example(row, ids)
+
+    def _eval(self, rows: list[dict]) -> None:
+        made = [self._example(r) for r in rows]
+        self.eval_examples = [e for e in made if e is not None]
+        self.eval_too_long = len(made) - len(self.eval_examples)
+        if not self.eval_examples:
+            raise InputError(f"every one of the {len(rows)} held-out prompts is longer than max_prompt_tokens="
+                             f"{self.max_prompt_tokens}; raise max_prompt_tokens")
+
+
+class TaskSource(_Stream):
+    """A reasoning-gym generator: problems {question, answer, metadata} as chat prompts."""
+
+    def __init__(self, name: str, options: dict, seed: int, eval_size: int, tokenizer,
+                 max_prompt_tokens: int | None = None, prompt_suffix: str = ""):
+        import reasoning_gym
+
+        super().__init__(tokenizer, max_prompt_tokens)
+        known = set(reasoning_gym.factory.DATASETS)
+        if name not in known:
+            raise InputError(f"unknown task {name!r}; reasoning-gym has: {', '.join(sorted(known))}")
+        self.name, self.options, self.seed, self.prompt_suffix = name, dict(options), seed, prompt_suffix
+        try:
+            evals = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + 1_000_003, **self.options)
+        except TypeError as e:
+            raise InputError(f"bad task_config for {name!r}: {e}") from None
+        self._train_size = 1_000_000
+        self._train = reasoning_gym.create_dataset(name, size=self._train_size, seed=seed, **self.options)
+        rows = [self._row(evals[i]) for i in range(eval_size)]
+        self._eval_questions = {r["question"] for r in rows}
+        self._eval(rows)
+        self.description = f"reasoning-gym {name}"
+        self.fingerprint = hashlib.sha256(json.dumps(
+            ["reasoning-gym", name, self.options, seed, eval_size, prompt_suffix], sort_keys=True,
+            default=str).encode()).hexdigest()
+
+    def _row(self, problem: dict) -> dict:
+        prompt = [{"role": "user", "content": problem["question"] + self.prompt_suffix}]
+        return {"prompt": prompt, "question": problem["question"], "answer": problem["answer"],
+                "metadata": problem.get("metadata", {})}
+
+    def train_examples(self, start: int, count: int) -> tuple[list[Example], int, int]:
+        """`count` training examples from stream index `start` -> (examples, next index, prompts too long)."""
+        out, k, too_long = [], start, 0
+        while len(out) < count:
+            if k >= self._train_size:
+                raise InputError(f"task {self.name!r} ran out of distinct training problems after {k}")
+            problem = self._train[k]
+            k += 1
+            if problem["question"] in self._eval_questions:
+                continue
+            example = self._example(self._row(problem))
+            if example is None:
+                too_long += 1
+                if too_long >= 10_000 and not out:
+                    raise InputError(f"task {self.name!r}: 10,000 prompts in a row are longer than "
+                                     f"max_prompt_tokens={self.max_prompt_tokens}; raise it")
+                continue
+            out.append(example)
+        return out, k, too_long
+
+    def builtin_rewards(self, answer_key: str = "answer") -> dict[str, Callable]:
+        """The generic checks plus the task's own verifier (`verifier`: correct or not; `partial`: its graded
+        score in [0, 1])."""
+        score_answer = self._train.score_answer
+
+        def graded(completions, question, answer, metadata, **_):
+            return [float(score_answer(extract_answer(completion_text(c)), {"question": q, "answer": a,
+                                                                            "metadata": m}))
+                    for c, q, a, m in zip(completions, question, answer, metadata)]
+
+        def verifier(completions, question, answer, metadata, **kwargs):
+            return [float(g >= 1.0) for g in graded(completions, question, answer, metadata)]
+
+        def partial(completions, question, answer, metadata, **kwargs):
+            return graded(completions, question, answer, metadata)
+
+        return {"verifier": builtin("verifier", verifier, True), "partial": builtin("partial", partial, True),
+                **builtin_rewards(answer_key)}
+
+
+def load_rows(path: str, what: str = "data") -> list[dict]:
+    """Rows of a JSONL / JSON / Parquet / CSV file or a `save_to_disk` directory, read with `datasets` (offline,
+    its cache in a temporary directory that is removed: nothing is written outside out_dir)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise InputError(f"{what}={path}: no such file or directory")
+    progress = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()
+    try:
+        if p.is_dir():
+            try:
+                ds = datasets.load_from_disk(str(p), keep_in_memory=True)
+            except (FileNotFoundError, ValueError) as e:
+                raise InputError(f"{what}={path}: not a directory written by datasets' save_to_disk "
+                                 f"({str(e).splitlines()[0]})") from None
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise InputError(f"{what}={path}: a DatasetDict without a 'train' split (splits: "
+                                     f"{', '.join(ds)}); save the split you want with save_to_disk")
+                ds = ds["train"]
+        else:
+            kind = DATA_SUFFIXES.get(p.suffix.lower())
+            if kind is None:
+                raise InputError(f"{what}={path}: unknown file type {p.suffix!r}; give .jsonl, .json, .parquet, "
+                                 ".csv or a datasets save_to_disk directory")
+            with tempfile.TemporaryDirectory(prefix="hetrl-datasets-") as cache:
+                try:
+                    ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=cache,
+                                               keep_in_memory=True)
+                except Exception as e:   # datasets raises many types for a malformed file; say which file
+                    cause = e.__cause__ or e
+                    raise InputError(f"{what}={path}: cannot be read as {p.suffix} ({type(cause).__name__}: "
+                                     f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
+        rows = ds.to_list()
+    finally:
+        if progress:
+            datasets.utils.logging.enable_progress_bar()
+    if not rows:
+        raise InputError(f"{what}={path}: holds no rows")
+    return rows
+
+
+def as_rows(data, what: str) -> list[dict]:
+    """A path, a `datasets.Dataset` or a list of dicts -> a list of dicts."""
+    if isinstance(data, (str, os.PathLike)):
+        return load_rows(str(data), what)
+    if hasattr(data, "to_list") and hasattr(data, "column_names"):
+        rows = data.to_list()
+    elif isinstance(data, (list, tuple)):
+        rows = list(data)
+    else:
+        raise InputError(f"{what}: expected a path, a datasets.Dataset or a list of dicts, got {type(data).__name__}")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise InputError(f"{what}: row {bad} is a {type(rows[bad]).__name__}, not a dict of columns")
+    if not rows:
+        raise InputError(f"{what}: holds no rows")
+    return rows
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class RowSource(_Stream):
+    """A user's rows: `data` (and optionally `eval_data`) with the prompt in column `prompt_key`."""
+
+    def __init__(self, data, eval_data, *, eval_size: int, seed: int, tokenizer, prompt_key: str = "prompt",
+                 max_prompt_tokens: int | None = None, prompt_suffix: str = "", name: str | None = None):
+        super().__init__(tokenizer, max_prompt_tokens)
+        rows = [self._normalise(r, i, prompt_key, "data", prompt_suffix) for i, r in enumerate(as_rows(data, "data"))]
+        self.seed = seed
+        if eval_data is not None:
+            evals = [self._normalise(r, i, prompt_key, "eval_data", prompt_suffix)
+                     for i, r in enumerate(as_rows(eval_data, "eval_data"))]
+            split = "eval_data"
+        else:
+            if eval_size >= len(rows):
+                raise InputError(f"data has {len(rows)} rows, and eval_size={eval_size} would hold out all of them; "
+                                 f"lower eval_size (e.g. {max(1, len(rows) // 5)}) or give eval_data=PATH")
+            order = list(range(len(rows)))
+            random.Random(seed + 1_000_003).shuffle(order)
+            held = set(order[:eval_size])
+            evals = [rows[i] for i in sorted(held)]
+            rows = [r for i, r in enumerate(rows) if i not in held]
+            split = f"eval_size={eval_size} rows drawn by seed"
+        held_prompts = {json.dumps(r["prompt"], sort_keys=True) for r in evals}
+        self.train_rows = [r for r in rows if json.dumps(r["prompt"], sort_keys=True) not in held_prompts]
+        self.dropped_as_eval = len(rows) - len(self.train_rows)
+        if not self.train_rows:
+            raise InputError(f"data: no training rows left after holding out the evaluation rows ({split}); every "
+                             "training prompt also appears among them")
+        self._eval(evals)
+        self._order: tuple[int, list[int]] | None = None
+        n = len(self.train_rows)
+        self.description = (f"{name or 'data'}: {n} training rows, {len(self.eval_examples)} held out ({split})"
+                            + (f", {self.dropped_as_eval} training rows dropped as copies of held-out prompts"
+                               if self.dropped_as_eval else "")
+                            + (f", {self.eval_too_long} held-out prompts longer than max_prompt_tokens dropped"
+                               if self.eval_too_long else ""))
+        self.fingerprint = _fingerprint(self.train_rows, evals, prompt_key, prompt_suffix)
+
+    @staticmethod
+    def _normalise(row: dict, i: int, prompt_key: str, what: str, suffix: str) -> dict:
+        if prompt_key not in row:
+            raise InputError(f"{what}: row {i} has no prompt column {prompt_key!r} (columns: "
+                             f"{', '.join(map(str, row)) or 'none'}); set prompt_key=COLUMN")
+        prompt = row[prompt_key]
+        _check_prompt(prompt, f"{what}: row {i}, column {prompt_key!r}")
+        return {**row, "prompt": _with_suffix(prompt, suffix)}
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.train_rows)))
+            random.Random(_fingerprint(self.seed, epoch)).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def epoch(self, index: int) -> int:
+        return index // len(self.train_rows)
+
+    def train_examples(self, start: int, count: int) -> tuple[list[Example], int, int]:
+        """`count` training examples from stream index `start` -> (examples, next index, prompts too long).
+        Index k is row order[k mod n] of epoch k // n."""
+        n = len(self.train_rows)
+        out, k, too_long, run = [], start, 0, 0
+        while len(out) < count:
+            row = self.train_rows[self._epoch_order(k // n)[k % n]]
+            k += 1
+            example = self._example(row)
+            if example is None:
+                too_long += 1
+                run += 1
+                if run >= n:
+                    raise InputError(f"data: every training prompt is longer than max_prompt_tokens="
+                                     f"{self.max_prompt_tokens}; raise max_prompt_tokens")
+                continue
+            run = 0
+            out.append(example)
+        return out, k, too_long
+
+    def builtin_rewards(self, answer_key: str = "answer") -> dict[str, Callable]:
+        return builtin_rewards(answer_key)
+

@@ -1,0 +1,131 @@
+"""One builder for the roles of a run (policy, optimizer, learner, scorers), used by the local and the Ray engines.
+
+`Policy` is what every role needs of the trained model: `module`, the Hugging Face model that generation and the
+DualKV passes run (with LoRA, peft's adapter layers sit inside it), the parameters to train, the state that weight
+sync moves (with LoRA only the adapter: the other side already holds the base weights), what a checkpoint saves,
+and a context that switches the adapter off, which is how the reference model is the base model without a second
+copy. LoRA goes through peft (`get_peft_model`, `disable_adapter`, `merge_and_unload`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import warnings
+
+import torch
+
+from hetrl.schema import InputError
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.learner import Learner, Scorer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class Policy:
+    def __init__(self, model, peft_model=None):
+        self.module = model                  # a transformers PreTrainedModel (LoRA layers injected when on)
+        self.peft = peft_model               # the peft wrapper, or None for full fine-tuning
+
+    @property
+    def lora(self) -> bool:
+        return self.peft is not None
+
+    @property
+    def saved(self):
+        """What checkpoints save with save_pretrained: the adapter (peft's format) or the whole model."""
+        return self.peft if self.peft is not None else self.module
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def base_off(self):
+        """A context in which `module` computes the base model's outputs (the adapter off); LoRA only."""
+        assert self.peft is not None, "only a LoRA policy has a base model inside it"
+        return self.peft.disable_adapter()
+
+    def sync_state(self) -> dict[str, torch.Tensor]:
+        """What weight sync sends: with LoRA the adapter's tensors, else the whole state dict."""
+        if self.peft is None:
+            return self.module.state_dict()
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.peft)
+
+    def load_sync_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.peft is None:
+            self.module.load_state_dict(state)
+            return
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.peft, state)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"adapter state does not match this model: unexpected {result.unexpected_keys[:4]}")
+
+    def merged(self):
+        """A plain transformers model with the adapter merged in (a copy; this policy is unchanged)."""
+        import copy
+
+        return copy.deepcopy(self.peft).merge_and_unload()
+
+
+def policy(cfg: RunConfig, model) -> Policy:
+    """The trained policy for `cfg`: `model` itself, or `model` with a fresh LoRA adapter when lora_rank > 0 (the
+    adapter's initial weights are drawn from the run's seed, so every process builds the same one)."""
+    if cfg.lora_rank == 0:
+        return Policy(model)
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_target_modules if isinstance(cfg.lora_target_modules, str) else list(cfg.lora_target_modules)
+    if not isinstance(targets, str):   # peft skips a listed name that matches nothing when another one matches
+        modules = [n for n, _ in model.named_modules()]
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
+        if unmatched:
+            _no_such_target(model, unmatched)
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            # peft 0.21 asks transformers 5 for a renamed attribute; the warning says nothing to a user
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            torch.manual_seed(cfg.seed)
+            peft_model = get_peft_model(model, lora)
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+            raise
+        _no_such_target(model, [targets] if isinstance(targets, str) else targets)
+    return Policy(peft_model.get_base_model(), peft_model)
+
+
+def _no_such_target(model, wanted: list[str]):
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    close = [c for t in wanted for c in difflib.get_close_matches(t, names, n=1)]
+    raise InputError(f"lora_target_modules {wanted} match no module of {type(model).__name__}; its Linear "
+                     f"modules are named {', '.join(names)} (or use all-linear)"
+                     + (f"; did you mean {close[0]!r}?" if close else "")) from None
+
+
+def optimizer(cfg: RunConfig, pol: Policy) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(pol.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None) -> Learner:
+    return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
+                   micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync)
+
+
+def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
+    """No-grad log-probs of `model` through the DualKV path, inside `context` (the adapter off for the reference)."""
+    return Scorer(model, impl=cfg.impl, temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
+                  context=context)
+
+
+def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
+    """The KL reference: with LoRA, the policy's own base weights with the adapter off (no second copy); else a
+    frozen copy of the initial model, from `load_base()`. None when kl_coef is 0."""
+    if cfg.kl_coef == 0:
+        return None
+    if pol.lora:
+        return scorer(cfg, pol.module, pol.base_off)
+    return scorer(cfg, load_base().eval().requires_grad_(False))

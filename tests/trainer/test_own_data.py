@@ -1,0 +1,212 @@
+"""A user's own data and reward functions, from the user's side: `hetrl train data=... reward=FILE.py:NAME` and
+`hetrl.train(config, train_dataset=..., reward_funcs=[...])` on the tiny model. The rewards record what they were
+given, and the tests check it by value against the rows the prompts came from."""
+
+import json
+import pathlib
+import textwrap
+
+import datasets
+import pytest
+
+import hetrl
+from hetrl.cli import main
+from hetrl.data import RowSource
+from hetrl.models import tiny_tokenizer
+
+TINY = str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml")
+QUICK = ["steps=2", "eval_size=4", "checkpoint_every=0", "prompts_per_step=4", "responses_per_prompt=2",
+         "mini_batches=1"]
+
+
+def _chat_rows(n=24):
+    return [{"prompt": [{"role": "user", "content": f"{i} + {i}?"}], "answer": str(2 * i), "level": i % 3,
+             "tag": f"row{i}"} for i in range(n)]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _recording_reward(tmp_path, body: str, name="reward.py") -> pathlib.Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(f"""
+        import json, pathlib
+        LOG = pathlib.Path(__file__).with_suffix(".calls.jsonl")
+        def record(**what):
+            with open(LOG, "a") as f:
+                f.write(json.dumps(what) + "\\n")
+        {textwrap.indent(textwrap.dedent(body), '        ').strip()}
+    """))
+    return path
+
+
+def _calls(reward_path):
+    return [json.loads(line) for line in reward_path.with_suffix(".calls.jsonl").read_text().splitlines()]
+
+
+def test_a_jsonl_chat_dataset_with_a_trl_reward_that_receives_each_rows_columns(tmp_path):
+    rows = _chat_rows()
+    data = _write_jsonl(tmp_path / "data.jsonl", rows)
+    reward = _recording_reward(tmp_path, """
+        def score(completions, prompts, answer, level, tag, completion_ids, **kwargs):
+            record(prompts=prompts, answer=answer, level=level, tag=tag, completions=completions,
+                   ids=completion_ids, other=sorted(kwargs))
+            return [float(len(c[0]["content"]) % 2) for c in completions]
+    """)
+    out = tmp_path / "run"
+    assert main(["train", "--config", TINY, f"out_dir={out}", f"data={data}", f"reward={reward}:score", *QUICK]) == 0
+    by_prompt = {json.dumps(r["prompt"]): r for r in rows}
+    calls = _calls(reward)
+    assert len(calls) == 2 + 2   # eval before and after, 2 training steps
+    for call in calls:
+        for i, prompt in enumerate(call["prompts"]):
+            row = by_prompt[json.dumps(prompt)]          # every column is this row's value at the same position
+            assert (call["answer"][i], call["level"][i], call["tag"][i]) == (row["answer"], row["level"], row["tag"])
+            assert call["completions"][i][0]["role"] == "assistant" and isinstance(call["ids"][i], list)
+        assert call["other"] == []                       # no column left out of the named ones
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all("reward/score" in m for m in metrics)
+    assert all("accuracy" not in m for m in metrics)     # a user's reward has no notion of "correct"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["paired_on"] == "reward" and "eval_reward_before" in summary and "eval_reward/score_after" in summary
+    evals = [json.loads(x) for x in (out / "eval_step_2.jsonl").read_text().splitlines()]
+    assert len(evals) == 4 and all({"prompt", "answer", "reply", "reward", "rewards"} <= set(e) for e in evals)
+
+
+def test_a_verl_parquet_with_compute_score_receiving_ground_truth_from_reward_model(tmp_path):
+    rows = [{"prompt": r["prompt"], "data_source": "toy", "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+             "extra_info": {"index": i}} for i, r in enumerate(_chat_rows())]
+    data = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(data))
+    reward = _recording_reward(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            record(data_source=data_source, solution=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+            return {"score": float(solution_str.strip() == ground_truth), "length": len(solution_str)}
+    """)
+    out = tmp_path / "run"
+    assert main(["train", "--config", TINY, f"out_dir={out}", f"data={data}", f"reward={reward}:compute_score",
+                 *QUICK]) == 0
+    truth_of_index = {i: r["reward_model"]["ground_truth"] for i, r in enumerate(rows)}
+    calls = _calls(reward)
+    assert len(calls) == 4 + 2 * 8 + 4              # eval rows, 2 steps x 4 prompts x 2 responses, eval rows
+    for c in calls:
+        assert c["data_source"] == "toy" and c["ground_truth"] == truth_of_index[c["extra_info"]["index"]]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/compute_score/length" in m for m in metrics)   # a dict's other keys are logged
+
+
+def test_answer_key_reaches_nested_ground_truth_for_the_builtin_checks(tmp_path):
+    rows = [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}, {"prompt": "2+2=", "reward_model": {}}]
+    source = RowSource(rows, rows[:1], eval_size=1, seed=0, tokenizer=tiny_tokenizer())
+    from hetrl.data import RewardSet
+
+    rewards = RewardSet(["exact_match"], builtins=source.builtin_rewards("reward_model.ground_truth"))
+    assert rewards.score(rows, [r["prompt"] for r in rows], ["so 2", "4"]).total == [1.0, 0.0]
+
+
+def test_two_weighted_rewards_with_a_none_from_python(tmp_path):
+    seen = []
+
+    def first(completions, level, **kwargs):
+        seen.append(list(level))
+        return [1.0 if lv == 0 else None for lv in level]
+
+    def second(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    out = tmp_path / "py"
+    summary = hetrl.train(TINY, train_dataset=datasets.Dataset.from_list(_chat_rows()), reward_funcs=[first, second],
+                          out_dir=str(out), steps=2, eval_size=4, checkpoint_every=0, prompts_per_step=4,
+                          responses_per_prompt=2, mini_batches=1, reward_weights=[2.0, 4.0])
+    assert summary["steps"] == 2 and seen
+    evals = [json.loads(x) for x in (out / "eval_step_2.jsonl").read_text().splitlines()]
+    for e in evals:   # None is left out of the weighted sum: 2 * 1.0 + 4 * 0.5 where it applies, else 4 * 0.5
+        assert e["reward"] == (4.0 if e["rewards"]["first"] is not None else 2.0)
+    config = (out / "run_config.yaml").read_text()
+    assert "data: <python>" in config and "<python>:first" in config
+    # the CLI cannot resume a run whose data came from Python: it says how
+    assert main(["train", "--resume", f"out_dir={out}"]) == 2
+
+
+def test_the_held_out_split_is_never_trained_on_across_epochs():
+    rows = _chat_rows(30) + [_chat_rows(30)[0] | {"tag": "copy of row0"}]   # a duplicate prompt
+    source = RowSource(rows, None, eval_size=6, seed=3, tokenizer=tiny_tokenizer())
+    held = {json.dumps(e.row["prompt"]) for e in source.eval_examples}
+    trained, index = [], 0
+    for _ in range(12):        # > 2 epochs of 24-25 rows
+        got, index, _ = source.train_examples(index, 7)
+        trained += got
+    assert not held & {json.dumps(e.row["prompt"]) for e in trained}
+    assert len(source.eval_examples) == 6 and len(source.train_rows) + 6 + source.dropped_as_eval == 31
+    first_epoch = [json.dumps(e.row) for e in trained[:len(source.train_rows)]]
+    assert len(set(first_epoch)) == len(source.train_rows)     # an epoch visits every training row once
+    again = RowSource(rows, None, eval_size=6, seed=3, tokenizer=tiny_tokenizer())
+    assert [e.row for e in again.train_examples(0, 40)[0]] == [e.row for e in trained[:40]]   # by seed
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", "dir"])
+def test_every_file_form_reads_the_same_rows(tmp_path, suffix):
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(5)]
+    ds = datasets.Dataset.from_list(rows)
+    path = tmp_path / ("saved" if suffix == "dir" else f"d{suffix}")
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".csv":
+        ds.to_csv(str(path), index=False)
+    else:
+        ds.save_to_disk(str(path))
+    from hetrl.data import load_rows
+
+    got = load_rows(str(path))
+    assert [{k: str(v) for k, v in r.items()} for r in got] == rows
+
+
+BAD_REWARDS = {
+    "syntax": ("def f(completions, **kw)\n    return [1.0]\n", "f", r"reward\.py:1: syntax error"),
+    "import": ("import not_a_module_anywhere\n", "f", r"importing it failed at .*reward\.py:1: ModuleNotFoundError"),
+    "raises": ("def f(completions, **kw):\n    raise KeyError('answer')\n", "f",
+               r"reward f: raised KeyError: 'answer' \(.*reward\.py:2\) on a batch of 4 completions \(rows 0\.\.3\)"),
+    "count": ("def f(completions, **kw):\n    return [1.0]\n", "f", "reward f: returned 1 rewards for 4 completions"),
+    "nan": ("def f(completions, **kw):\n    return [float('nan')] * len(completions)\n", "f",
+            "reward f: row 0: returned nan, not a finite number"),
+    "text": ("def f(completions, **kw):\n    return ['good'] * len(completions)\n", "f",
+             "reward f: row 0: returned 'good', not a number"),
+    "missing": ("def g(completions, **kw):\n    return []\n", "f", r"has no 'f' \(callables there: g\)"),
+    "signature": ("def f(x, y):\n    return []\n", "f", "fit neither TRL's"),
+    "verl_raises": ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return 1 / 0\n", "compute_score", r"reward compute_score: row 0: raised ZeroDivisionError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REWARDS))
+def test_a_bad_reward_is_one_line(tmp_path, capsys, case):
+    source, name, message = BAD_REWARDS[case]
+    (tmp_path / "reward.py").write_text(source)
+    data = _write_jsonl(tmp_path / "data.jsonl", _chat_rows())
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", f"data={data}",
+                 f"reward={tmp_path / 'reward.py'}:{name}", *QUICK]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    import re
+
+    assert re.search(message, err[0]), err[0]
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: _write_jsonl(d / "x.jsonl", [{"question": "q", "answer": "1"}] * 10),
+     "row 0 has no prompt column 'prompt' (columns: question, answer); set prompt_key=COLUMN"),
+    (lambda d: (d / "x.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n') and d / "x.jsonl",
+     "x.jsonl: cannot be read as .jsonl"),
+    (lambda d: d / "missing.parquet", "missing.parquet: no such file or directory"),
+    (lambda d: (d / "x.txt").write_text("hi") and d / "x.txt", "unknown file type '.txt'"),
+    (lambda d: _write_jsonl(d / "x.jsonl", [{"prompt": 3}] * 10), "the prompt must be a string or a list of chat"),
+    (lambda d: _write_jsonl(d / "x.jsonl", [{"prompt": "a"}] * 3), "data has 3 rows, and eval_size=4"),
+])
+def test_bad_data_is_one_line(tmp_path, capsys, setup, message):
+    data = setup(tmp_path)
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", f"data={data}", "reward=exact_match",
+                 *QUICK]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
