@@ -40,7 +40,7 @@ from hetrl.schema import InputError
 from hetrl.trainer import build, checkpoint, files, memory
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
-from hetrl.trainer.metrics import MetricsLog, plot_curves
+from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.rollout import RolloutWorker, Sample
 
 log = logging.getLogger(__name__)
@@ -394,24 +394,35 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
         evals = MetricsLog(run_dir / "eval.jsonl")
         ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
         files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-        model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
-        source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
-        rewards = build_rewards(cfg, source, reward_funcs)
-        tqdm.write(f"prompts: {source.description}; rewards: "
-                   + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights)))
-        first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
-        prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
-        limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
-        mem = memory.check_fits(cfg, model, prompt_len, limit)
-        log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
+        metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
+        try:
+            return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs)
+        finally:
+            if metrics.tracker is not None:
+                metrics.tracker.close()
+
+
+def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs) -> dict:
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
+    rewards = build_rewards(cfg, source, reward_funcs)
+    tqdm.write(f"prompts: {source.description}; rewards: "
+               + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights)))
+    first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
+    prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
+    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
+    mem = memory.check_fits(cfg, model, prompt_len, limit)
+    log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
+    try:
         engine = _engine(cfg, model, tokenizer, prompt_len)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
             return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt)
         finally:
             engine.close()
-            rewards.close()
+    finally:
+        rewards.close()
 
 
 def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path) -> None:

@@ -1,4 +1,5 @@
-"""metrics.jsonl / eval.jsonl (one JSON object per line, flushed as written) and the reward/accuracy plot."""
+"""metrics.jsonl / eval.jsonl (one JSON object per line, flushed as written), the same rows mirrored to TensorBoard
+or wandb (`report_to`), and the reward/accuracy plot."""
 
 from __future__ import annotations
 
@@ -6,18 +7,22 @@ import json
 import os
 import pathlib
 
+from hetrl.schema import InputError
 from hetrl.trainer import files
 
 
 class MetricsLog:
-    def __init__(self, path: pathlib.Path):
+    def __init__(self, path: pathlib.Path, tracker: Tracker | None = None):
         self.path = pathlib.Path(path)
+        self.tracker = tracker
 
     def exists(self) -> bool:
         return self.path.is_file() and self.path.stat().st_size > 0
 
     def write(self, row: dict) -> None:
         files.append_line(self.path, json.dumps(row) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(row)
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (a resumed run redoes them), keeping the file valid throughout."""
@@ -40,6 +45,50 @@ class MetricsLog:
                     break
                 raise ValueError(f"{self.path} line {i + 1} is not JSON; the file was edited or damaged") from None
         return rows
+
+
+class Tracker:
+    """The rows of metrics.jsonl and eval.jsonl, also as scalars (x = the row's step) in TensorBoard
+    (out_dir/tensorboard) or wandb (offline mode, out_dir/wandb; `wandb sync` uploads it later)."""
+
+    EXTRAS = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0"}
+
+    def __init__(self, kind: str, run_dir: pathlib.Path, config: dict):
+        self.kind = kind
+        try:
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=str(pathlib.Path(run_dir) / "tensorboard"))
+            else:
+                import wandb
+
+                self.run = wandb.init(project="hetrl", dir=str(run_dir), mode="offline", config=config,
+                                      name=pathlib.Path(run_dir).name, resume="allow")
+        except ImportError as e:
+            raise InputError(f"report_to={kind} needs the {kind} package ({e.name} is missing): pip install "
+                              f"'{self.EXTRAS[kind]}' (or pip install -e '.[{kind}]'), or report_to=none") from None
+
+    def log(self, row: dict) -> None:
+        step = row.get("step", 0)
+        values = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+                  and not isinstance(v, bool) and v is not None}
+        if self.kind == "tensorboard":
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        else:
+            self.run.log(values, step=step)
+
+    def close(self) -> None:
+        if self.kind == "tensorboard":
+            self.writer.close()
+        else:
+            self.run.finish()
+
+
+def tracker(kind: str, run_dir: pathlib.Path, config: dict) -> Tracker | None:
+    return None if kind == "none" else Tracker(kind, run_dir, config)
 
 
 def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None:
