@@ -2,7 +2,7 @@
 
 The kind of file is told by its form: a `.json` file is a plan; a YAML with `nodes` is a cluster, with `models`
 a workload, anything else a run config. A run config's own files (cluster, emulate_cluster, plan, a local
-model directory) are checked too. Each check returns a short description of what it read; a problem raises
+model directory, data and eval_data, the reward functions it names) are checked too. Each check returns a short description of what it read; a problem raises
 the same one-line error `hetrl plan` / `hetrl train` would.
 """
 
@@ -61,5 +61,21 @@ def _validate_run_config(path: str) -> str:
     if cfg.model not in (EMBEDDED, TINY) and not os.path.isdir(cfg.model):
         raise InputError(f"{path}: model {cfg.model!r} is neither {EMBEDDED}, {TINY} nor a local model directory",
                          located=True)
-    return f"run config: {cfg.algorithm} on {cfg.model}, {cfg.steps} steps, executor {cfg.executor}"
+    data = ""
+    if cfg.data is not None:   # the rows (read, prompt column present) and the user's reward functions (import)
+        from hetrl.data import load_rows
+
+        rows = {key: load_rows(getattr(cfg, key), key) for key in ("data", "eval_data") if getattr(cfg, key)}
+        for key, got in rows.items():
+            missing = next((i for i, r in enumerate(got) if cfg.prompt_key not in r), None)
+            if missing is not None:
+                raise InputError(f"{path}: {key}: row {missing} has no prompt column {cfg.prompt_key!r} (columns: "
+                                 f"{', '.join(map(str, got[missing]))}); set prompt_key=COLUMN", located=True)
+        data = f", {len(rows['data'])} rows of {cfg.data}"
+    for spec in cfg.rewards:
+        if ":" in spec:
+            from hetrl.data import load_reward
+
+            load_reward(spec)
+    return f"run config: {cfg.algorithm} on {cfg.model}, {cfg.steps} steps, executor {cfg.executor}{data}"
 

@@ -61,6 +61,11 @@ class Tracker:
 
                 self.writer = SummaryWriter(log_dir=str(pathlib.Path(run_dir) / "tensorboard"))
             else:
+                # wandb keeps caches, config and its service's logs under the home directory unless told otherwise
+                where = pathlib.Path(run_dir).resolve() / "wandb"
+                for var, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
+                                 ("WANDB_DATA_DIR", "data")):
+                    os.environ.setdefault(var, str(where / sub))
                 import wandb
 
                 self.run = wandb.init(project="hetrl", dir=str(run_dir), mode="offline", config=config,

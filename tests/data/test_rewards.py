@@ -131,3 +131,49 @@ def test_a_verl_reward_that_raises_names_the_row():
         RewardSet([compute_score]).score([{}, {}], ["p", "p"], ["a", ""])
     with pytest.raises(InputError, match="2 weights for 1 reward functions"):
         RewardSet([compute_score], weights=[1, 2])
+
+
+def test_reward_workers_run_a_users_functions_in_other_processes_with_the_same_results(tmp_path):
+    import os
+
+    path = tmp_path / "slow.py"
+    path.write_text(textwrap.dedent("""
+        import os
+        def by_trl(completions, answer, **kw):
+            return [float(c == a) + os.getpid() * 0 for c, a in zip(completions, answer)]
+        def pid(completions, **kw):
+            return [float(os.getpid())] * len(completions)
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return {"score": float(solution_str == ground_truth), "pid": os.getpid()}
+    """))
+    rows = [{"prompt": f"q{i}", "answer": str(i % 3), "data_source": "d", "reward_model": {"ground_truth": str(i % 2)}}
+            for i in range(10)]
+    completions = [str(i % 4) for i in range(10)]
+    specs = [f"{path}:by_trl", f"{path}:compute_score", f"{path}:pid"]
+    inline = RewardSet(specs).score(rows, [r["prompt"] for r in rows], completions)
+    pooled_set = RewardSet(specs, workers=2)
+    try:
+        pooled = pooled_set.score(rows, [r["prompt"] for r in rows], completions)
+    finally:
+        pooled_set.close()
+    assert pooled.per_function["by_trl"] == inline.per_function["by_trl"]
+    assert pooled.per_function["compute_score"] == inline.per_function["compute_score"]
+    pids = set(pooled.per_function["pid"]) | set(pooled.extra["compute_score/pid"])
+    assert os.getpid() not in pids and len(pids) >= 1          # ran elsewhere
+    assert set(inline.per_function["pid"]) == {float(os.getpid())}
+
+
+def test_reward_workers_refuse_a_function_that_cannot_be_sent(tmp_path):
+    with pytest.raises(InputError, match="reward_workers > 0 runs it in other processes"):
+        RewardSet([lambda completions, **kw: [0.0] * len(completions)], workers=2)
+
+
+def test_a_failing_function_in_a_worker_is_still_one_line(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("def f(completions, **kw):\n    raise RuntimeError('sandbox down')\n")
+    rewards = RewardSet([f"{path}:f"], workers=2)
+    try:
+        with pytest.raises(InputError, match=r"reward f: raised RuntimeError: sandbox down .*bad\.py:2"):
+            rewards.score([{}] * 4, ["p"] * 4, ["a"] * 4)
+    finally:
+        rewards.close()

@@ -1,0 +1,140 @@
+"""LoRA vs full fine-tuning on the default job (SmolLM2-135M, GRPO, 8 prompts x 8 responses): peak memory and step
+time, measured side by side in one run.
+
+Each variant trains in a fresh child process (`hetrl.train`), rounds interleaved (full, lora, full, lora, ...).
+Memory: the process's peak RSS while the run trains (evaluation, steps and the final checkpoint), with the peak
+reset (/proc/self/clear_refs) after the model is loaded, so loading the GGUF file does not hide the difference;
+also the whole process's peak. Step time: the mean `step_s` of metrics.jsonl over steps 2.. (step 1 warms up).
+The machine and how it was shared are written with the results.
+
+    python benchmarks/lora_vs_full.py --out benchmarks/results        # about 10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = {
+    "full": [],
+    "lora": ["lora_rank=16", "lora_alpha=32", "lr=2e-4"],   # all-linear: every Linear but the LM head
+}
+
+CHILD = r"""
+import json, sys
+import hetrl
+from hetrl.trainer import loop
+
+def peak_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+marks = {}
+run = loop._run
+def measured_run(*args, **kwargs):
+    marks["after_load_kib"] = peak_kib()
+    with open("/proc/self/clear_refs", "w") as f:   # reset the peak: from here on, the training run alone
+        f.write("5")
+    return run(*args, **kwargs)
+loop._run = measured_run
+out_dir, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+fields = dict(kv.split("=", 1) for kv in overrides)
+fields = {k: (float(v) if "." in v or "e-" in v else int(v)) for k, v in fields.items()}
+hetrl.train(None, out_dir=out_dir, steps=steps, eval_size=8, checkpoint_every=0, **fields)
+marks["train_peak_kib"] = peak_kib()
+import resource
+marks["process_peak_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print("MARKS " + json.dumps(marks))
+"""
+
+
+def run_variant(name: str, steps: int, work: pathlib.Path, round_: int) -> dict:
+    out = work / f"{name}-{round_}"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *VARIANTS[name]],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    marks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MARKS "))[6:])
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"variant": name, "round": round_, "wall_s": time.perf_counter() - t0,
+            "step_s_mean": statistics.mean(r["step_s"] for r in rows[1:]),
+            "update_s_mean": statistics.mean(r["update_s"] for r in rows[1:]),
+            "logprob_s_mean": statistics.mean(r["logprob_s"] for r in rows[1:]),
+            "gen_s_mean": statistics.mean(r["gen_s"] for r in rows[1:]),
+            "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
+            "after_load_mib": marks["after_load_kib"] / 1024,
+            "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
+               for k in ("step_s_mean", "update_s_mean", "logprob_s_mean", "gen_s_mean", "train_peak_mib",
+                         "process_peak_mib", "checkpoint_mib")} for v in VARIANTS}
+    f, lo = med["full"], med["lora"]
+    lines = [
+        "# LoRA vs full fine-tuning on the default job",
+        "",
+        f"Made by `python benchmarks/lora_vs_full.py --out benchmarks/results` on {result['machine']}; "
+        f"{result['steps']} steps per run (steps 2.. timed), {result['rounds']} interleaved rounds, medians. "
+        f"{result['conditions']}",
+        "",
+        f"LoRA: {' '.join(VARIANTS['lora'])} (target all-linear). Full: the default run's settings.",
+        "",
+        "| | full | LoRA | LoRA / full |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label in [("train_peak_mib", "peak RSS while training (MiB)"),
+                       ("process_peak_mib", "peak RSS of the process, model loading included (MiB)"),
+                       ("step_s_mean", "seconds per step"), ("update_s_mean", "  of which the update"),
+                       ("logprob_s_mean", "  old + reference log-probs"), ("gen_s_mean", "  generation"),
+                       ("checkpoint_mib", "checkpoint size (MiB)")]:
+        lines.append(f"| {label} | {f[key]:.1f} | {lo[key]:.1f} | {lo[key] / f[key]:.2f} |")
+    lines += ["", "Every run:", "", "| variant | round | s/step | update s | peak RSS training MiB | process MiB |",
+              "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['round']} | {r['step_s_mean']:.2f} | {r['update_s_mean']:.2f} | "
+              f"{r['train_peak_mib']:.0f} | {r['process_peak_mib']:.0f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", help="directory for lora_vs_full.json and .md")
+    parser.add_argument("--conditions", default="The machine was otherwise idle.",
+                        help="how the CPU was shared while this ran (written with the results)")
+    args = parser.parse_args()
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    result = {"machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}", "steps": args.steps,
+              "rounds": args.rounds, "conditions": args.conditions, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="hetrl-lora-bench-") as work:
+        for round_ in range(args.rounds):
+            for name in VARIANTS:
+                row = run_variant(name, args.steps, pathlib.Path(work), round_)
+                print(json.dumps(row), flush=True)
+                result["rows"].append(row)
+    text = markdown(result)
+    print(text)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lora_vs_full.json").write_text(json.dumps(result, indent=2))
+        (out / "lora_vs_full.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
