@@ -153,6 +153,12 @@ TRAIN_CASES = [
     ("unknown-key", ["lerning_rate=1"], ["unknown config key(s) ['lerning_rate']"]),
     ("ray-without-cluster", ["executor=ray"], ["executor=ray needs exactly one of cluster="]),
     ("bad-yaml-value", ["task_config=[1"], ["override 'task_config=[1': the value is not valid YAML"]),
+    ("device", ["device=tpu"], ["device must be auto, cpu, cuda or cuda:N, got 'tpu'"]),
+    ("device-on-ray", ["executor=ray", "emulate_cluster=examples/clusters/cpu-2x2.yaml", "device=cuda"],
+     ["device=cuda is for the local executor"]),
+    ("lora-rank", ["lora_rank=-1"], ["lora_rank must be an int >= 0"]),
+    ("reward-weights", ["reward=[verifier, format]", "reward_weights=[1]"], ["reward_weights has 1 weights for 2"]),
+    ("report-to", ["report_to=mlflow"], ["report_to must be one of none, tensorboard, wandb"]),
 ]
 
 

@@ -4,7 +4,11 @@ The model runs once on the packed stream (batch 1, shared position ids, no KV ca
 attention goes through transformers' AttentionInterface under a name registered here, with a
 matching AttentionMaskInterface entry that builds the shared-prompt mask once per forward (not
 once per layer). The model's own attention implementation is switched only for the duration
-of the call and restored afterwards, even on error. The LM head runs only on the rows that
+of the call and restored afterwards, even on error (with activation checkpointing on, the backward
+re-runs each layer's forward after the call has returned, so the model stays on hetrl's attention:
+the recompute receives the same shared-prompt layout object as its mask and takes the DualKV path,
+and every other call, such as generation, is handed to the model's own implementation, remembered
+per config). The LM head runs only on the rows that
 predict response tokens (`logits_to_keep`), and log-probs are gathered without materialising
 a second [rows, vocab] tensor; when those logits would be large, the head and the log-softmax run
 in row chunks recomputed in the backward (written by hand: torch has no fused linear + log-softmax
@@ -17,11 +21,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .impl import flex, reference, sdpa
 from .packing import PackedBatch
@@ -45,12 +52,29 @@ class _Active:
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("hetrl_dualkv_active", default=None)
+# id(config) -> (weak reference to it, the model's own attention implementation), for models left on hetrl's
+# attention (activation checkpointing): their calls outside shared_prompt_logprobs go there. Configs are not
+# hashable, hence ids, each entry removed when its config is collected.
+_OWN_IMPL: dict[int, tuple[weakref.ref, str]] = {}
 
 
-def _mask_interface(**_ignored) -> _Active:
+def _own_impl(config) -> str | None:
+    entry = _OWN_IMPL.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else None
+
+
+def _remember_own_impl(config, impl: str) -> None:
+    key = id(config)
+    _OWN_IMPL[key] = (weakref.ref(config, lambda _: _OWN_IMPL.pop(key, None)), impl)
+
+
+def _mask_interface(**kwargs) -> _Active:
     """Called by transformers once per forward (per mask type); builds our mask once and hands it on."""
     active = _ACTIVE.get()
     if active is None:
+        own = _own_impl(kwargs.get("config"))
+        if own is not None:       # a checkpointed model's own call (e.g. generate): its own mask
+            return ALL_MASK_ATTENTION_FUNCTIONS[own](**kwargs)
         raise RuntimeError(
             "a model is set to a hetrl DualKV attention implementation outside shared_prompt_logprobs(); "
             "call the model through hetrl.dualkv.shared_prompt_logprobs or set its attention back"
@@ -65,6 +89,11 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     """AttentionInterface entry: query [1, H, T, d], key/value [1, H_kv, T, d] -> ([1, T, H, d], None)."""
     active = attention_mask
     if not isinstance(active, _Active):
+        own = _own_impl(module.config)
+        if own is not None:       # a checkpointed model's own call: its own attention
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         raise RuntimeError(
             "hetrl DualKV attention got no shared-prompt layout (attention_mask is "
             f"{type(attention_mask).__name__}); call the model through hetrl.dualkv.shared_prompt_logprobs"
@@ -104,13 +133,22 @@ for _impl, _name in _ATTN_NAME.items():
 
 
 @contextlib.contextmanager
-def _attention_implementation(model: PreTrainedModel, name: str):
+def _attention_implementation(model: PreTrainedModel, name: str, keep: bool = False):
+    """The model on hetrl's attention `name` for the call; with `keep` (activation checkpointing: the backward
+    re-runs the layers later) it stays there, its own implementation remembered for its other calls."""
     original = model.config._attn_implementation
+    if keep:
+        configs = {id(c): c for c in [model.config, *(m.config for m in model.modules()
+                                                        if isinstance(getattr(m, "config", None), type(model.config)))]}
+        for c in configs.values():
+            if c._attn_implementation not in _ATTN_NAME.values():
+                _remember_own_impl(c, c._attn_implementation)
     model.set_attn_implementation(name)
     try:
         yield
     finally:
-        model.set_attn_implementation(original)
+        if not keep:
+            model.set_attn_implementation(original)
 
 
 def _resolve_impl(impl: str, device: torch.device, needs_grad: bool) -> str:
@@ -154,11 +192,6 @@ def _check_model(model, batch: PackedBatch, needs_grad: bool) -> None:
         )
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ValueError(f"{name} has batch-statistic norms, which mix tokens across the batch")
-    if needs_grad and getattr(model, "is_activation_checkpointing", False):
-        raise ValueError(
-            "gradient checkpointing re-runs attention during backward, after shared_prompt_logprobs has "
-            "restored the model's own attention; disable it (model.gradient_checkpointing_disable())"
-        )
 
 
 def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: torch.Tensor,
@@ -321,8 +354,9 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
         vocab_out = head.out_features if head is not None else 0
         chunked = head is not None and batch.labels.numel() * vocab_out * 4 > CHUNK_LOGITS_ABOVE_BYTES
         token = _ACTIVE.set(active)
+        checkpointed = needs_grad and model.training and getattr(model, "is_activation_checkpointing", False)
         try:
-            with _attention_implementation(model, _ATTN_NAME[impl]):
+            with _attention_implementation(model, _ATTN_NAME[impl], keep=checkpointed):
                 if chunked:
                     out = model.get_decoder()(input_ids=batch.input_ids[None],
                                               position_ids=batch.position_ids[None], use_cache=False)

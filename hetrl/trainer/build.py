@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
 import warnings
 
 import torch
@@ -20,6 +21,22 @@ from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import Learner, Scorer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+log = logging.getLogger(__name__)
+
+
+def device(name: str) -> torch.device:
+    """`auto`: CUDA when torch sees a GPU, else the CPU (logged); an explicit device that is not there is an error."""
+    if name == "auto":
+        chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("device=auto chose %s", chosen)
+        return chosen
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        if index >= count:
+            raise InputError(f"device={name}: torch {torch.__version__} sees {count} CUDA device(s) here"
+                             + ("" if count else " (a CPU-only build, or no GPU)") + "; use device=cpu or device=auto")
+    return torch.device(name)
 
 
 class Policy:
@@ -71,7 +88,10 @@ class Policy:
 
 def policy(cfg: RunConfig, model) -> Policy:
     """The trained policy for `cfg`: `model` itself, or `model` with a fresh LoRA adapter when lora_rank > 0 (the
-    adapter's initial weights are drawn from the run's seed, so every process builds the same one)."""
+    adapter's initial weights are drawn from the run's seed, so every process builds the same one); activation
+    checkpointing on when `gradient_checkpointing`."""
+    if cfg.gradient_checkpointing:   # DualKV keeps its attention through the recompute (hetrl/dualkv/api.py)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_rank == 0:
         return Policy(model)
     from peft import LoraConfig, get_peft_model

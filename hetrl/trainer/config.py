@@ -9,6 +9,7 @@ names the user's rows, which then replace the task (README "Your data and reward
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ BUILTIN_REWARDS = ("verifier", "partial", "exact_match", "math_verify", "format"
 TASK_REWARDS = ("verifier", "partial")
 PYTHON = "<python>"   # data or a reward passed to hetrl.train() from Python, not by a path
 REPORT_TO = ("none", "tensorboard", "wandb")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("float32", "bfloat16", "float64")
 EXECUTORS = ("local", "ray")
 MODES = ("sync", "async")
@@ -88,8 +90,10 @@ class RunConfig:
     top_p: float = rule(1.0, gt=0, le=1)
     rollout_batch_size: int = rule(64, ge=1)   # sequences per generate() call
     # engine
+    device: str = "auto"                  # auto (CUDA when present, else CPU) | cpu | cuda | cuda:N (local executor)
     impl: str = rule("auto", choices=("auto", "sdpa", "flex", "reference"))  # DualKV attention
     micro_batch_tokens: int = rule(2048, ge=1)   # packed tokens per forward/backward
+    gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, ~1/3 more FLOPs
     memory_limit_gib: float | None = rule(None, gt=0)  # default: the machine's available memory
     # evaluation and output
     eval_size: int = rule(100, ge=1)
@@ -126,6 +130,11 @@ class RunConfig:
             raise ValueError(f"DAPO has no KL term, but kl_coef is {self.kl_coef}; set kl_coef=0 or algorithm=grpo")
         if not self.out_dir.strip():
             raise ValueError("out_dir is empty; give the directory the run writes to (e.g. out_dir=runs/exp1)")
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.executor == "ray" and self.device != "auto":
+            raise ValueError(f"device={self.device} is for the local executor; on Ray the plan puts each role on its "
+                             "GPUs (or CPU cores): leave device=auto")
         if self.executor == "local":
             given = [k for k in ("plan", "cluster", "emulate_cluster") if getattr(self, k) is not None]
             if given:
@@ -178,7 +187,7 @@ _TYPES = typing.get_type_hints(RunConfig)
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address", "reward_workers", "report_to")
+                     "emulate_cluster", "ray_address", "reward_workers", "report_to", "device")
 
 
 def _check_keys(keys, where: str) -> None:

@@ -404,14 +404,16 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
 
 def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    model = model.to(device)
     source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
     rewards = build_rewards(cfg, source, reward_funcs)
     tqdm.write(f"prompts: {source.description}; rewards: "
                + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights)))
     first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
     prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
-    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else None
+    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else memory.available_bytes(device)
     mem = memory.check_fits(cfg, model, prompt_len, limit)
     log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
     try:

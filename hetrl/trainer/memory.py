@@ -22,8 +22,13 @@ from .placement import model_spec_from_hf, run_workload
 GIB = 1024**3
 
 
-def available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else the physical memory."""
+def available_bytes(device=None) -> int:
+    """Free memory of a CUDA `device` (torch.cuda.mem_get_info); else MemAvailable from /proc/meminfo (Linux), else
+    the physical memory."""
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -41,7 +46,8 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
     w = run_workload(cfg, spec, TokenLengths(prompt_tokens, float(prompt_tokens)), "bf16" if b == 2 else "fp32")
     scale = b / 4 if b > 4 else 1   # float64 (exactness checks): every fp32 term twice over
     t = cfg.micro_batch_tokens
-    train = task_memory(w, "actor_train", Parallelism(1, 1, 1, recompute=False), micro_batch_tokens=t)
+    train = task_memory(w, "actor_train", Parallelism(1, 1, 1, recompute=cfg.gradient_checkpointing),
+                        micro_batch_tokens=t)
     ref = task_memory(w, "ref_infer", Parallelism(), micro_batch_tokens=t) if w.reference else None
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
     gen_len = prompt_tokens + cfg.max_new_tokens
@@ -52,7 +58,8 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
         "weights": int(train.weights * scale * (1 + (trained if cfg.lora_rank else 0))),
         "gradients_and_optimizer": int(train.states * scale * trained),
         "activations_and_logits": int(train.working * scale),
-        "attention_scores": spec.heads * t * t * b,
+        # SDPA's math path on CPU materialises one layer's [heads, T, T] scores; CUDA's flex/flash kernels do not
+        "attention_scores": spec.heads * t * t * b if next(model.parameters()).device.type == "cpu" else 0,
         "reference_model": int(ref.weights * scale) if ref and not cfg.lora_rank else 0,
         "generation_kv_cache": gen_rows * gen_len * spec.kv_bytes_per_token * b // 2 + gen_rows * spec.vocab * 4,
     }

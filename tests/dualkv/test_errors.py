@@ -79,15 +79,6 @@ def test_attention_dropout_in_training_is_refused():
         shared_prompt_logprobs(model, pack_groups(GROUPS), impl="sdpa")
 
 
-def test_gradient_checkpointing_is_refused_when_training():
-    model = tiny_model("llama").train()
-    model.activation_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient checkpointing"):
-        shared_prompt_logprobs(model, pack_groups(GROUPS), impl="sdpa")
-    with torch.no_grad():  # forward-only passes do not recompute, so they are fine
-        shared_prompt_logprobs(model, pack_groups(GROUPS), impl="sdpa")
-
-
 def test_our_attention_outside_the_call_raises():
     model = tiny_model("llama")
     model.set_attn_implementation("hetrl_dualkv_sdpa")

@@ -136,3 +136,16 @@ def test_a_local_hugging_face_directory_trains(tmp_path):
     assert main(["train", "--config", TINY, f"model={tmp_path / 'model'}", "steps=1", f"out_dir={out}"]) == 0
     assert len(_rows(out)) == 1
     assert main(["train", "--config", TINY, f"model={tmp_path / 'nothing'}", f"out_dir={tmp_path / 'x'}"]) == 2
+
+
+def test_gradient_checkpointing_gives_the_same_run(tmp_path):
+    """The recompute goes through the same DualKV attention: every logged number of the run is unchanged."""
+    plain, checkpointed = tmp_path / "plain", tmp_path / "ckpt"
+    assert main(["train", "--config", TINY, f"out_dir={plain}", "eval_size=8"]) == 0
+    assert main(["train", "--config", TINY, f"out_dir={checkpointed}", "eval_size=8",
+                 "gradient_checkpointing=true"]) == 0
+    timing = ("gen_s", "step_s", "tokens_per_s", "logprob_s", "update_s")
+    a, b = ([{k: v for k, v in r.items() if k not in timing} for r in _rows(d)] for d in (plain, checkpointed))
+    assert a == b
+    w_plain, w_ckpt = _weights(plain, 3), _weights(checkpointed, 3)
+    assert w_plain.keys() == w_ckpt.keys() and all(torch.equal(w_plain[k], w_ckpt[k]) for k in w_plain)

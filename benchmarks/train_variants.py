@@ -1,5 +1,5 @@
-"""LoRA vs full fine-tuning on the default job (SmolLM2-135M, GRPO, 8 prompts x 8 responses): peak memory and step
-time, measured side by side in one run.
+"""Variants of the default job (SmolLM2-135M, GRPO, 8 prompts x 8 responses) against full fine-tuning: LoRA, and
+activation checkpointing; peak memory and step time, measured side by side in one run.
 
 Each variant trains in a fresh child process (`hetrl.train`), rounds interleaved (full, lora, full, lora, ...).
 Memory: the process's peak RSS while the run trains (evaluation, steps and the final checkpoint), with the peak
@@ -7,7 +7,9 @@ reset (/proc/self/clear_refs) after the model is loaded, so loading the GGUF fil
 also the whole process's peak. Step time: the mean `step_s` of metrics.jsonl over steps 2.. (step 1 warms up).
 The machine and how it was shared are written with the results.
 
-    python benchmarks/lora_vs_full.py --out benchmarks/results        # about 10 minutes on 2 cores
+    python benchmarks/train_variants.py --variants full lora --name lora_vs_full --out benchmarks/results
+    python benchmarks/train_variants.py --variants full checkpointing --name checkpointing_vs_full --out ...
+    (about 15 minutes each on 2 cores)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 VARIANTS = {
     "full": [],
     "lora": ["lora_rank=16", "lora_alpha=32", "lr=2e-4"],   # all-linear: every Linear but the LM head
+    "checkpointing": ["gradient_checkpointing=1"],
 }
 
 CHILD = r"""
@@ -49,6 +52,7 @@ loop._run = measured_run
 out_dir, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 fields = dict(kv.split("=", 1) for kv in overrides)
 fields = {k: (float(v) if "." in v or "e-" in v else int(v)) for k, v in fields.items()}
+fields = {k: bool(v) if k == "gradient_checkpointing" else v for k, v in fields.items()}
 hetrl.train(None, out_dir=out_dir, steps=steps, eval_size=8, checkpoint_every=0, **fields)
 marks["train_peak_kib"] = peak_kib()
 import resource
@@ -78,29 +82,30 @@ def run_variant(name: str, steps: int, work: pathlib.Path, round_: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    rows = result["rows"]
+    rows, names = result["rows"], result["variants"]
     med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
                for k in ("step_s_mean", "update_s_mean", "logprob_s_mean", "gen_s_mean", "train_peak_mib",
-                         "process_peak_mib", "checkpoint_mib")} for v in VARIANTS}
-    f, lo = med["full"], med["lora"]
+                         "process_peak_mib", "checkpoint_mib")} for v in names}
+    base, others = names[0], names[1:]
     lines = [
-        "# LoRA vs full fine-tuning on the default job",
+        f"# {' and '.join(others)} vs {base} on the default job",
         "",
-        f"Made by `python benchmarks/lora_vs_full.py --out benchmarks/results` on {result['machine']}; "
-        f"{result['steps']} steps per run (steps 2.. timed), {result['rounds']} interleaved rounds, medians. "
-        f"{result['conditions']}",
+        f"Made by `python benchmarks/train_variants.py --variants {' '.join(names)} --name {result['name']} --out "
+        f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
+        f"{result['rounds']} interleaved rounds, medians. {result['conditions']}",
         "",
-        f"LoRA: {' '.join(VARIANTS['lora'])} (target all-linear). Full: the default run's settings.",
+        *[f"- {v}: {' '.join(VARIANTS[v]) or 'the default run settings'}" for v in names],
         "",
-        "| | full | LoRA | LoRA / full |",
-        "|---|---:|---:|---:|",
+        f"| | {' | '.join(names)} | {' | '.join(f'{v} / {base}' for v in others)} |",
+        "|---|" + "---:|" * (2 * len(names) - 1),
     ]
     for key, label in [("train_peak_mib", "peak RSS while training (MiB)"),
                        ("process_peak_mib", "peak RSS of the process, model loading included (MiB)"),
                        ("step_s_mean", "seconds per step"), ("update_s_mean", "  of which the update"),
                        ("logprob_s_mean", "  old + reference log-probs"), ("gen_s_mean", "  generation"),
                        ("checkpoint_mib", "checkpoint size (MiB)")]:
-        lines.append(f"| {label} | {f[key]:.1f} | {lo[key]:.1f} | {lo[key] / f[key]:.2f} |")
+        lines.append(f"| {label} | " + " | ".join(f"{med[v][key]:.1f}" for v in names) + " | "
+                     + " | ".join(f"{med[v][key] / med[base][key]:.2f}" for v in others) + " |")
     lines += ["", "Every run:", "", "| variant | round | s/step | update s | peak RSS training MiB | process MiB |",
               "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['round']} | {r['step_s_mean']:.2f} | {r['update_s_mean']:.2f} | "
@@ -112,17 +117,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", help="directory for lora_vs_full.json and .md")
+    parser.add_argument("--variants", nargs="+", default=["full", "lora"], choices=sorted(VARIANTS),
+                        help="the first is the baseline the others are divided by")
+    parser.add_argument("--name", default="lora_vs_full", help="results file name (NAME.json, NAME.md)")
+    parser.add_argument("--out", help="directory for NAME.json and NAME.md")
     parser.add_argument("--conditions", default="The machine was otherwise idle.",
                         help="how the CPU was shared while this ran (written with the results)")
     args = parser.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     result = {"machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}", "steps": args.steps,
-              "rounds": args.rounds, "conditions": args.conditions, "rows": []}
+              "rounds": args.rounds, "conditions": args.conditions, "variants": args.variants, "name": args.name,
+              "rows": []}
     with tempfile.TemporaryDirectory(prefix="hetrl-lora-bench-") as work:
         for round_ in range(args.rounds):
-            for name in VARIANTS:
+            for name in args.variants:
                 row = run_variant(name, args.steps, pathlib.Path(work), round_)
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
@@ -131,8 +140,8 @@ def main() -> int:
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "lora_vs_full.json").write_text(json.dumps(result, indent=2))
-        (out / "lora_vs_full.md").write_text(text)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+        (out / f"{args.name}.md").write_text(text)
     return 0
 
 
