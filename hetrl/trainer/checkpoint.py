@@ -38,6 +38,11 @@ _NAME = re.compile(r"step_(\d{6})")
 _TEMP = re.compile(r"\.step_\d{6}\..+")
 
 
+def resume_command(cfg) -> str:
+    """The command that continues the run of RunConfig `cfg` from its latest intact checkpoint."""
+    return f"hetrl train --resume out_dir={cfg.out_dir}"
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read (missing, truncated, altered files)."""
 

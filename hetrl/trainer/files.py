@@ -75,7 +75,7 @@ def append_line(path: pathlib.Path, line: str) -> None:
     """Append one line and fsync it; a symlink at `path` is refused rather than followed."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
+    except OSError:
         if os.path.islink(path):
             raise InputError(f"{path} is a symbolic link; hetrl writes only inside out_dir. Remove the link") from None
         raise

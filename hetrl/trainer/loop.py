@@ -1,19 +1,19 @@
 """`hetrl train`: the whole RL loop in one function you can read top to bottom.
 
-sample N responses per prompt -> reward (built-in checks or the user's functions) -> group-relative advantages -> pack groups
-(DualKV) -> old and reference log-probs -> clipped policy update in `mini_batches` optimizer
-steps -> weight sync to the rollout workers -> log. Where the roles run is the engine's business:
-`LocalEngine` keeps them in this process on one shared policy (the weight sync is a no-op);
-`hetrl.trainer.ray_executor.RayEngine` places them as Ray actors following a planner plan. In
-async mode (Ray only) the next steps' rollouts are collected in a background thread while the
-learner updates, at most `max_staleness` policy versions behind.
+sample N responses per prompt -> rewards (built-in checks or the user's functions, hetrl.data) ->
+group-relative advantages -> pack groups (DualKV) -> old and reference log-probs -> clipped policy
+update in `mini_batches` optimizer steps -> weight sync to the rollout workers -> log. Where the
+roles run is the engine's business: the loop calls only the `Engine` protocol
+(hetrl/trainer/engine.py); `LocalEngine` keeps the roles in this process on one shared policy (the
+weight sync is a no-op), `RayEngine` places them as Ray actors following a planner plan. In async
+mode (Ray only) the next steps' rollouts are collected in a background thread while the learner
+updates, at most `max_staleness` policy versions behind.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import fcntl
 import json
@@ -39,6 +39,8 @@ from hetrl.models import load_model
 from hetrl.schema import InputError
 from hetrl.trainer import build, checkpoint, files, memory
 from hetrl.trainer.build import DTYPES
+from hetrl.trainer.checkpoint import resume_command
+from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.rollout import RolloutWorker, Sample
@@ -194,33 +196,6 @@ class _StopAfterStep:
         signal.signal(signal.SIGINT, self._previous)
 
 
-class LocalEngine:
-    """Every role in this process: the rollout worker and the learner share one policy (no weight sync)."""
-
-    def __init__(self, cfg: RunConfig, model, tokenizer):
-        self.tokenizer = tokenizer
-        self.policy = build.policy(cfg, model)
-        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
-        self.optimizer = build.optimizer(cfg, self.policy)
-        self.learner = build.learner(cfg, self.policy, self.optimizer)
-        self.worker = RolloutWorker(self.policy.module, tokenizer, cfg.rollout_batch_size)
-
-    def sync_weights(self, version: int) -> dict:
-        return {}
-
-    def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        return checkpoint.save(run_dir, step, self.policy.saved, self.tokenizer, self.optimizer, extra, config)
-
-    def load(self, path: pathlib.Path) -> dict:
-        return checkpoint.load(path, self.policy.saved, self.optimizer)
-
-    def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
-        return checkpoint.save_merged(run_dir, self.policy.merged(), self.tokenizer)
-
-    def close(self) -> None:
-        pass
-
-
 class _RolloutStream:
     """Rollouts step after step. `ahead` = 0: collected when asked (sync). `ahead` = k: up to k further steps
     are collected in one background thread while the learner works (async); the rollout workers apply each
@@ -249,14 +224,6 @@ class _RolloutStream:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _engine(cfg: RunConfig, model, tokenizer, prompt_len: int):
-    if cfg.executor == "local":
-        return LocalEngine(cfg, model, tokenizer)
-    from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
-
-    return RayEngine(cfg, model.config, tokenizer, prompt_len)
-
-
 def train_command(config_path: str | None, overrides: list[str], *, resume: bool = False,
                   allow_config_change: bool = False, default_config: str | None = None) -> dict:
     """`hetrl train [--config RUN.yaml] [key=value ...] [--resume]`. On --resume without --config, the run's own
@@ -270,10 +237,6 @@ def train_command(config_path: str | None, overrides: list[str], *, resume: bool
 
 
 RUN_CONFIG = "run_config.yaml"
-
-
-def resume_command(cfg: RunConfig) -> str:
-    return f"hetrl train --resume out_dir={cfg.out_dir}"
 
 
 @contextlib.contextmanager
@@ -417,7 +380,7 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
     mem = memory.check_fits(cfg, model, prompt_len, limit)
     log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
     try:
-        engine = _engine(cfg, model, tokenizer, prompt_len)
+        engine = make_engine(cfg, model, tokenizer, prompt_len)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
             return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt)
@@ -439,7 +402,7 @@ def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: path
                          f"{', '.join(rewards.names)}; pass the same reward functions")
 
 
-def _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt) -> dict:
+def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) -> dict:
     step, next_problem, before, version = 0, 0, None, 0
     last_saved: pathlib.Path | None = None
     if ckpt is not None:

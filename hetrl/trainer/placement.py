@@ -16,7 +16,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from hetrl.planner import ClusterSpec, Plan, WorkloadSpec
+from hetrl.planner import ClusterSpec, Plan, WorkloadSpec, load_cluster, load_plan, plan as plan_search
 from hetrl.planner.spec import ModelSpec, TokenLengths
 
 class ExecutorFailure(RuntimeError):
@@ -99,3 +99,13 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
         reward=None, critic=None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision)
+
+
+def plan_for_run(cfg, model_config, prompt_len: int) -> tuple[ClusterSpec, Plan]:
+    """The cluster of a Ray run (`emulate_cluster` or `cluster`) and its plan: the user's `plan` file checked
+    against the run's workload, or else the hybrid search's for the run's model, batch and lengths."""
+    cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
+    workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len))
+    if cfg.plan:
+        return cluster, load_plan(cfg.plan, cluster, workload)
+    return cluster, plan_search(cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan

@@ -35,15 +35,13 @@ import ray
 import torch
 from tqdm import tqdm
 
-from hetrl.planner import load_cluster, load_plan, plan as plan_search
-from hetrl.planner.spec import TokenLengths
 from hetrl.schema import InputError
 from hetrl.trainer import build, checkpoint, files
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import UpdateStats
-from hetrl.trainer.loop import resume_command
-from hetrl.trainer.placement import ExecutorFailure, Replica, model_spec_from_hf, node_resources, replicas, run_workload
+from hetrl.trainer.checkpoint import resume_command
+from hetrl.trainer.placement import ExecutorFailure, Replica, node_resources, plan_for_run, replicas
 from hetrl.trainer.rollout import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -360,17 +358,13 @@ def _remote(cls, replica: Replica, real_gpus: bool, **options):
 
 
 class RayEngine:
-    """Starts (or joins) Ray, places the plan's actors, and offers the loop the LocalEngine interface."""
+    """Starts (or joins) Ray, places the plan's actors, and offers the loop the Engine protocol
+    (hetrl/trainer/engine.py)."""
 
     def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int):
         self.cfg, self.tokenizer = cfg, tokenizer
         emulated = cfg.emulate_cluster is not None
-        self.cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
-        workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len))
-        if cfg.plan:
-            self.plan = load_plan(cfg.plan, self.cluster, workload)
-        else:
-            self.plan = plan_search(self.cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan
+        self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
         for r in self.replicas:
             if r.sharded:

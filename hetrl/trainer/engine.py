@@ -1,0 +1,93 @@
+"""The engine contract: what the training loop needs from whatever runs its roles, and the local engine.
+
+The loop (hetrl/trainer/loop.py) calls nothing beyond `Engine`. `LocalEngine` keeps every role in this process on
+one shared policy; `hetrl.trainer.ray_executor.RayEngine` places them as Ray actors as a planner plan says.
+`make_engine` picks one from the run config (Ray is imported only when asked for).
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Protocol
+
+import torch
+
+from hetrl.trainer import build, checkpoint
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.learner import UpdateStats
+from hetrl.trainer.rollout import RolloutWorker, Sample
+
+Groups = list[tuple[list[int], list[list[int]]]]
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False) -> list[list[Sample]]: ...
+
+
+class LogProbs(Protocol):
+    def logprobs(self, groups: Groups) -> torch.Tensor: ...
+
+
+class Trainer(LogProbs, Protocol):
+    def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor,
+               ref_logp: torch.Tensor | None = None) -> UpdateStats: ...
+
+
+class Engine(Protocol):
+    """Where the roles of a run live. `worker` samples (actor_gen), `learner` gives the old log-probs and takes
+    optimizer steps (actor_infer, actor_train), `reference` gives the KL reference's log-probs (None without KL)."""
+
+    worker: Generator
+    learner: Trainer
+    reference: LogProbs | None
+
+    def sync_weights(self, version: int) -> dict:
+        """Make the rollout side sample from policy version `version`; -> metrics (bytes, seconds)."""
+
+    def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
+        """A checkpoint of the policy, optimizer and `extra` trainer state; -> its directory."""
+
+    def load(self, path: pathlib.Path) -> dict:
+        """Restore the checkpoint at `path`; -> its trainer state."""
+
+    def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
+        """A LoRA run's final policy with the adapter merged in, as a plain transformers model directory."""
+
+    def close(self) -> None: ...
+
+
+class LocalEngine:
+    """Every role in this process: the rollout worker and the learner share one policy (no weight sync)."""
+
+    def __init__(self, cfg: RunConfig, model, tokenizer):
+        self.tokenizer = tokenizer
+        self.policy = build.policy(cfg, model)
+        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
+        self.optimizer = build.optimizer(cfg, self.policy)
+        self.learner = build.learner(cfg, self.policy, self.optimizer)
+        self.worker = RolloutWorker(self.policy.module, tokenizer, cfg.rollout_batch_size)
+
+    def sync_weights(self, version: int) -> dict:
+        return {}
+
+    def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
+        return checkpoint.save(run_dir, step, self.policy.saved, self.tokenizer, self.optimizer, extra, config)
+
+    def load(self, path: pathlib.Path) -> dict:
+        return checkpoint.load(path, self.policy.saved, self.optimizer)
+
+    def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
+        return checkpoint.save_merged(run_dir, self.policy.merged(), self.tokenizer)
+
+    def close(self) -> None:
+        pass
+
+
+def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int) -> Engine:
+    if cfg.executor == "local":
+        return LocalEngine(cfg, model, tokenizer)
+    from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
+
+    return RayEngine(cfg, model.config, tokenizer, prompt_len)
