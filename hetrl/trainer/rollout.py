@@ -1,8 +1,12 @@
 """Rollout worker: batched sampling with transformers `generate` (KV cache), cut at EOS.
 
 Prompts are left-padded into batches of at most `batch_size` sequences; every prompt yields
-`n` continuations. A continuation keeps its EOS token (its log-prob is trained too); one that
-hit `max_new_tokens` without EOS is marked truncated (DAPO's overlong filter drops those).
+`n` continuations. The prompt is prefilled once, not n times: all but its last token run through
+the model once per distinct prompt, that KV cache is repeated n times (`batch_repeat_interleave`),
+and `generate` continues all n rows from it (transformers' `num_return_sequences` would copy the
+prompt n times before the prefill). A continuation keeps its EOS token (its log-prob is trained
+too); one that hit `max_new_tokens` without EOS is marked truncated (DAPO's overlong filter drops
+those).
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ class RolloutWorker:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         sampling = {} if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        ids, mask = ids.to(device), mask.to(device)
         with torch.no_grad():
+            cache = self._shared_prefill(ids, mask, n) if n > 1 and width > 1 else None
+            if cache is not None:
+                ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             generated = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                num_return_sequences=n, pad_token_id=self.pad, eos_token_id=self.eos,
+                input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
+                num_return_sequences=1 if cache is not None else n, pad_token_id=self.pad, eos_token_id=self.eos,
                 **({"do_sample": False} if greedy else sampling))
         rows = generated[:, width:].tolist()
         samples = []
@@ -71,3 +79,15 @@ class RolloutWorker:
                 tokens, truncated = row, True
             samples.append(Sample(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), truncated))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int):
+        """The KV cache of every prompt but its last token, computed once per prompt and repeated n times:
+        [G, W] left-padded ids -> a cache of G * n rows and W - 1 positions. Position ids as `generate` makes
+        them from the mask, so the continuation matches `num_return_sequences=n` on the same prompts."""
+        pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
+        positions = (pre_mask.long().cumsum(-1) - 1).masked_fill(pre_mask == 0, 0)
+        out = self.model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        return cache
