@@ -5,6 +5,7 @@ tokens drawn from the same logits, fp32 within 1e-5)."""
 import pytest
 import torch
 
+from hetrl.data import prompt_ids
 from hetrl.models import load_model
 from hetrl.trainer.rollout import RolloutWorker
 
@@ -71,7 +72,7 @@ def test_the_worker_gives_the_same_samples_as_before():
 @pytest.mark.slow
 def test_shared_prefill_on_smollm2():
     model, tokenizer = load_model("smollm2-135m")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": q}])
                for q in ("Calculate 95 - 76.", "What is 3 + 4?", "Name a colour.")]
     for sampling in (dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0)):
         plain, shared = _both(model, tokenizer, prompts, 4, sampling)
