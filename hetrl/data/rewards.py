@@ -76,7 +76,7 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
     """The checks any dataset with an answer column gets (`answer_key`, dotted for nested columns such as verl's
     `reward_model.ground_truth`), plus `format` (the reply is exactly its extracted answer)."""
 
-    def answers(kwargs, n):
+    def answers(kwargs):
         head, _, rest = answer_key.partition(".")
         if head not in kwargs:
             raise InputError(f"reward: the built-in checks read the answer column {answer_key!r}, but the rows have "
@@ -85,14 +85,14 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
         return [nested({head: v}, answer_key) for v in kwargs[head]]
 
     def exact_match(completions, **kwargs):
-        gold = answers(kwargs, len(completions))
+        gold = answers(kwargs)
         return [float(g is not None and _same_answer(extract_answer(completion_text(c)), str(g)))
                 for c, g in zip(completions, gold)]
 
     def math_verify(completions, **kwargs):
         from math_verify import parse, verify
 
-        gold = answers(kwargs, len(completions))
+        gold = answers(kwargs)
         out = []
         for c, g in zip(completions, gold):
             text = completion_text(c)
@@ -281,7 +281,7 @@ class Scores:
         """metrics: `reward/<function>` (mean over the rows it applied to) and numeric verl extras."""
         out = {}
         for name, values in {**self.per_function, **self.extra}.items():
-            nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, str)]
+            nums = [float(v) for v in values if isinstance(v, (int, float))]
             if nums:
                 out[f"reward/{name}"] = sum(nums) / len(nums)
         return out

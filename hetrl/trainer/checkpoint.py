@@ -243,9 +243,14 @@ def load(path: pathlib.Path, model, optimizer) -> dict:
     weights, state = read(path)
     if hasattr(model, "peft_config"):
         _load_adapter(path, model, weights)
-        optimizer.load_state_dict(state["optimizer"])
-        _set_rng_state(state["rng"])
-        return state
+    else:
+        _load_weights(path, model, weights)
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+    return state
+
+
+def _load_weights(path: pathlib.Path, model, weights: dict) -> None:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in k}
     if set(missing) - tied or unexpected:
@@ -253,6 +258,3 @@ def load(path: pathlib.Path, model, optimizer) -> dict:
                          f"unexpected {sorted(unexpected)}")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    optimizer.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng"])
-    return state

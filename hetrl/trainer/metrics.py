@@ -77,7 +77,7 @@ class Tracker:
     def log(self, row: dict) -> None:
         step = row.get("step", 0)
         values = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))
-                  and not isinstance(v, bool) and v is not None}
+                  and not isinstance(v, bool)}
         if self.kind == "tensorboard":
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)

@@ -66,15 +66,14 @@ def weights_to_numpy(pol: build.Policy) -> dict[str, np.ndarray]:
 
 
 def load_numpy_weights(pol: build.Policy, weights: dict[str, np.ndarray]) -> None:
-    state = pol.sync_state()
+    dtypes = {k: v.dtype for k, v in pol.sync_state().items()}
+    if set(weights) != set(dtypes):
+        raise ValueError(f"weight sync: {len(weights)} tensors arrived for {len(dtypes)} (LoRA on one side only?)")
     with torch.no_grad(), warnings.catch_warnings():
         # object-store arrays are read-only; they are only read here (copied into the parameters)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if set(weights) != set(state):
-            raise ValueError(f"weight sync: {len(weights)} tensors arrived for {len(state)} (LoRA on one side only?)")
-        for k, arr in weights.items():
-            t = torch.from_numpy(arr)
-            state[k].copy_(t.view(torch.bfloat16) if state[k].dtype == torch.bfloat16 else t)
+        pol.load_sync_state({k: torch.from_numpy(a).view(torch.bfloat16) if dtypes[k] == torch.bfloat16
+                             else torch.from_numpy(a) for k, a in weights.items()})
 
 
 def _setup(cfg: RunConfig, threads: int, lora: bool = True):

@@ -80,6 +80,22 @@ def test_a_lora_run_resumes_exactly(tmp_path):
     assert _rows(straight / "metrics.jsonl")[2]["loss"] == _rows(resumed / "metrics.jsonl")[2]["loss"]
 
 
+def test_weight_sync_of_a_lora_policy_carries_the_adapter_alone_and_lands():
+    """What Ray sends between learner and rollout actors (no Ray needed): the adapter tensors, loaded into the
+    other side's adapter."""
+    from hetrl.trainer.ray_executor import load_numpy_weights, weights_to_numpy
+
+    cfg = load_config(TINY, LORA)
+    sender, receiver = (build.policy(cfg, load_model("tiny", seed=0)[0]) for _ in range(2))
+    with torch.no_grad():
+        for p in sender.trainable():
+            p.add_(0.5)
+    sent = weights_to_numpy(sender)
+    assert sent and all("lora_" in k for k in sent)
+    load_numpy_weights(receiver, sent)
+    assert all(torch.equal(a, b) for a, b in zip(sender.trainable(), receiver.trainable()))
+
+
 def test_a_lora_target_that_matches_nothing_is_one_line(tmp_path, capsys):
     assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'x'}", "lora_rank=4",
                  "lora_target_modules=[qproj, v_proj]"]) == 2
