@@ -299,6 +299,7 @@ def precision_bytes(w: WorkloadSpec) -> tuple[int, int]:
     return (4, 8) if w.precision == "fp32" else (BYTES, 12)
 
 
+@functools.lru_cache(maxsize=100_000)   # pure; the search asks for the same (task, degrees) many times
 def task_memory(w: WorkloadSpec, task: str, par: Parallelism, micro_batch_tokens: float | None = None) -> TaskMemory:
     """Per-GPU memory of `task` run with `par` (its degrees and memory strategy). Generation's KV cache is not
     here: it takes whatever the group leaves free (see group_memory). `micro_batch_tokens` overrides the

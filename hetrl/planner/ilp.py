@@ -3,12 +3,14 @@
 It searches the same space as exhaustive search (space.py): every group configuration a grouping
 can use is enumerated once and costed by the cost model, so the only non-linear parts left are the
 max over groups and the terms between two groups (sample transfer, weight sync), which depend on
-the pair of group *signatures* and are linearised with product variables. Sections:
+the pair of group *signatures*: sample transfer is linearised per generation signature with a big-M row
+(tight once generation's signature is fixed), weight sync with product variables. Sections:
 
   1. candidates  x[b, c]: task block b runs on GPU counts c (pre-configured, memory-feasible)
-  2. variables   z[G] grouping chosen; x[b, c] binary; u[...] >= 0 pair products; T* continuous
+  2. variables   z[G] grouping chosen; x[b, c] binary; u[st, sg] >= 0 sync products; T* continuous
   3. constraints C1 one grouping; C2 each block of it gets one configuration; C3 pool capacity;
-                 C4 pair products u >= y_a + y_b - 1 (y: a block's signature indicator);
+                 C4 Y[s] = generation-side x of signature s; transfer >= sum_sb t(s, sb) y[b, sb] - M (1 - Y[s])
+                    for every block b apart from generation; sync products u >= Y_train + Y_gen - 1;
                  C5 phase times >= each group's share (sync) / T >= each group's busy time (async)
   4. objective   sync: gen + transfer + inference phase + training phase + weight sync
                  async: T = max(busiest group, transfer, weight sync)
@@ -89,7 +91,9 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
         if terms:
             h.addConstr(sum(terms) <= p.steps)
 
-    # C4: signature indicators and pair products
+    # C4: signature indicators and pair products. The terms between two groups depend only on the two groups'
+    #     signatures, and exactly one block holding actor_gen is chosen, so one indicator per generation-side
+    #     signature serves every block holding it: Y[s] = sum of x over generation blocks of signature s.
     sigs = {b: {} for b in blocks}
     for b in blocks:
         for i, cfg in enumerate(cands[b]):
@@ -98,24 +102,42 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
     def y(b, s):
         return sum(x[b, i] for i, _ in sigs[b][s])
 
-    def pairs(a_has, b_pred):
-        """u variables for block pairs (a contains a_has, b satisfies b_pred, disjoint) and signature pairs."""
-        out = []
-        for a in blocks:
-            if a_has not in a:
-                continue
-            for b in blocks:
-                if b == a or set(a) & set(b) or not b_pred(b):
-                    continue
-                for sa, sb in itertools.product(sigs[a], sigs[b]):
-                    u = h.addVariable(lb=0, ub=1)
-                    h.addConstr(u - y(a, sa) - y(b, sb) >= -1)
-                    out.append((u, sigs[a][sa][0][1], sigs[b][sb][0][1]))
+    def indicators(pred):
+        """Signature -> (indicator expression over the blocks satisfying pred, counts with that signature)."""
+        out = {}
+        for b in blocks:
+            if pred(b):
+                for s, members in sigs[b].items():
+                    expr, counts = out.get(s, (0, members[0][1]))
+                    out[s] = (expr + y(b, s), counts)
         return out
 
-    transfers = [(u, transfer_s(cluster, w, ca, cb)) for u, ca, cb in pairs("actor_gen", lambda b: True)]
+    def products(left, right):
+        """u >= L + R - 1 for every pair of signatures: u is 1 when both are chosen."""
+        out = []
+        for (ls, (le, lc)), (rs, (re_, rc)) in itertools.product(left.items(), right.items()):
+            u = h.addVariable(lb=0, ub=1)
+            h.addConstr(u - le - re_ >= -1)
+            out.append((u, lc, rc))
+        return out
+
+    gen_side = indicators(lambda b: "actor_gen" in b)
+    # Samples from generation to every other chosen block: for each generation signature sg and block b apart from
+    # generation, transfer >= sum_sb transfer(sg, sb) * y(b, sb) - M (1 - Y[sg]), M = the largest of those. Exact
+    # for a chosen sg (Y = 1) and vacuous otherwise; no product variables, and a tighter relaxation than products.
+    transfer_rows = []
+    for b in blocks:
+        if "actor_gen" in b:
+            continue
+        for sg, (ye, cg) in gen_side.items():
+            terms = [(transfer_s(cluster, w, cg, m[0][1]), y(b, sb)) for sb, m in sigs[b].items()]
+            big = max((t for t, _ in terms), default=0.0)
+            if big > 0:
+                transfer_rows.append((sum(t * e for t, e in terms if t) + big * ye, big))
+    # weight sync between separate groups: train-side blocks without generation, generation-side without training
     syncs = [(u, sync_s(cluster, w, ct, cg)) for u, ct, cg in
-             pairs("actor_train", lambda b: "actor_gen" in b)]
+             products(indicators(lambda b: "actor_train" in b and "actor_gen" not in b),
+                      indicators(lambda b: "actor_gen" in b and "actor_train" not in b))]
     local_sync = sum(cfg.local_sync_s * x[b, i] for b in blocks for i, cfg in enumerate(cands[b]) if cfg.local_sync_s)
     # ZeRO-3 actor training apart from generation gathers its shards before sending (in local_sync when together)
     gather = sum(cfg.gather_s * x[b, i] for b in blocks if "actor_gen" not in b
@@ -127,8 +149,8 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
 
     if w.mode == "sync":
         t_tr, t_inf, t_train = (h.addVariable(lb=0, ub=inf) for _ in range(3))
-        for u, s in transfers:
-            h.addConstr(t_tr - s * u >= 0)
+        for expr, big in transfer_rows:
+            h.addConstr(t_tr - expr >= -big)
         for b in blocks:
             if any(t in INFER_TASKS for t in b):
                 h.addConstr(t_inf - share(b, INFER_TASKS) >= 0)
@@ -140,8 +162,8 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
         objective = h.addVariable(lb=0, ub=inf)
         for b in blocks:
             h.addConstr(objective - share(b, b) >= 0)
-        for u, s in transfers:
-            h.addConstr(objective - s * u >= 0)
+        for expr, big in transfer_rows:
+            h.addConstr(objective - expr >= -big)
         for u, s in syncs:   # the chosen pair's sync plus its gather; for other pairs this only says T >= gather
             h.addConstr(objective - s * u - gather >= 0)
         if not isinstance(local_sync, (int, float)):

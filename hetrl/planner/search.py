@@ -3,7 +3,7 @@
   exhaustive  every grouping x every GPU count per pool and group: the oracle for small clusters.
   hybrid      HetRL's search: successive halving over task groupings (level 1) with a doubling
               budget; inside each surviving grouping a genetic search over GPU counts per pool and
-              group (levels 2-3: mutation, moves of GPUs between task groups, crossover, culling);
+              group (levels 2-3: mutation, moves and swaps of GPUs between task groups, crossover, culling);
               level 4 (TP/PP/DP) by space.configure; level 5 (shard order) is node-major.
   verl        all tasks colocated on one homogeneous pool (one GPU type, all of it or one region's);
               the best such pool.
@@ -224,9 +224,12 @@ def _mutate(rng, cluster, counts):
             c[src][j] -= amount
         if dst < k:
             c[dst][j] += amount
-    if rng.random() < 0.2 and k > 1:             # swap two groups' whole pools
+    if rng.random() < 0.2 and k > 1:             # swap two groups' GPUs of one pool, or all their GPUs
         j, a, b = rng.randrange(m), *rng.sample(range(k), 2)
-        c[a][j], c[b][j] = c[b][j], c[a][j]
+        if rng.random() < 0.5:
+            c[a][j], c[b][j] = c[b][j], c[a][j]
+        else:
+            c[a], c[b] = c[b], c[a]
     return tuple(map(tuple, c))
 
 
@@ -267,7 +270,9 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
     Each round, every surviving grouping spends its budget on descents: start from a fresh random
     allocation, a mutated or crossed-over good one, then take the best one-step move (a step of GPUs
     from one group to another) until none improves. Then the worse half of the groupings is dropped
-    and the survivors' budget doubles. `budget` counts distinct plans scored.
+    and the survivors' budget doubles. `budget` counts distinct plans scored. Without a time limit the search
+    ends there (deterministic for a seed); with one it is anytime: it runs the halving again over every grouping
+    with twice the budget, keeping what it found, until the limit (or until a run finds nothing new).
     """
     deadline = Deadline(time_limit_s)
     t0 = deadline.start
@@ -320,8 +325,10 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
             except _OutOfTime:
                 stopped = deadline.stopped(f"scoring {n:,} plans")
                 break
-    last_n = -1
-    try:
+    all_arms, first_per_arm = list(arms), per_arm
+
+    def halving(arms, per_arm, goal) -> None:
+        last_n = -1
         while True:
             for arm in arms:
                 target = n + per_arm
@@ -331,16 +338,29 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
                     descend(arm, start(arm))
                     tries += 1 + (n == before)
             if len(arms) == 1:
-                if n >= budget or n == last_n:   # n == last_n: the arm has nothing new left to score
-                    break
+                if n >= goal or n == last_n:   # n == last_n: the arm has nothing new left to score
+                    return
                 last_n = n
             else:
                 arms.sort(key=lambda a: (a.best, a.grouping))
                 arms = arms[: max(1, len(arms) // 2)]     # successive halving: keep the better half...
                 per_arm *= 2                               # ...and double their budget
+
+    try:
+        rerun = 0
+        while True:
+            before = n
+            halving(list(all_arms), first_per_arm << rerun, n + (budget << rerun))
+            # With a time limit the search is anytime: while time is left it runs the halving again over every
+            # grouping with twice the budget, the populations and scores found so far kept, until the limit or
+            # until a whole run finds no plan it had not scored.
+            if not stopped and deadline.end is not None and n > before and not deadline.passed():
+                rerun += 1
+                continue
+            break
     except _OutOfTime:
         stopped = deadline.stopped(f"scoring {n:,} plans")
-    best_arm = min(arms, key=lambda a: (a.best, a.grouping))
+    best_arm = min(all_arms, key=lambda a: (a.best, a.grouping))
     if not best_arm.population:
         return SearchResult("hybrid", None, math.inf, time.perf_counter() - t0, n, stopped=stopped)
     (t, _), counts = best_arm.population[0]

@@ -185,16 +185,21 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
     return None
 
 
+@functools.lru_cache(maxsize=200_000)
+def _options(cluster, w, task: str, gpus: tuple[int, ...], data_split: str, strategies: bool) -> tuple[Parallelism, ...]:
+    """One task's options on these GPUs, fastest first (alone on them: a task's own seconds do not depend on
+    the other tasks of its group). Cached: every block holding the task on the same counts shares them."""
+    opts = [v for p in parallelisms(w, task, len(gpus)) for v in _variants(task, p, strategies)]
+    return tuple(sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((task,), gpus, ((task, p),), data_split),
+                                                           task), p.pp, p.tp)))
+
+
 def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, swap: bool) -> GroupConfig | None:
     """Each task's fastest option, then more sharding (or a leaner strategy) for the task holding the most
     memory until the group fits."""
-    options = {}
-    for t in tasks:
-        opts = [v for p in parallelisms(w, t, len(gpus)) for v in _variants(t, p, strategies)]
-        if not opts:
-            return None
-        options[t] = sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((t,), gpus, ((t, p),), data_split), t),
-                                                 p.pp, p.tp))
+    options = {t: _options(cluster, w, t, gpus, data_split, strategies) for t in tasks}
+    if not all(options.values()):
+        return None
     choice = dict.fromkeys(tasks, 0)
     for _ in range(sum(len(o) for o in options.values()) + 1):
         group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks), data_split, swap)
