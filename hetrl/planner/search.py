@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -36,6 +37,7 @@ class SearchResult:
     evaluated: int
     optimality_gap: float | None = None
     stopped: str | None = None        # why the search ended before covering its space (the time limit), or None
+    best_found_s: float | None = None  # hybrid: seconds into the search when its best plan was first scored
 
 
 class Deadline:
@@ -282,6 +284,7 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
     rounds = max(1, math.ceil(math.log2(len(arms))))
     per_arm = max(8, budget // (len(arms) * rounds))
     n = 0
+    found = [math.inf, None]    # best seconds so far, and when it was scored
 
     def score(arm, counts) -> tuple[float, float]:
         """(iteration seconds, total busy seconds): the second breaks the ties of a max-shaped objective,
@@ -293,6 +296,8 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
             t, configs = _score(cluster, w, arm.grouping, counts, deadline)
             arm.scores[counts] = (t, sum(c.time(c.tasks) for c in configs) if configs else math.inf)
             n += 1
+            if t < found[0]:
+                found[:] = [t, time.perf_counter() - t0]
             if math.isfinite(t):
                 arm.offer(arm.scores[counts], counts)
         return arm.scores[counts]
@@ -365,4 +370,4 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
         return SearchResult("hybrid", None, math.inf, time.perf_counter() - t0, n, stopped=stopped)
     (t, _), counts = best_arm.population[0]
     _, configs = _score(cluster, w, best_arm.grouping, counts)
-    return _result("hybrid", cluster, configs, t, t0, n, stopped=stopped)
+    return dataclasses.replace(_result("hybrid", cluster, configs, t, t0, n, stopped=stopped), best_found_s=found[1])
