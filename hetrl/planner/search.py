@@ -290,9 +290,9 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
         """(iteration seconds, total busy seconds): the second breaks the ties of a max-shaped objective,
         so descents cross plateaus where only a non-critical group changed."""
         nonlocal n
+        if deadline.passed():   # also on known plans: a rerun may descend a while through scores it has
+            raise _OutOfTime
         if counts not in arm.scores:
-            if deadline.passed():
-                raise _OutOfTime
             t, configs = _score(cluster, w, arm.grouping, counts, deadline)
             arm.scores[counts] = (t, sum(c.time(c.tasks) for c in configs) if configs else math.inf)
             n += 1
