@@ -129,10 +129,10 @@ def optimizer(cfg: RunConfig, pol: Policy) -> torch.optim.Optimizer:
     return torch.optim.AdamW(pol.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None) -> Learner:
+def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None, sharded: bool = False) -> Learner:
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
                    micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync)
+                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded)
 
 
 def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:

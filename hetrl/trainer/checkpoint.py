@@ -84,20 +84,24 @@ def _clean_stale_temps(root: pathlib.Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: dict, config: dict) -> pathlib.Path:
+def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: dict, config: dict, *,
+         gathered: tuple[dict, dict] | None = None) -> pathlib.Path:
+    """`gathered`: (model state dict, optimizer state dict) gathered from sharded learners, saved instead of the
+    model's and the optimizer's own (same files, same format)."""
     root = files.real_subdir(pathlib.Path(run_dir), "checkpoints")
     _clean_stale_temps(root)
     name = f"step_{step:06d}"
     tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))   # fresh and exclusive
     hf_logging.disable_progress_bar()  # a bar per checkpoint would bury the training bar
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": gathered[0]} if gathered else {}))
     finally:
         hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     files.write_text(tmp / CONFIG, yaml.safe_dump(config, sort_keys=False))
     with open(tmp / STATE, "xb") as f:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(), **extra}, f)
+        torch.save({"step": step, "optimizer": gathered[1] if gathered else optimizer.state_dict(),
+                    "rng": _rng_state(), **extra}, f)
     _write_manifest(tmp, step)
     final = _put_in_place(tmp, root / name)
     files.write_text(root / "latest", name + "\n")
@@ -239,22 +243,32 @@ def _load_adapter(path: pathlib.Path, peft_model, weights: dict) -> None:
 
 def load(path: pathlib.Path, model, optimizer) -> dict:
     """Restore the policy weights (a peft model: its adapter), optimizer state and RNG from `path`; returns the
-    trainer state."""
+    trainer state. An FSDP2-sharded model takes its shards of the full states (every rank calls this)."""
     weights, state = read(path)
     if hasattr(model, "peft_config"):
         _load_adapter(path, model, weights)
+        optimizer.load_state_dict(state["optimizer"])
     else:
-        _load_weights(path, model, weights)
-    optimizer.load_state_dict(state["optimizer"])
+        from hetrl.trainer import sharding
+
+        if sharding.is_sharded(model):
+            _check_keys(path, model, *sharding.load_full_state(model, weights))
+            sharding.load_optimizer_state(model, optimizer, state["optimizer"])
+        else:
+            _load_weights(path, model, weights)
+            optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])
     return state
 
 
 def _load_weights(path: pathlib.Path, model, weights: dict) -> None:
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    _check_keys(path, model, *model.load_state_dict(weights, strict=False))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+def _check_keys(path: pathlib.Path, model, missing, unexpected) -> None:
     tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in k}
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)}, "
                          f"unexpected {sorted(unexpected)}")
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()

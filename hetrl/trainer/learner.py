@@ -38,7 +38,20 @@ class UpdateStats:
 
 
 def _micro_batches(groups: Groups, micro_batch_tokens: int):
-    return [pack_groups(mb) for mb in split_by_token_budget(groups, micro_batch_tokens)]
+    return [pack_groups(mb) for mb in split_by_token_budget(groups, micro_batch_tokens)] if groups else []
+
+
+def _dummy_passes(n: int, sharded: bool) -> int:
+    """Zero-weight passes this rank runs so that every sharded (FSDP2) rank runs as many passes: each pass
+    all-gathers every layer's weights, a collective all ranks must join."""
+    if not sharded:
+        return 0
+    from hetrl.trainer.sharding import common_count
+
+    return common_count(n) - n
+
+
+DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
 class Scorer:
@@ -46,17 +59,23 @@ class Scorer:
     behaviour policy), through the same DualKV path as the learner."""
 
     def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
-                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 sharded: bool = False):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
         self.context = context   # entered around every pass (a LoRA reference: the adapter off)
+        self.sharded = sharded   # an FSDP2 rank: runs as many passes as the others (sharding.py)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
-        if not groups:
-            return torch.zeros(0, dtype=self.model.dtype)
+        batches = _micro_batches(groups, self.micro_batch_tokens)
+        dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
         with torch.no_grad(), self.context():
             parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
-                     for b in _micro_batches(groups, self.micro_batch_tokens)]
+                     for b in batches]
+            for _ in range(dummies):
+                shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl, temperature=self.temperature)
+        if not parts:
+            return torch.zeros(0, dtype=self.model.dtype)
         return torch.cat(parts).detach().cpu()
 
 
@@ -67,12 +86,13 @@ class Learner:
     def __init__(self, model, optimizer: torch.optim.Optimizer, *, impl: str = "auto", temperature: float = 1.0,
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
-                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None):
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False):
         self.model, self.optimizer = model, optimizer
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.clip_low, self.clip_high, self.kl_coef, self.max_grad_norm = clip_low, clip_high, kl_coef, max_grad_norm
-        self.grad_sync = grad_sync
-        self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens)
+        self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
+        self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
+                             sharded=sharded)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
@@ -82,7 +102,7 @@ class Learner:
                ref_logp: torch.Tensor | None = None) -> UpdateStats:
         """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
         With `grad_sync` this rank takes part even with nothing to learn from (the others wait for it)."""
-        if float(weights.sum()) == 0 and self.grad_sync is None:  # e.g. all overlong: nothing to learn from
+        if float(weights.sum()) == 0 and self.grad_sync is None and not self.sharded:  # e.g. all overlong
             return UpdateStats.no_step()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -90,10 +110,10 @@ class Learner:
         packed = standard = offset = 0
         # A data-parallel rank can get no group (DAPO's dynamic sampling may keep fewer groups than there are
         # ranks): it still joins the gradient all-reduce below with zero gradients.
-        for batch in _micro_batches(groups, self.micro_batch_tokens) if groups else []:
+        batches = [b for b in _micro_batches(groups, self.micro_batch_tokens) if b.labels.numel()]
+        dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
+        for batch in batches:
             k = batch.labels.numel()
-            if k == 0:
-                continue
             sl = slice(offset, offset + k)
             offset += k
             logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl, temperature=self.temperature,
@@ -116,6 +136,9 @@ class Learner:
                 totals["entropy"] += (w * entropy).sum().item()
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
+        for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
+            logp = shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl, temperature=self.temperature)
+            (0.0 * logp.sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.grad_sync is not None:
@@ -123,6 +146,9 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded:
+            from hetrl.trainer.sharding import full_value
+            grad_norm = full_value(grad_norm)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
                            clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=float(grad_norm),
                            packed_tokens=packed, standard_tokens=standard)

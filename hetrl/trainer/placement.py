@@ -38,6 +38,7 @@ class Replica:
     gpus: tuple[str, ...]                 # `<node>:<index>` names from the plan
     resources: tuple[tuple[str, float], ...]   # Ray custom resources this actor requests
     sharded: bool                         # tp * pp > 1 in the plan (the executor runs the replica unsharded)
+    zero: int = 1                         # the plan's ZeRO stage for the task (learners: 3 = FSDP2 over the DP ranks)
 
     @property
     def name(self) -> str:
@@ -72,7 +73,8 @@ def replicas(plan: Plan, cluster: ClusterSpec, *, single_node: bool) -> list[Rep
                         "executor runs a replica as one process on one node. Plan with GPUs per node >= tp*pp "
                         "or use a plan whose replicas stay within a node")
                 res = tuple((NODE_RESOURCE.format(node), _floor4(k * share)) for node, k in sorted(per_node.items()))
-                out.append(Replica(ROLE_OF_TASK[task], r, par.dp, tuple(g.name for g in gpus), res, width > 1))
+                out.append(Replica(ROLE_OF_TASK[task], r, par.dp, tuple(g.name for g in gpus), res, width > 1,
+                                   par.zero))
     return out
 
 

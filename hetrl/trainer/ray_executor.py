@@ -55,11 +55,11 @@ class LearnerFailed(ExecutorFailure):
 # ------------------------------------------------------------------------------------------ weights over Ray
 
 
-def weights_to_numpy(pol: build.Policy) -> dict[str, np.ndarray]:
-    """What weight sync sends (the whole state dict, or with LoRA only the adapter's tensors) as numpy arrays
-    (bf16 as its int16 bits), which Ray's object store shares without copies."""
+def weights_to_numpy(pol: build.Policy, state: dict[str, torch.Tensor] | None = None) -> dict[str, np.ndarray]:
+    """What weight sync sends (the whole state dict, or with LoRA only the adapter's tensors; or `state`, gathered
+    from shards) as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies."""
     out = {}
-    for k, v in pol.sync_state().items():
+    for k, v in (pol.sync_state() if state is None else state).items():
         v = v.detach().cpu()
         out[k] = v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy()
     return out
@@ -141,12 +141,23 @@ class ReferenceActor:
 
 
 class LearnerActor:
-    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int):
+    """One data-parallel learner rank. `zero` is the plan's strategy for actor training: 1 keeps a full replica
+    (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
+    process group is up."""
+
+    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, zero: int = 1):
+        if zero not in (1, 2, 3):
+            raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+        if zero == 3 and cfg.lora_rank:
+            raise InputError("zero: 3 (FSDP2) learners with LoRA are not supported yet: the adapter's states are "
+                             "small, use zero: 1 in the plan, or full fine-tuning")
         self.policy, self.tokenizer = _setup(cfg, threads)
-        self.rank, self.world = rank, world
+        self.cfg, self.rank, self.world = cfg, rank, world
+        # ZeRO-2 (only gradients and optimizer states sharded) has no FSDP2 form; its memory lies between 1 and 3
+        self.sharded = zero == 3 and world > 1
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer,
-                                     grad_sync=allreduce_grads if world > 1 else None)
+                                     grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
 
     def whereabouts(self) -> dict:
         return _whereabouts()
@@ -172,6 +183,12 @@ class LearnerActor:
                                              timeout=timedelta(minutes=10))
         for p in self.policy.module.parameters():  # identical start even if a rank's initialisation differed
             torch.distributed.broadcast(p.data, src=0)
+        if self.sharded:   # the optimizer and learner are made again over the sharded parameters
+            from hetrl.trainer import sharding
+
+            sharding.shard(self.policy.module)
+            self.optimizer = build.optimizer(self.cfg, self.policy)
+            self.learner = build.learner(self.cfg, self.policy, self.optimizer, sharded=True)
 
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
@@ -179,12 +196,29 @@ class LearnerActor:
     def update(self, groups, advantages, weights, old_logp, ref_logp):
         return self.learner.update(groups, advantages, weights, old_logp, ref_logp)
 
-    def weights(self) -> dict[str, np.ndarray]:
+    def weights(self) -> dict[str, np.ndarray] | None:
+        """What weight sync sends. Sharded learners gather the full weights on rank 0 (every rank must be called;
+        the others return None)."""
+        if self.sharded:
+            from hetrl.trainer import sharding
+
+            state = sharding.full_state(self.policy.module)
+            return weights_to_numpy(build.Policy(None), state) if self.rank == 0 else None
         return weights_to_numpy(self.policy)
 
-    def save(self, run_dir: str, step: int, extra: dict, config: dict) -> str:
+    def save(self, run_dir: str, step: int, extra: dict, config: dict) -> str | None:
+        """Rank 0 writes the checkpoint. Sharded learners first gather the full model and optimizer states there
+        (every rank must be called; the others return None): the files are those of unsharded learners."""
+        gathered = None
+        if self.sharded:
+            from hetrl.trainer import sharding
+
+            gathered = (sharding.full_state(self.policy.module),
+                        sharding.full_optimizer_state(self.policy.module, self.optimizer))
+            if self.rank != 0:
+                return None
         return str(checkpoint.save(pathlib.Path(run_dir), step, self.policy.saved, self.tokenizer, self.optimizer,
-                                   extra, config))
+                                   extra, config, gathered=gathered))
 
     def save_merged(self, run_dir: str) -> str:
         return str(checkpoint.save_merged(pathlib.Path(run_dir), self.policy.merged(), self.tokenizer))
@@ -273,6 +307,21 @@ class LearnerGroup(ShardedScorer):
     """Data-parallel learners behind the Learner interface: one optimizer step = every rank's update on its
     share of the groups, gradients summed across ranks (the loss weights are global, so the sum is the
     single-learner gradient)."""
+
+    def __init__(self, actors, on_failure=None, sharded: bool = False):
+        super().__init__(actors, on_failure)
+        self.sharded = sharded   # FSDP2 ranks: gathering the full weights is a collective all of them join
+
+    def weights_ref(self):
+        """Object ref of the full weights (what weight sync sends): rank 0's; sharded ranks all gather."""
+        refs = [a.weights.remote() for a in (self.actors if self.sharded else self.actors[:1])]
+        return refs[0]
+
+    def call_rank0(self, method: str, *args):
+        """`method(*args)` answered by rank 0 (checkpoints); sharded ranks all take part in gathering."""
+        if not self.sharded:
+            return self.call_first(method, *args)
+        return self._get([getattr(a, method).remote(*args) for a in self.actors])[0]
 
     def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
@@ -406,8 +455,8 @@ class RayEngine:
         real = not emulated
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
             cfg, threads("rollout"), cfg.mode == "async") for r in by_role["rollout"]]
-        learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]))
-                    for r in by_role["learner"]]
+        learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]),
+                                                          r.zero) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, threads("reference"))
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references}
@@ -416,7 +465,8 @@ class RayEngine:
             address = ray.get(learners[0].rendezvous.remote(emulated, cfg.out_dir))
             ray.get([a.init_process_group.remote(address) for a in learners])
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed)
-        self.learner = LearnerGroup(learners, on_failure=self._learner_failed)
+        self.learner = LearnerGroup(learners, on_failure=self._learner_failed,
+                                    sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
         self.reference = ShardedScorer(references) if references else None
         self.last_checkpoint = None
         self.weight_bytes = None
@@ -464,7 +514,7 @@ class RayEngine:
         """Learner rank 0 -> object store -> every rollout actor. Sync mode waits and reports the seconds;
         async mode does not wait (the actors load between generation calls) and reports the last finished."""
         t0 = time.perf_counter()
-        ref = self.actors["learner"][0].weights.remote()
+        ref = self.learner.weights_ref()
         if self.weight_bytes is None:
             self.weight_bytes = sum(a.nbytes for a in ray.get(ref).values())
         futures = self.worker.push_weights(ref, version)
@@ -481,7 +531,7 @@ class RayEngine:
         return out
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        path = pathlib.Path(self.learner.call_first("save", str(run_dir), step, extra, config))
+        path = pathlib.Path(self.learner.call_rank0("save", str(run_dir), step, extra, config))
         self.last_checkpoint = path
         return path
 

@@ -116,19 +116,22 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
         engine.close()
 
 
-def _learner_group(world, cfg):
-    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world) for r in range(world)]
+def _learner_group(world, cfg, zero=1):
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world, zero) for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
-    return actors, LearnerGroup(actors)
+    return actors, LearnerGroup(actors, sharded=zero == 3 and world > 1)
 
 
+@pytest.mark.parametrize("zero", [1, 3], ids=["replicas", "fsdp2"])
 @pytest.mark.parametrize("shapes", [((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17])),
                                     ((20, [5, 0, 9, 1]),)], ids=["4-groups", "1-group-so-rank-1-gets-none"])
-def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes):
+def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero):
     """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
-    it joins the all-reduce with zero gradients, so the step is still the one-learner step."""
+    it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 3 the two
+    ranks are FSDP2 shards (gradients summed by its reduce-scatter; the rank with fewer micro-batches runs
+    zero-weight passes so that both all-gather as often), with DualKV log-probs inside: the same step."""
     cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
     groups = _groups(shapes=shapes)
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
@@ -137,20 +140,23 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
     weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
     results = {}
     for world in (1, 2):
-        actors, group = _learner_group(world, cfg)
+        actors, group = _learner_group(world, cfg, zero if world > 1 else 1)
         old = group.logprobs(groups)
         stats = group.update(groups, advantages, weights, old + 0.01, old - 0.05)
-        results[world] = (old, stats, ray.get(actors[0].weights.remote()), ray.get(actors[-1].weights.remote()))
+        last = None if group.sharded else ray.get(actors[-1].weights.remote())   # a shard has no whole copy
+        results[world] = (old, stats, ray.get(group.weights_ref()), last)
         for a in actors:
             ray.kill(a)
     (old1, s1, w1, _), (old2, s2, w2, w2_last) = results[1], results[2]
     assert torch.allclose(old1, old2, rtol=0, atol=1e-12)
     assert math.isclose(s1.loss, s2.loss, rel_tol=1e-9) and math.isclose(s1.grad_norm, s2.grad_norm, rel_tol=1e-8)
     initial = weights_to_numpy(Policy(load_model("tiny", torch.float64, seed=0)[0]))
+    assert set(w2) == set(w1) == set(initial)
     for name, p in w1.items():
         scale = abs(p).max()
         assert abs(w2[name] - p).max() <= 1e-8 * scale, name
-        assert (w2[name] == w2_last[name]).all(), f"ranks disagree on {name}"
+        if w2_last is not None:
+            assert (w2[name] == w2_last[name]).all(), f"ranks disagree on {name}"
         assert (p != initial[name]).any(), f"{name} did not move"
 
 
@@ -302,3 +308,38 @@ def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tm
     with pytest.raises(ValueError, match=r"hetrl-node:cpu: needs \d.*has 0.*ray start"):
         RayEngine(cfg, model.config, tokenizer, prompt_len=40)
     assert set(ray._private.state.actors()) == actors_before   # refused before any actor was created
+
+
+def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path):
+    """zero: 3 learners gather their shards into the same checkpoint files as replicas write (weights and
+    torch's own optimizer.state_dict() form): two sharded learners resumed from it take the step they would
+    have taken, and so does one unsharded learner (fp64)."""
+    cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
+    groups = _groups()
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=torch.Generator().manual_seed(2),
+                                                     dtype=torch.float64), lens)
+    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
+
+    def step(group):
+        old = group.logprobs(groups)
+        group.update(groups, advantages, weights, old + 0.01)
+
+    actors, group = _learner_group(2, cfg, zero=3)
+    step(group)
+    path = group.call_rank0("save", cfg.out_dir, 1, {}, {"note": "test"})
+    step(group)
+    straight = ray.get(group.weights_ref())
+    for a in actors:
+        ray.kill(a)
+    state = torch.load(pathlib.Path(path) / "trainer_state.pt", weights_only=True)["optimizer"]
+    assert sorted(state["state"]) == list(range(len(state["state"]))) and state["param_groups"][0]["params"][0] == 0
+    for world, zero in ((2, 3), (1, 1)):
+        actors, group = _learner_group(world, cfg, zero=zero)
+        ray.get([a.load.remote(path) for a in actors])
+        step(group)
+        resumed = ray.get(group.weights_ref())
+        for name, p in straight.items():
+            assert abs(resumed[name] - p).max() <= 1e-8 * abs(p).max(), (world, name)
+        for a in actors:
+            ray.kill(a)

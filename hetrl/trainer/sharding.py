@@ -1,0 +1,102 @@
+"""ZeRO-3 learners with PyTorch's own FSDP2 (`torch.distributed.fsdp.fully_shard`): what a plan's `zero: 3` means.
+
+Each decoder layer and then the whole model are sharded over the learners' process group (gloo on CPU, NCCL on
+GPU): every rank holds 1/world of the parameters, gradients and AdamW states, and all-gathers a layer's weights
+for its forward and backward. Nothing here is hand-written collective code; it only states what hetrl's learner
+needs of FSDP2:
+
+- gradients **summed** over ranks, not averaged: the loss weights are global (token_weights over the whole
+  batch), so the sum is the one-learner gradient (FSDP2's default divides by the world size);
+- every rank runs the **same number of passes**: each forward all-gathers, so a rank with fewer micro-batches
+  (groups are split by tokens) runs zero-weight passes on a one-token dummy until all have run as many
+  (`common_count`);
+- full weights when they leave the learners (weight sync, checkpoints): `full_state` gathers them on rank 0,
+  a collective every rank calls.
+
+The DualKV attention receives unsharded activations (FSDP shards parameters, not activations), so the
+shared-prompt path is unchanged; tests/trainer/test_ray_executor.py checks 2 sharded learners against 1 in fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers causal LM (model.model.layers), each sharded as one unit."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"zero: 3 needs a decoder-only transformers model with model.layers; {type(model).__name__} "
+                         "has none")
+    return list(layers)
+
+
+def shard(model) -> torch.nn.Module:
+    """Shard `model` in place over the default process group: each decoder layer, then the rest (embeddings,
+    final norm, LM head) at the root. Gradients are summed over ranks."""
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no PREMUL_SUM / AVG
+    return model
+
+
+def is_sharded(model) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def common_count(n: int) -> int:
+    """The largest `n` over the ranks: how many passes every rank runs."""
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def full_value(x) -> float:
+    """A scalar that may be a DTensor (e.g. clip_grad_norm_'s total norm of sharded gradients) as a float."""
+    return float(x.full_tensor() if isinstance(x, DTensor) else x)
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """The full state dict on CPU, gathered on rank 0 (other ranks get an empty dict). Every rank must call it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model, state: dict[str, torch.Tensor]):
+    """Load a full state dict that every rank has (a checkpoint read by each) into the shards; -> (missing,
+    unexpected) keys, as load_state_dict (a tied LM head is not in the file)."""
+    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _trainable_names(model) -> list[str]:
+    """Names of the parameters the optimizer steps, in its order (build.optimizer: the trainable parameters)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """The whole AdamW state on rank 0 in torch's own `optimizer.state_dict()` form (parameters by index), so a
+    checkpoint of sharded learners is the same file as one of replicas, and either resumes the other. Every rank
+    must call it."""
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not osd:
+        return {}
+    index = {n: i for i, n in enumerate(_trainable_names(model))}
+    return {"state": {index[k]: v for k, v in osd["state"].items()},
+            "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]]}
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """Each rank takes its shards of a full `optimizer.state_dict()`-form state (full_optimizer_state's)."""
+    names = _trainable_names(model)
+    osd = {"state": {names[i]: v for i, v in state["state"].items()},
+           "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
