@@ -341,31 +341,89 @@ class LearnerGroup(ShardedScorer):
 class RolloutPool:
     """`generate` like RolloutWorker, spread over rollout actors in chunks of prompts. Each chunk is seeded by
     (seed, call, position), so which actor runs it does not change its samples. A chunk whose actor died is
-    re-queued; Ray restarts the actor (up to ROLLOUT_RESTARTS times), which then gets the latest weights
-    before its next chunk. Calls from two threads (async rollouts, evaluation) take turns."""
+    re-queued. Ray restarts the actor (up to ROLLOUT_RESTARTS times); it takes chunks again once it answers, with
+    the latest weights loaded first. An actor whose node is gone (no live Ray node offers its `homes` resources,
+    e.g. the node's raylet died) cannot be restarted anywhere: the pool goes on without it. Calls from two
+    threads (async rollouts, evaluation) take turns."""
 
-    def __init__(self, actors, batch_size: int, seed: int):
+    def __init__(self, actors, batch_size: int, seed: int, homes: list[set[str]] | None = None):
         self.actors, self.batch_size, self.seed = list(actors), batch_size, seed
+        self.homes = homes                      # per actor: the Ray resources it needs (its plan node's)
         self.calls, self.failures = 0, 0
         self.failures_of = collections.Counter()
         self.latest: tuple[list, int] | None = None    # ([weights ref], version), kept alive here
         self.stale: set[int] = set()
+        self.gone: set[int] = set()             # will not come back
+        self.recovering: dict = {}              # ping ref -> actor that died and is being restarted by Ray
         self.lock = threading.Lock()
         self.in_flight: dict = {}
 
+    def _usable(self) -> list[int]:
+        return [a for a in range(len(self.actors)) if a not in self.gone and a not in self.recovering.values()]
+
     def push_weights(self, ref, version: int) -> list:
-        """Queue version `version` on every actor (applied between generation calls); -> futures of seconds."""
+        """Queue version `version` on every usable actor (applied between generation calls); -> futures of
+        seconds. Actors being restarted load it before their next chunk."""
         self.latest = ([ref], version)
-        self.stale.clear()
-        return [a.load_weights.remote([ref], version) for a in self.actors]
+        self.stale = set(self.recovering.values())
+        return [self.actors[a].load_weights.remote([ref], version) for a in self._usable()]
+
+    def wait_loads(self, futures) -> list[float]:
+        """Seconds each weight load took, for the actors that did not die meanwhile (those are handled as in
+        `generate`, and load the weights when they are back)."""
+        owner = dict(zip(futures, self._usable()))
+        pending, seconds = list(futures), []
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            if not done:
+                self._forget_homeless()
+                pending = [f for f in pending if owner[f] not in self.gone]
+                continue
+            try:
+                seconds.append(ray.get(done[0]))
+            except ray.exceptions.RayActorError as e:
+                self._failed(owner[done[0]], e)
+        return seconds
+
+    def _home_gone(self, a: int) -> bool:
+        if not self.homes:
+            return False
+        alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        return not any(all(res.get(k, 0) > 0 for k in self.homes[a]) for res in alive)
+
+    def _failed(self, a: int, error) -> None:
+        self.failures_of[a] += 1
+        self.stale.add(a)
+        if self.failures_of[a] > ROLLOUT_RESTARTS or self._home_gone(a):   # Ray will not restart it
+            self._lose(a, error)
+        else:
+            self.recovering[self.actors[a].whereabouts.remote()] = a
+
+    def _lose(self, a: int, error) -> None:
+        self.gone.add(a)
+        left = len(self.actors) - len(self.gone)
+        log.warning("rollout actor %d is gone for good (%s); going on with %d rollout actor(s)", a,
+                    "its node left the Ray cluster" if self._home_gone(a) else f"{ROLLOUT_RESTARTS} restarts used",
+                    left)
+        if not left:
+            raise ExecutorFailure(f"every rollout actor is gone (last error: {error}); the run stops, its last "
+                                  "checkpoint is intact")
+
+    def _forget_homeless(self) -> None:
+        """Actors being restarted whose node has left: Ray would wait for that node forever."""
+        for ref, a in list(self.recovering.items()):
+            if self._home_gone(a):
+                del self.recovering[ref]
+                self._lose(a, "node lost")
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
         with self.lock:
             self.calls += 1
-            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(prompts) / len(self.actors))))
+            usable = max(1, len(self._usable()))
+            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(prompts) / usable)))
             queue = collections.deque(range(0, len(prompts), per_chunk))
             results: dict[int, list] = {}
-            idle = collections.deque(a for a in range(len(self.actors)) if self.failures_of[a] <= ROLLOUT_RESTARTS)
+            idle = collections.deque(self._usable())
             while queue or self.in_flight:
                 while queue and idle:
                     a, start = idle.popleft(), queue.popleft()
@@ -376,22 +434,28 @@ class RolloutPool:
                     ref = self.actors[a].generate.remote(prompts[start:start + per_chunk], n, max_new_tokens,
                                                          temperature, top_p, greedy, seed)
                     self.in_flight[ref] = (a, start)
-                done, _ = ray.wait(list(self.in_flight), num_returns=1)
+                done, _ = ray.wait(list(self.in_flight) + list(self.recovering), num_returns=1, timeout=1.0)
+                if not done:
+                    self._forget_homeless()
+                    continue
+                if done[0] in self.recovering:       # a restarted actor answers: it takes chunks again
+                    a = self.recovering.pop(done[0])
+                    try:
+                        ray.get(done[0])
+                        idle.append(a)
+                    except ray.exceptions.RayActorError as e:
+                        self._failed(a, e)
+                    continue
                 a, start = self.in_flight.pop(done[0])
                 try:
                     results[start] = ray.get(done[0])
                 except ray.exceptions.RayActorError as e:
                     self.failures += 1
-                    self.failures_of[a] += 1
                     log.warning("rollout actor %d died (%s); re-queueing its %d prompts", a, type(e).__name__,
                                 min(per_chunk, len(prompts) - start))
                     queue.appendleft(start)
-                    self.stale.add(a)
-                    if self.failures_of[a] > ROLLOUT_RESTARTS:  # Ray gives up restarting it after that
-                        if not idle and not self.in_flight:
-                            raise ExecutorFailure(f"every rollout actor is gone (last error: {e}); the run stops, "
-                                               "its last checkpoint is intact") from e
-                        continue
+                    self._failed(a, e)
+                    continue
                 idle.append(a)
             return [g for start in sorted(results) for g in results[start]]
 
@@ -418,6 +482,10 @@ class RayEngine:
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
+            if r.role == "learner" and r.rank == 0 and (r.zero == 2 or r.offload != "none"):
+                log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run %s without offload "
+                            "(only zero: 1 and zero: 3 are run as planned so far)", r.zero, r.offload,
+                            "FSDP2 shards" if r.zero == 3 else "replicas")
         self._started = not ray.is_initialized()
         try:
             self._start(cfg, emulated)
@@ -452,7 +520,9 @@ class RayEngine:
         def threads(role):
             return max(1, cpus // (together or len(by_role[role])))
 
-        real = not emulated
+        # Ray GPUs are requested on a real cluster that has them; a cluster of CPU machines (or raylets started for
+        # a test) places actors by their hetrl-node resources alone
+        real = not emulated and ray.cluster_resources().get("GPU", 0) > 0
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
             cfg, threads("rollout"), cfg.mode == "async") for r in by_role["rollout"]]
         learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]),
@@ -464,7 +534,8 @@ class RayEngine:
         if len(learners) > 1:
             address = ray.get(learners[0].rendezvous.remote(emulated, cfg.out_dir))
             ray.get([a.init_process_group.remote(address) for a in learners])
-        self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed)
+        self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed,
+                                  homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
         self.learner = LearnerGroup(learners, on_failure=self._learner_failed,
                                     sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
         self.reference = ShardedScorer(references) if references else None
@@ -520,12 +591,18 @@ class RayEngine:
         futures = self.worker.push_weights(ref, version)
         out = {"weight_version": version, "weight_sync_bytes": self.weight_bytes}
         if self.cfg.mode == "sync":
-            load_s = ray.get(futures)
-            out |= {"weight_sync_s": time.perf_counter() - t0, "weight_load_s": max(load_s)}
+            load_s = self.worker.wait_loads(futures)
+            out |= {"weight_sync_s": time.perf_counter() - t0, "weight_load_s": max(load_s, default=0.0)}
         else:
             finished = [f for f in self.pending_sync if not ray.wait([f], timeout=0)[1]]
-            if finished:
-                out["weight_load_s"] = max(ray.get(finished))
+            seconds = []
+            for f in finished:
+                try:
+                    seconds.append(ray.get(f))
+                except ray.exceptions.RayActorError:   # that actor died; generate re-queues and reloads
+                    pass
+            if seconds:
+                out["weight_load_s"] = max(seconds)
             self.pending_sync = [f for f in self.pending_sync + futures if f not in finished]
         out["rollout_failures"] = self.worker.failures
         return out

@@ -1,0 +1,181 @@
+"""Learner memory and step time with the plan's `zero: 3` (FSDP2 shards over 2 ranks) against `zero: 1` (2 replicas,
+gradients all-reduced), on SmolLM2-135M in fp32 with gloo: what hetrl/trainer/sharding.py buys on this machine.
+
+    python benchmarks/learner_sharding.py [--steps 4] [--out benchmarks/results]
+
+Each setting starts 2 processes (torch.multiprocessing, gloo on loopback, 1 torch thread each: one core each), builds
+the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 3, sharding.shard before
+the optimizer), and runs `steps` updates on the same fixed groups (8 prompts x 4 responses, DualKV micro-batches).
+Per rank it reports:
+  - states: bytes of parameters + gradients + AdamW moments this rank holds (counted from its tensors; for zero 3
+    the local shards), at the end of an update before the gradients are freed;
+  - peak RSS: during the updates (VmHWM reset just before them), of loading and sharding, and of the process;
+  - step time: median over the updates after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import pathlib
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _vm_hwm() -> int:
+    """This process's resident-set high-water mark (bytes), from /proc/self/status."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from hetrl.algo import token_weights
+    from hetrl.trainer import build, sharding
+    from hetrl.trainer.config import load_config
+    from hetrl.trainer.ray_executor import allreduce_grads
+    from hetrl.models import load_model
+
+    cfg = load_config(str(ROOT / "examples" / "runs" / "default.yaml"), ["dtype=float32", "kl_coef=0"])
+    model, _ = load_model(cfg.model, torch.float32, seed=0)
+    pol = build.Policy(model)
+    if zero == 3:
+        sharding.shard(model)
+    opt = build.optimizer(cfg, pol)
+    learner = build.learner(cfg, pol, opt, grad_sync=allreduce_grads if zero == 1 else None, sharded=zero == 3)
+    held = {}
+
+    def count_states():   # at the end of backward, before the optimizer frees the gradients
+        held["params"] = sum(_local_bytes(p) for p in model.parameters())
+        held["grads"] = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+
+    step = opt.step
+
+    def counted_step(*a, **k):
+        count_states()
+        r = step(*a, **k)
+        held["adam"] = sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return r
+
+    opt.step = counted_step
+    g = torch.Generator().manual_seed(rank)
+    groups = [(torch.randint(10, 40000, (40,), generator=g).tolist(),
+               [torch.randint(10, 40000, (32,), generator=g).tolist() for _ in range(4)]) for _ in range(4)]
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean") / world
+    advantages = torch.randn(int(lens.sum()), generator=g)
+    gc.collect()
+    loaded_peak = _vm_hwm()
+    with open("/proc/self/clear_refs", "w") as f:   # resets VmHWM (Linux >= 4.0): the peak of the updates alone
+        f.write("5")
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        old = learner.logprobs(groups)
+        learner.update(groups, advantages, weights, old + 0.01)
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    pathlib.Path(out, f"{zero}-{rank}.json").write_text(json.dumps(
+        {"zero": zero, "rank": rank, **held, "peak_rss": peak, "peak_rss_setup": loaded_peak,
+         "peak_rss_updates": _vm_hwm(), "step_s": times}))
+    dist.destroy_process_group()
+
+
+def run(steps: int) -> list[dict]:
+    rows = []
+    for zero in (1, 3):
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_rank, args=(2, zero, steps, os.path.join(tmp, "store"), tmp), nprocs=2)
+            rows += [json.loads(pathlib.Path(tmp, f"{zero}-{r}.json").read_text()) for r in range(2)]
+    return rows
+
+
+def markdown(res: dict) -> str:
+    gib = 1 << 30
+    by = {z: [r for r in res["rows"] if r["zero"] == z] for z in (1, 3)}
+
+    def mean(z, key):
+        return statistics.mean(r[key] for r in by[z])
+
+    def step(z):
+        return statistics.median(t for r in by[z] for t in r["step_s"][1:])
+
+    lines = ["# Learner sharding: zero 3 (FSDP2, 2 ranks) vs zero 1 (2 replicas)", "",
+             f"SmolLM2-135M, fp32, gloo on loopback, 2 processes with 1 torch thread each; {res['date']}, "
+             f"{res['machine']['cpus']} CPUs ({res['machine']['platform']}). `python benchmarks/learner_sharding.py`. "
+             f"Batch: 4 prompts x 4 responses per rank (40 + 32 tokens), {res['steps']} updates (log-probs + "
+             "update), the first a warm-up.", "",
+             f"Conditions: {res.get('conditions', 'not stated')}", "",
+             "| per rank (mean of 2) | zero 1 | zero 3 | zero 3 / zero 1 |", "|---|---|---|---|"]
+    for key, label in (("params", "parameters"), ("grads", "gradients"), ("adam", "AdamW moments")):
+        lines.append(f"| {label} | {mean(1, key) / gib:.3f} GiB | {mean(3, key) / gib:.3f} GiB | "
+                     f"{mean(3, key) / mean(1, key):.2f}x |")
+    tot = {z: mean(z, "params") + mean(z, "grads") + mean(z, "adam") for z in (1, 3)}
+    lines += [f"| **states total** | {tot[1] / gib:.3f} GiB | {tot[3] / gib:.3f} GiB | {tot[3] / tot[1]:.2f}x |",
+              *(f"| {label} | {mean(1, key) / gib:.2f} GiB | {mean(3, key) / gib:.2f} GiB | "
+                f"{mean(3, key) / mean(1, key):.2f}x |"
+                for key, label in (("peak_rss_updates", "peak RSS during the updates"),
+                                   ("peak_rss_setup", "peak RSS of loading and sharding"),
+                                   ("peak_rss", "peak RSS of the process")) if key in by[1][0]),
+              f"| step time (median) | {step(1):.2f} s | {step(3):.2f} s | {step(3) / step(1):.2f}x |", "",
+              *([f"Beyond the states, the peak during the updates held {(mean(1, 'peak_rss_updates') - tot[1]) / gib:.2f}"
+                 f" GiB with zero 1 and {(mean(3, 'peak_rss_updates') - tot[3]) / gib:.2f} GiB with zero 3: the "
+                 "difference is what FSDP2 adds (gathered layer weights, the root's unsharded embedding and head, "
+                 "gloo's buffers, freed memory the allocator keeps); this run does not break it down further.", ""]
+                if "peak_rss_updates" in by[1][0] else []),
+              "The states are counted from the tensors each rank holds. Peak RSS during the updates is the "
+              "resident high-water mark from just before the first update (VmHWM, reset through "
+              "/proc/self/clear_refs) to after the last: states, activations and logits, the layer weights FSDP2 "
+              "gathers for each pass, and torch's own footprint. Loading builds the whole model on every rank "
+              "before it is sharded (the GGUF file is de-quantized in memory), so that peak does not fall. "
+              "The step time includes "
+              "the all-gathers of every layer for each forward and backward (and the zero-weight passes that keep "
+              "ranks in step), over gloo on one machine."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--conditions", default="", help="how the machine was shared during the run")
+    args = parser.parse_args()
+    res = {"date": datetime.date.today().isoformat(), "steps": args.steps,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "conditions": args.conditions or "not stated", "rows": run(args.steps)}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learner_sharding.json").write_text(json.dumps(res, indent=2))
+    (out / "learner_sharding.md").write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
