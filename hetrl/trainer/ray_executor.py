@@ -364,6 +364,7 @@ class RolloutPool:
     def push_weights(self, ref, version: int) -> list:
         """Queue version `version` on every usable actor (applied between generation calls); -> futures of
         seconds. Actors being restarted load it before their next chunk."""
+        self._forget_homeless()
         self.latest = ([ref], version)
         self.stale = set(self.recovering.values())
         return [self.actors[a].load_weights.remote([ref], version) for a in self._usable()]
@@ -392,6 +393,8 @@ class RolloutPool:
         return not any(all(res.get(k, 0) > 0 for k in self.homes[a]) for res in alive)
 
     def _failed(self, a: int, error) -> None:
+        """Actor `a` died (seen by a chunk, a weight load or a ping): counted in `failures`."""
+        self.failures += 1
         self.failures_of[a] += 1
         self.stale.add(a)
         if self.failures_of[a] > ROLLOUT_RESTARTS or self._home_gone(a):   # Ray will not restart it
@@ -411,6 +414,8 @@ class RolloutPool:
 
     def _forget_homeless(self) -> None:
         """Actors being restarted whose node has left: Ray would wait for that node forever."""
+        if not self.recovering:
+            return
         for ref, a in list(self.recovering.items()):
             if self._home_gone(a):
                 del self.recovering[ref]
@@ -419,8 +424,9 @@ class RolloutPool:
     def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
         with self.lock:
             self.calls += 1
-            usable = max(1, len(self._usable()))
-            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(prompts) / usable)))
+            self._forget_homeless()
+            # chunks (and so their seeds) depend on the pool's size, not on which actors are alive now
+            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(prompts) / len(self.actors))))
             queue = collections.deque(range(0, len(prompts), per_chunk))
             results: dict[int, list] = {}
             idle = collections.deque(self._usable())
@@ -450,7 +456,6 @@ class RolloutPool:
                 try:
                     results[start] = ray.get(done[0])
                 except ray.exceptions.RayActorError as e:
-                    self.failures += 1
                     log.warning("rollout actor %d died (%s); re-queueing its %d prompts", a, type(e).__name__,
                                 min(per_chunk, len(prompts) - start))
                     queue.appendleft(start)

@@ -29,8 +29,12 @@ def raylets(tmp_path):
     """A head raylet (the training node) and one raylet per generation node, each declaring its hetrl-node resource."""
     from ray.cluster_utils import Cluster
 
+    # Ray's GCS notices a dead raylet by missed health checks (about 16 s with its defaults); checked every 0.2 s
+    # here so that the node's loss is known within the 3-step run
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"hetrl-node:train": 2}, "object_store_memory": 200 << 20})
+        "num_cpus": 1, "resources": {"hetrl-node:train": 2}, "object_store_memory": 200 << 20,
+        "_system_config": {"health_check_period_ms": 200, "health_check_failure_threshold": 2,
+                           "health_check_initial_delay_ms": 0}})
     nodes = {name: cluster.add_node(num_cpus=1, resources={f"hetrl-node:{name}": 1}, object_store_memory=200 << 20)
              for name in ("gen-a", "gen-b")}
     cluster.wait_for_nodes()
@@ -55,11 +59,11 @@ def _run(cluster, tmp_path, name, *extra):
     return code, rows, json.loads((out / "placement.json").read_text())
 
 
-def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_path):
+def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_path, caplog):
     cluster, nodes = raylets
     code, clean, placed = _run(cluster, tmp_path, "clean")
     assert code == 0
-    raylet_of = {n.unique_id: name for name, n in nodes.items()} | {cluster.head_node.unique_id: "train"}
+    raylet_of = {n.node_id: name for name, n in nodes.items()} | {cluster.head_node.node_id: "train"}
     for actor in placed["actors"]:      # the node Ray's actor table gave each actor = its plan node
         assert raylet_of[actor["node_id"]] == actor["gpus"][0].split(":")[0], actor
     assert all(r["weight_sync_bytes"] > 0 for r in clean)
@@ -76,6 +80,7 @@ def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_pa
     killer.join()
     assert code == 0 and [r["step"] for r in lost] == [1, 2, 3]
     assert lost[-1]["rollout_failures"] >= 1
+    assert any("gone for good (its node left the Ray cluster)" in r.getMessage() for r in caplog.records)
     for a, b in zip(clean, lost):   # chunks are seeded by position: the same samples, none lost or doubled
         for key in ("reward_mean", "response_len_mean", "sample_tokens"):
             assert a[key] == b[key], (a["step"], key)
