@@ -145,9 +145,12 @@ class LearnerActor:
     (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
     process group is up."""
 
-    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, zero: int = 1):
+    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, zero: int = 1, offload: str = "none"):
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+        if offload not in ("none", "optimizer", "params"):
+            raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
+        self.offload = zero == 3 and offload != "none"
         if zero == 3 and cfg.lora_rank:
             raise InputError("zero: 3 (FSDP2) learners with LoRA are not supported yet: the adapter's states are "
                              "small, use zero: 1 in the plan, or full fine-tuning")
@@ -186,7 +189,7 @@ class LearnerActor:
         if self.sharded:   # the optimizer and learner are made again over the sharded parameters
             from hetrl.trainer import sharding
 
-            sharding.shard(self.policy.module)
+            sharding.shard(self.policy.module, offload=self.offload)
             self.optimizer = build.optimizer(self.cfg, self.policy)
             self.learner = build.learner(self.cfg, self.policy, self.optimizer, sharded=True)
 
@@ -487,10 +490,9 @@ class RayEngine:
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
-            if r.role == "learner" and r.rank == 0 and (r.zero == 2 or r.offload != "none"):
-                log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run %s without offload "
-                            "(only zero: 1 and zero: 3 are run as planned so far)", r.zero, r.offload,
-                            "FSDP2 shards" if r.zero == 3 else "replicas")
+            if r.role == "learner" and r.rank == 0 and (r.zero == 2 or (r.offload != "none" and r.zero != 3)):
+                log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run them as replicas "
+                            "without offload (zero: 2 has no FSDP2 form; offload runs with zero: 3)", r.zero, r.offload)
         self._started = not ray.is_initialized()
         try:
             self._start(cfg, emulated)
@@ -531,7 +533,7 @@ class RayEngine:
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
             cfg, threads("rollout"), cfg.mode == "async") for r in by_role["rollout"]]
         learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]),
-                                                          r.zero) for r in by_role["learner"]]
+                                                          r.zero, r.offload) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, threads("reference"))
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -37,12 +37,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard(model) -> torch.nn.Module:
+def shard(model, offload: bool = False) -> torch.nn.Module:
     """Shard `model` in place over the default process group: each decoder layer, then the rest (embeddings,
-    final norm, LM head) at the root. Gradients are summed over ranks."""
+    final norm, LM head) at the root. Gradients are summed over ranks. `offload`: FSDP2's CPUOffloadPolicy, which
+    keeps the parameter, gradient and optimizer-state shards in host memory, copies a layer's shard to the GPU for
+    its pass and runs the optimizer step on the CPU. FSDP2 has no optimizer-only offload, so a plan's
+    `offload: optimizer` and `offload: params` both run as this (on a CPU-only host it changes nothing)."""
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

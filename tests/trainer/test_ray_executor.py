@@ -116,22 +116,30 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
         engine.close()
 
 
-def _learner_group(world, cfg, zero=1):
-    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world, zero) for r in range(world)]
+def _learner_group(world, cfg, zero=1, offload="none"):
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world, zero, offload)
+              for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
     return actors, LearnerGroup(actors, sharded=zero == 3 and world > 1)
 
 
-@pytest.mark.parametrize("zero", [1, 3], ids=["replicas", "fsdp2"])
-@pytest.mark.parametrize("shapes", [((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17])),
-                                    ((20, [5, 0, 9, 1]),)], ids=["4-groups", "1-group-so-rank-1-gets-none"])
-def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero):
+FOUR = ((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17]))
+ONE = ((20, [5, 0, 9, 1]),)
+
+
+@pytest.mark.parametrize("shapes, zero, offload", [(FOUR, 1, "none"), (ONE, 1, "none"), (FOUR, 3, "none"),
+                                                   (ONE, 3, "none"), (FOUR, 3, "optimizer")],
+                         ids=["replicas-4-groups", "replicas-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
+                              "fsdp2-1-group-so-rank-1-gets-none", "fsdp2-offload-4-groups"])
+def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero, offload):
     """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
     it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 3 the two
     ranks are FSDP2 shards (gradients summed by its reduce-scatter; the rank with fewer micro-batches runs
-    zero-weight passes so that both all-gather as often), with DualKV log-probs inside: the same step."""
+    zero-weight passes so that both all-gather as often), with DualKV log-probs inside: the same step; also with
+    FSDP2's CPU offload (on a CPU host the states live in host memory anyway: this checks the wiring and that
+    the numbers stay)."""
     cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
     groups = _groups(shapes=shapes)
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
@@ -140,7 +148,7 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
     weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
     results = {}
     for world in (1, 2):
-        actors, group = _learner_group(world, cfg, zero if world > 1 else 1)
+        actors, group = _learner_group(world, cfg, zero if world > 1 else 1, offload if world > 1 else "none")
         old = group.logprobs(groups)
         stats = group.update(groups, advantages, weights, old + 0.01, old - 0.05)
         last = None if group.sharded else ray.get(actors[-1].weights.remote())   # a shard has no whole copy
