@@ -180,8 +180,9 @@ class _OutOfTime(Exception):
 class _Arm:
     """One task grouping and the population of GPU allocations found for it so far."""
 
-    def __init__(self, grouping, population_size: int):
+    def __init__(self, grouping, population_size: int, space: int):
         self.grouping, self.size = grouping, population_size
+        self.space = space                                  # allocations this grouping has (exhaustive's count)
         self.population: list[tuple[tuple, tuple]] = []   # ((seconds, busy seconds), counts), best first
         self.scores: dict[tuple, tuple[float, float]] = {}
 
@@ -280,7 +281,8 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
     t0 = deadline.start
     stopped = None
     rng = random.Random(seed)
-    arms = [_Arm(g, population_size=8) for g in groupings(w)]
+    arms = [_Arm(g, population_size=8, space=math.prod(math.comb(p.steps + len(g), len(g)) for p in pools(cluster)))
+            for g in groupings(w)]
     rounds = max(1, math.ceil(math.log2(len(arms))))
     per_arm = max(8, budget // (len(arms) * rounds))
     n = 0
@@ -338,7 +340,7 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
             for arm in arms:
                 target = n + per_arm
                 tries = 0
-                while n < target and tries < 4 * per_arm:
+                while n < target and tries < 4 * per_arm and len(arm.scores) < arm.space:   # else: all scored
                     before = n
                     descend(arm, start(arm))
                     tries += 1 + (n == before)
