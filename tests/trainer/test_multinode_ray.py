@@ -1,6 +1,7 @@
 """The Ray executor on a real multi-raylet cluster (`ray.cluster_utils.Cluster`: several raylets, each with its own
 object store, on this machine): actors land on the raylets of their plan nodes (Ray's own actor table), weights
-cross object stores, and a whole node lost mid-run costs its rollout worker, not the run nor any sample."""
+cross object stores, and a whole node lost mid-run costs its rollout worker, not the run nor any sample; losing the
+learners' node stops the run with its checkpoint and the command to resume."""
 
 from __future__ import annotations
 
@@ -26,17 +27,18 @@ PLAN = {"groups": [
 
 @pytest.fixture
 def raylets(tmp_path):
-    """A head raylet (the training node) and one raylet per generation node, each declaring its hetrl-node resource."""
+    """A head raylet (the driver's; no plan node) and one raylet per plan node, each declaring its hetrl-node
+    resource."""
     from ray.cluster_utils import Cluster
 
     # Ray's GCS notices a dead raylet by missed health checks (about 16 s with its defaults); checked every 0.2 s
     # here so that the node's loss is known within the 3-step run
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"hetrl-node:train": 2}, "object_store_memory": 200 << 20,
+        "num_cpus": 1, "object_store_memory": 200 << 20,
         "_system_config": {"health_check_period_ms": 200, "health_check_failure_threshold": 2,
                            "health_check_initial_delay_ms": 0}})
-    nodes = {name: cluster.add_node(num_cpus=1, resources={f"hetrl-node:{name}": 1}, object_store_memory=200 << 20)
-             for name in ("gen-a", "gen-b")}
+    nodes = {name: cluster.add_node(num_cpus=1, resources={f"hetrl-node:{name}": count},
+                                    object_store_memory=200 << 20) for name, count in NODES.items()}
     cluster.wait_for_nodes()
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"name": "three-raylets", "nodes": [
         {"name": n, "region": "local", "gpu": "L4", "count": c, "intra_node": "pcie", "network_gbps": 10}
@@ -48,34 +50,40 @@ def raylets(tmp_path):
     cluster.shutdown()
 
 
-def _run(cluster, tmp_path, name, *extra):
+def _run(cluster, tmp_path, name, *extra, plan="plan.json"):
     from hetrl.cli import main
 
     out = tmp_path / name
     code = main(["train", "--config", TINY, "executor=ray", f"cluster={tmp_path / 'cluster.yaml'}",
-                 f"ray_address={cluster.address}", f"plan={tmp_path / 'plan.json'}", f"out_dir={out}", "kl_coef=0",
+                 f"ray_address={cluster.address}", f"plan={tmp_path / plan}", f"out_dir={out}", "kl_coef=0",
                  "eval_size=4", "steps=3", "checkpoint_every=0", *extra])
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return code, rows, json.loads((out / "placement.json").read_text())
 
 
-def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_path, caplog):
+def _remove_when_written(cluster, node, path: pathlib.Path) -> threading.Thread:
+    """Removes a whole node (its raylet, object store and actors) once `path` has content (metrics.jsonl: step 1
+    logged; checkpoints/latest: the first checkpoint in place)."""
+    def remove():
+        while not (path.exists() and path.read_text().strip()):
+            time.sleep(0.05)
+        cluster.remove_node(node, allow_graceful=False)
+
+    thread = threading.Thread(target=remove)
+    thread.start()
+    return thread
+
+
+def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_path, caplog, capsys):
     cluster, nodes = raylets
     code, clean, placed = _run(cluster, tmp_path, "clean")
     assert code == 0
-    raylet_of = {n.node_id: name for name, n in nodes.items()} | {cluster.head_node.node_id: "train"}
+    raylet_of = {n.node_id: name for name, n in nodes.items()}
     for actor in placed["actors"]:      # the node Ray's actor table gave each actor = its plan node
         assert raylet_of[actor["node_id"]] == actor["gpus"][0].split(":")[0], actor
     assert all(r["weight_sync_bytes"] > 0 for r in clean)
 
-    def kill_gen_a():   # a whole node (raylet, object store, its rollout actor) goes when step 1 is logged
-        path = tmp_path / "lost" / "metrics.jsonl"
-        while not (path.exists() and path.read_text().strip()):
-            time.sleep(0.05)
-        cluster.remove_node(nodes["gen-a"], allow_graceful=False)
-
-    killer = threading.Thread(target=kill_gen_a)
-    killer.start()
+    killer = _remove_when_written(cluster, nodes["gen-a"], tmp_path / "lost" / "metrics.jsonl")
     code, lost, _ = _run(cluster, tmp_path, "lost")
     killer.join()
     assert code == 0 and [r["step"] for r in lost] == [1, 2, 3]
@@ -84,3 +92,16 @@ def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_pa
     for a, b in zip(clean, lost):   # chunks are seeded by position: the same samples, none lost or doubled
         for key in ("reward_mean", "response_len_mean", "sample_tokens"):
             assert a[key] == b[key], (a["step"], key)
+
+    # the learners' node (gen-a is gone, so generation runs on gen-b alone): the run stops with exit code 1, its
+    # checkpoint intact, and says how to resume
+    one = {"groups": [{"tasks": ["actor_gen"], "gpus": ["gen-b:0"],
+                       "parallelism": {"actor_gen": {"tp": 1, "pp": 1, "dp": 1}}}, PLAN["groups"][1]]}
+    (tmp_path / "plan-gen-b.json").write_text(json.dumps({"plan": one}))
+    killer = _remove_when_written(cluster, nodes["train"], tmp_path / "learners" / "checkpoints" / "latest")
+    capsys.readouterr()
+    code, _, _ = _run(cluster, tmp_path, "learners", "checkpoint_every=1", plan="plan-gen-b.json")
+    killer.join()
+    err = capsys.readouterr().err
+    assert code == 1 and "a learner actor died" in err and "hetrl train --resume" in err, err[-2000:]
+    assert (tmp_path / "learners" / "checkpoints" / "step_000001" / "model.safetensors").is_file()
