@@ -486,6 +486,9 @@ class RayEngine:
         emulated = cfg.emulate_cluster is not None
         self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
+        if cfg.lora_rank and any(r.role == "learner" and r.zero == 3 for r in self.replicas):
+            raise InputError("the plan gives actor_train zero: 3 (FSDP2 learners), which hetrl does not run with LoRA "
+                             "yet: the adapter's states are small; use zero: 1 in the plan, or full fine-tuning")
         for r in self.replicas:
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "

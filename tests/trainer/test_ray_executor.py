@@ -22,6 +22,7 @@ from hetrl.planner.spec import TokenLengths  # noqa: E402
 from hetrl.trainer import loop  # noqa: E402
 from hetrl.trainer import build  # noqa: E402
 from hetrl.trainer.build import Policy  # noqa: E402
+from hetrl.schema import InputError  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, node_resources, replicas, run_workload  # noqa: E402
 from hetrl.trainer.ray_executor import (LearnerActor, LearnerFailed, LearnerGroup, RayEngine,  # noqa: E402
@@ -351,3 +352,13 @@ def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray
             assert abs(resumed[name] - p).max() <= 1e-8 * abs(p).max(), (world, name)
         for a in actors:
             ray.kill(a)
+
+
+def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_path):
+    plan = json.loads(json.dumps(PLAN))
+    plan["groups"][1]["parallelism"]["actor_train"]["zero"] = 3
+    (tmp_path / "plan.json").write_text(json.dumps({"plan": plan}))
+    cfg = _cfg(tmp_path, f"plan={tmp_path / 'plan.json'}", "lora_rank=4")
+    model, tokenizer = load_model("tiny")
+    with pytest.raises(InputError, match="zero: 3 .*LoRA"):
+        RayEngine(cfg, model.config, tokenizer, prompt_len=40)
