@@ -23,6 +23,16 @@ def _bench_demo(args) -> int:
 
 
 def _bench_dualkv(args) -> int:
+    if args.layer:
+        from hetrl.bench import dualkv_layer
+
+        result = dualkv_layer.run(args.layer, args.device, warmup=2, repeats=args.repeats)
+        print(dualkv_layer.markdown(result))
+        if args.out:
+            print(f"wrote {dualkv_layer.write(result, args.out)}.json and .md")
+        return 0
+    if args.device != "cpu":
+        raise ValueError("--device is for the layer benchmark (--layer paper|qwen3-8b|tiny); the model grid runs on CPU")
     from hetrl.bench import dualkv_grid
 
     cases = [dualkv_grid.parse_case(c) for c in args.cases] if args.cases else None
@@ -148,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "appended to dualkv_cpu.jsonl at once, and cases already there are not measured again")
     dk.add_argument("--cases", nargs="+", metavar="NxPxR", help="only these cases, e.g. 16x1024x64 "
                     "smollm2-135m:8x256x64 (default: the whole grid, cheapest first)")
+    dk.add_argument("--layer", choices=["paper", "qwen3-8b", "tiny"],
+                    help="one decoder layer, forward + backward, DualKV vs packed (varlen) in the DualKV paper's "
+                         "Table 2 setup (P 5K-32K, mb 4-32, R ~ U(131, 2048)); tiny: small sizes for CPU")
+    dk.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (the layer benchmark; bf16 on CUDA)")
     dk.set_defaults(func=_bench_dualkv)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
     demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")

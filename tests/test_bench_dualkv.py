@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from hetrl.bench import dualkv_grid
@@ -72,3 +73,48 @@ def test_memory_is_measured_per_variant_in_fresh_processes_side_by_side():
     for v, m in mem.items():
         assert "error" not in m, (v, m)
         assert m["resident_kb"] > 100_000 and m["increase_kb"] == m["peak_kb"] - m["resident_kb"] >= 0, (v, m)
+
+
+# ----------------------------------------------------------------------------- the layer benchmark (#20 item 6)
+
+
+def test_the_layer_benchmark_runs_at_tiny_sizes_on_cpu_and_writes_its_table(tmp_path):
+    """`hetrl bench dualkv --layer tiny`: the paper's Table 2 procedure at CPU sizes, both layouts through the
+    model's own code, their log-probs equal, FLOPs counted per layout, files written."""
+    from hetrl.bench import dualkv_layer
+    from hetrl.cli import main
+
+    assert main(["bench", "dualkv", "--layer", "tiny", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "dualkv_layer_tiny_cpu.json").read_text())
+    assert [(r["p"], r["mb"]) for r in res["rows"]] == [(64, 2), (64, 4), (128, 2), (128, 4)]
+    for r in res["rows"]:
+        assert all(8 <= x <= 32 for x in r["responses"]) and len(r["responses"]) == r["mb"]
+        assert r["max_abs_logprob_diff"] < 1e-4
+        d, k = r["layouts"]["dualkv"], r["layouts"]["packed"]
+        assert d["seconds"] > 0 and k["seconds"] > 0 and d["flops"] < k["flops"]
+    assert "| 128 | 4 |" in (tmp_path / "dualkv_layer_tiny_cpu.md").read_text()
+    # the same lengths for the same seed; the full grid is the paper's
+    assert dualkv_layer.cases("full")[0].responses == dualkv_layer.cases("full")[0].responses
+    assert {(c.p, c.mb) for c in dualkv_layer.cases("full")} >= set(dualkv_layer.PAPER_MS)
+    assert all(131 <= x <= 2048 for c in dualkv_layer.cases("full") for x in c.responses)
+
+
+def test_the_layer_flop_count_is_the_papers_rho_on_linear_layers():
+    from hetrl.bench import dualkv_layer
+
+    model = dualkv_layer.build_layer("tiny", torch.device("cpu"), torch.float32)
+    case = dualkv_layer.LayerCase(100, 4, (10, 20, 30, 40))
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    attn = lambda pairs: 3 * 4 * 4 * 16 * pairs
+    assert dualkv_layer.executed_flops(model, case, "packed") == 6 * params * 500 + attn(sum((100 + r) ** 2 / 2
+                                                                                             for r in case.responses))
+    assert dualkv_layer.executed_flops(model, case, "dualkv") == 6 * params * 200 + attn(
+        100 * 100 / 2 + sum(r * 100 + r * r / 2 for r in case.responses))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU; tests/dualkv/test_gpu.py runs it there")
+def test_the_layer_benchmark_on_cuda_without_a_gpu_is_one_line(capsys):
+    from hetrl.cli import main
+
+    assert main(["bench", "dualkv", "--layer", "tiny", "--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

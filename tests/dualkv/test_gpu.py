@@ -25,3 +25,14 @@ def test_cuda_logprobs_and_grads_equal_standard(impl):
     assert (got - want).abs().max() <= 1e-4
     for name, p in model.named_parameters():
         assert (p.grad - want_grads[name]).abs().max() <= 1e-3 * want_grads[name].abs().max(), name
+
+
+def test_the_layer_benchmark_runs_on_cuda_in_bf16():
+    """`hetrl bench dualkv --layer tiny --device cuda`: flex DualKV against the packed layout, bf16, CUDA events."""
+    from hetrl.bench import dualkv_layer
+
+    res = dualkv_layer.run("tiny", "cuda", repeats=2)
+    assert res["dtype"] == "bfloat16" and res["gpu"]
+    for r in res["rows"]:
+        assert r["max_abs_logprob_diff"] < 0.1      # bf16 log-probs over a 256-token vocabulary
+        assert r["layouts"]["dualkv"]["peak_bytes"] > 0 and r["layouts"]["dualkv"]["seconds"] > 0
