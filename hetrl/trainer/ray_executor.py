@@ -362,14 +362,14 @@ class RolloutPool:
         self.in_flight: dict = {}
 
     def _usable(self) -> list[int]:
-        return [a for a in range(len(self.actors)) if a not in self.gone and a not in self.recovering.values()]
+        restarting = set(list(self.recovering.values()))
+        return [a for a in range(len(self.actors)) if a not in self.gone and a not in restarting]
 
     def push_weights(self, ref, version: int) -> list:
         """Queue version `version` on every usable actor (applied between generation calls); -> futures of
         seconds. Actors being restarted load it before their next chunk."""
-        self._forget_homeless()
         self.latest = ([ref], version)
-        self.stale = set(self.recovering.values())
+        self.stale = set(list(self.recovering.values()))   # list(): generate may change it from its thread
         return [self.actors[a].load_weights.remote([ref], version) for a in self._usable()]
 
     def wait_loads(self, futures) -> list[float]:
