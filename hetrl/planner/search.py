@@ -84,8 +84,13 @@ def _result(method, cluster, best_configs, best_t, t0, n, gap=None, stopped=None
 # ------------------------------------------------------------------------------------------ exhaustive
 
 
+def allocations(cluster: ClusterSpec, groups: int) -> int:
+    """GPU allocations of one grouping of `groups` task groups: per pool, its steps split among them or unused."""
+    return math.prod(math.comb(p.steps + groups, groups) for p in pools(cluster))
+
+
 def exhaustive_size(cluster: ClusterSpec, w: WorkloadSpec) -> int:
-    return sum(math.prod(math.comb(p.steps + len(g), len(g)) for p in pools(cluster)) for g in groupings(w))
+    return sum(allocations(cluster, len(g)) for g in groupings(w))
 
 
 def exhaustive(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float | None = None) -> SearchResult:
@@ -281,8 +286,7 @@ def hybrid(cluster: ClusterSpec, w: WorkloadSpec, budget: int = 20000, seed: int
     t0 = deadline.start
     stopped = None
     rng = random.Random(seed)
-    arms = [_Arm(g, population_size=8, space=math.prod(math.comb(p.steps + len(g), len(g)) for p in pools(cluster)))
-            for g in groupings(w)]
+    arms = [_Arm(g, population_size=8, space=allocations(cluster, len(g))) for g in groupings(w)]
     rounds = max(1, math.ceil(math.log2(len(arms))))
     per_arm = max(8, budget // (len(arms) * rounds))
     n = 0

@@ -55,11 +55,15 @@ class LearnerFailed(ExecutorFailure):
 # ------------------------------------------------------------------------------------------ weights over Ray
 
 
-def weights_to_numpy(pol: build.Policy, state: dict[str, torch.Tensor] | None = None) -> dict[str, np.ndarray]:
-    """What weight sync sends (the whole state dict, or with LoRA only the adapter's tensors; or `state`, gathered
-    from shards) as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies."""
+def weights_to_numpy(pol: build.Policy) -> dict[str, np.ndarray]:
+    """What weight sync sends: the whole state dict, or with LoRA only the adapter's tensors."""
+    return state_to_numpy(pol.sync_state())
+
+
+def state_to_numpy(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Tensors as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies."""
     out = {}
-    for k, v in (pol.sync_state() if state is None else state).items():
+    for k, v in state.items():
         v = v.detach().cpu()
         out[k] = v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy()
     return out
@@ -206,7 +210,7 @@ class LearnerActor:
             from hetrl.trainer import sharding
 
             state = sharding.full_state(self.policy.module)
-            return weights_to_numpy(build.Policy(None), state) if self.rank == 0 else None
+            return state_to_numpy(state) if self.rank == 0 else None
         return weights_to_numpy(self.policy)
 
     def save(self, run_dir: str, step: int, extra: dict, config: dict) -> str | None:
