@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from hetrl.schema import InputError
+
 
 def _bench_demo(args) -> int:
     from hetrl.bench import dualkv
@@ -73,6 +75,28 @@ def _train(args) -> int:
 def _plan(args) -> int:
     from hetrl.planner import report
 
+    if args.import_:
+        from hetrl.integrations.export import import_plan
+
+        result = import_plan(*args.import_)
+        print(json.dumps(result, indent=2) if args.json else report.format_report(result))
+        if args.out:
+            report.write_json(result, args.out)
+        return 0
+    if not args.cluster or not args.workload:
+        raise InputError("hetrl plan needs --cluster and --workload (or --import ENGINE DIR)")
+    if args.export:
+        from hetrl.integrations.export import check_out_dir, export
+
+        if not args.out:
+            raise InputError(f"--export {args.export} needs --out DIR, the new folder to write its files to")
+        check_out_dir(args.out)                 # before the search, not after it
+        result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
+                                    time_limit_s=args.time_limit, evaluate_path=args.evaluate)
+        done = export(args.export, args.cluster, args.workload, result["plan"], args.out)
+        print(json.dumps(result | {"export": done}, indent=2) if args.json
+              else report.format_report(result) + "\n\n" + done["summary"])
+        return 0
     if args.out:
         report.check_output_path(args.out)   # before the search, not after it
     result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
@@ -118,15 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
-    pl.add_argument("--cluster", required=True, help="cluster YAML (examples/clusters/)")
-    pl.add_argument("--workload", required=True, help="workload YAML (examples/workloads/)")
+    pl.add_argument("--cluster", help="cluster YAML (examples/clusters/); required unless --import")
+    pl.add_argument("--workload", help="workload YAML (examples/workloads/); required unless --import")
     pl.add_argument("--method", default="hybrid", help="hybrid | ilp | exhaustive | verl | verl-all | streamrl | all")
     pl.add_argument("--time-limit", type=float, help="seconds the search may take (hybrid, ilp, exhaustive); it "
                     "returns its best plan by then and says it stopped early (default: hybrid's budget, ilp 120 s)")
     pl.add_argument("--seed", type=int, help="hybrid's random seed (default 0)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pl.add_argument("--evaluate", metavar="PLAN.json", help="score this plan instead of searching")
-    pl.add_argument("--out", metavar="PLAN.json", help="also write the JSON result here")
+    pl.add_argument("--out", metavar="PLAN.json", help="also write the JSON result here (with --export: the folder "
+                    "to write the engine's files to)")
+    pl.add_argument("--export", choices=["verl", "openrlhf"], help="write what that engine's user runs for the "
+                    "plan (verl 0.9 Hydra overrides and launcher, or OpenRLHF 0.11 flags) into --out DIR, say what "
+                    "it cannot express, and predict the plan as the engine runs it")
+    pl.add_argument("--import", dest="import_", nargs=2, metavar=("ENGINE", "DIR"),
+                    help="read a `--export verl` folder back as a hetrl plan and score it")
     pl.set_defaults(func=_plan)
 
     tr = sub.add_parser("train", help="RL post-training (GRPO/DAPO) with the DualKV update")
