@@ -15,6 +15,9 @@ FORBIDDEN = {
     # prompts and rewards: no model code (a reward worker process imports only this and the user's module)
     "hetrl.data": {"hetrl.dualkv", "hetrl.planner", "hetrl.algo", "hetrl.trainer", "hetrl.models", "ray", "torch",
                    "transformers"},
+    # plan export / import: the planner and the validation layer only (no model code, no engines)
+    "hetrl.integrations.export": {"hetrl.dualkv", "hetrl.algo", "hetrl.data", "hetrl.trainer", "hetrl.models", "ray",
+                                  "torch", "transformers", "verl", "openrlhf", "hydra"},
     # the validation layer every package uses: a leaf (yaml and the standard library)
     "hetrl.schema": {"hetrl.dualkv", "hetrl.planner", "hetrl.algo", "hetrl.data", "hetrl.trainer", "hetrl.models",
                      "ray", "torch", "transformers"},
