@@ -324,22 +324,9 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
       logp [K] (autograd-enabled when grad is on), K = total response tokens, ordered group by
       group, response by response, token by token; with return_entropy, (logp [K], entropy [K]).
     """
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a Hugging Face PreTrainedModel, got {type(model).__name__}")
-    if not isinstance(batch, PackedBatch):
-        raise TypeError(f"batch must be a PackedBatch from pack_groups(), got {type(batch).__name__}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    device = model.get_input_embeddings().weight.device
-    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
-    impl = _resolve_impl(impl, device, needs_grad)
-    vocab = model.get_input_embeddings().num_embeddings
-    top = int(batch.input_ids.max())
-    if top >= vocab:
-        raise ValueError(f"batch holds token id {top}, but the model's vocabulary has {vocab} entries")
-    if impl != "reference":
-        _check_model(model, batch, needs_grad)
-    batch = batch.to(device)
+    batch, impl, needs_grad, device = _prepare(model, batch, impl)
     dtype = model.get_input_embeddings().weight.dtype
     if batch.labels.numel() == 0:
         empty = torch.zeros(0, dtype=torch.promote_types(dtype, torch.float32), device=device)
@@ -349,28 +336,10 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
         logits = reference.standard_logits(model, batch)
         row_of_label = torch.arange(batch.labels.numel(), device=device)
     else:
-        active = _Active(batch=batch, impl=impl, max_context=batch.max_context)
         head = _plain_lm_head(model)
         vocab_out = head.out_features if head is not None else 0
         chunked = head is not None and batch.labels.numel() * vocab_out * 4 > CHUNK_LOGITS_ABOVE_BYTES
-        token = _ACTIVE.set(active)
-        checkpointed = needs_grad and model.training and getattr(model, "is_activation_checkpointing", False)
-        try:
-            with _attention_implementation(model, _ATTN_NAME[impl], keep=checkpointed):
-                if chunked:
-                    out = model.get_decoder()(input_ids=batch.input_ids[None],
-                                              position_ids=batch.position_ids[None], use_cache=False)
-                else:
-                    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                                use_cache=False, logits_to_keep=batch.logit_rows)
-        finally:
-            _ACTIVE.reset(token)
-        n_layers = model.config.get_text_config().num_hidden_layers
-        if active.calls != n_layers:
-            raise RuntimeError(
-                f"{type(model).__name__} has {n_layers} layers but only {active.calls} attention calls went "
-                "through AttentionInterface; the others would have computed the wrong thing"
-            )
+        out = _packed_forward(model, batch, impl, needs_grad, decoder_only=chunked)
         if chunked:
             h = out.last_hidden_state[0][batch.logit_rows[batch.row_of_label]]
             chunk = max(1, CHUNK_BYTES // (vocab_out * 4))
@@ -380,3 +349,76 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
         logits = out.logits.squeeze(0)                   # a view: select() would zero-fill a [U, V] grad
         row_of_label = batch.row_of_label
     return _token_logprobs(logits, row_of_label, batch.labels, temperature, return_entropy)
+
+
+def _packed_forward(model, batch: PackedBatch, impl: str, needs_grad: bool, decoder_only: bool):
+    """The model (or only its decoder) once on the packed stream under hetrl's shared-prompt attention; checks
+    that every layer's attention went through it."""
+    active = _Active(batch=batch, impl=impl, max_context=batch.max_context)
+    token = _ACTIVE.set(active)
+    checkpointed = needs_grad and model.training and getattr(model, "is_activation_checkpointing", False)
+    try:
+        with _attention_implementation(model, _ATTN_NAME[impl], keep=checkpointed):
+            if decoder_only:
+                out = model.get_decoder()(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                          use_cache=False)
+            else:
+                out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                            use_cache=False, logits_to_keep=batch.logit_rows)
+    finally:
+        _ACTIVE.reset(token)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if active.calls != n_layers:
+        raise RuntimeError(
+            f"{type(model).__name__} has {n_layers} layers but only {active.calls} attention calls went "
+            "through AttentionInterface; the others would have computed the wrong thing"
+        )
+    return out
+
+
+def _prepare(model, batch: PackedBatch, impl: str):
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a Hugging Face PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch from pack_groups(), got {type(batch).__name__}")
+    device = model.get_input_embeddings().weight.device
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    impl = _resolve_impl(impl, device, needs_grad)
+    vocab = model.get_input_embeddings().num_embeddings
+    top = int(batch.input_ids.max()) if batch.input_ids.numel() else 0
+    if top >= vocab:
+        raise ValueError(f"batch holds token id {top}, but the model's vocabulary has {vocab} entries")
+    if impl != "reference":
+        _check_model(model, batch, needs_grad)
+    return batch.to(device), impl, needs_grad, device
+
+
+def shared_prompt_head(model, batch: PackedBatch, head: torch.nn.Module, *, impl: str = "auto") -> torch.Tensor:
+    """`head` on the model's last hidden state at every row that predicts a response token, exactly as the
+    standard layout gives: the value head of a PPO critic (values of the states before each response token,
+    the positions verl and OpenRLHF read values at), or any per-token head. The LM head is not run.
+
+    Args:
+      model: a Hugging Face model with `get_decoder()` (a causal LM such as Llama, Qwen2/3, Mistral: the critic
+        is typically the policy's architecture) whose attention goes through AttentionInterface.
+      batch: from `pack_groups`; moved to the model's device.
+      head: maps hidden states [K, D] to [K, ...] (e.g. torch.nn.Linear(D, 1) for values).
+      impl: as for shared_prompt_logprobs ("reference" runs each full sequence alone: the oracle).
+
+    Returns:
+      head(h) [K, ...] (autograd-enabled when grad is on), K = total response tokens, in label order.
+    """
+    batch, impl, needs_grad, device = _prepare(model, batch, impl)
+    if not hasattr(model, "get_decoder"):
+        raise ValueError(f"{type(model).__name__} has no get_decoder(); give a causal LM (its decoder runs, its "
+                         "LM head does not)")
+    if batch.labels.numel() == 0:
+        hidden = model.config.get_text_config().hidden_size
+        dtype = model.get_input_embeddings().weight.dtype
+        return head(torch.zeros(0, hidden, dtype=dtype, device=device))
+    if impl == "reference":
+        h = reference.standard_hidden(model, batch)
+    else:
+        out = _packed_forward(model, batch, impl, needs_grad, decoder_only=True)
+        h = out.last_hidden_state[0][batch.logit_rows[batch.row_of_label]]
+    return head(h)

@@ -28,3 +28,22 @@ def standard_logits(model, batch: PackedBatch) -> torch.Tensor:
     out = model(input_ids=ids.to(device), attention_mask=attention_mask.to(device),
                 logits_to_keep=keep.to(device), use_cache=False)
     return out.logits.reshape(-1, out.logits.shape[-1])
+
+
+def standard_hidden(model, batch: PackedBatch) -> torch.Tensor:
+    """-> the decoder's last hidden state [K, D] at each row that predicts a response token, in label order,
+    each [prompt, response] run alone (right-padded, with its attention mask)."""
+    rows = [torch.cat([prompt, r]) for prompt, resps in batch.groups() for r in resps if r.numel() > 0]
+    prompt_lens = [prompt.numel() for prompt, resps in batch.groups() for r in resps if r.numel() > 0]
+    width = max(r.numel() for r in rows)
+    device = batch.input_ids.device
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    keep = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
+        ids[i, : row.numel()] = row
+        attention_mask[i, : row.numel()] = 1
+        keep[i, p - 1 : row.numel() - 1] = True  # row j predicts token j+1
+    out = model.get_decoder()(input_ids=ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    return out.last_hidden_state[keep.to(device)]
+
