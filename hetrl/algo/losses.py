@@ -1,4 +1,4 @@
-"""Per-token policy losses and how they are averaged. Shapes: K = response tokens of a (mini-)batch.
+"""Per-token policy and value losses and how they are averaged. Shapes: K = response tokens of a (mini-)batch.
 
 The aggregation is expressed as per-token weights over the whole mini-batch, so a loss summed
 over micro-batches (gradient accumulation) equals the loss of the mini-batch in one piece.
@@ -23,6 +23,20 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     return loss, (clipped < unclipped).to(logp.dtype)
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's value loss per token: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2); without `clip`,
+    0.5 (V - R)^2. Returns (loss [K], clipped [K] as 0/1: where the clipped term was the larger)."""
+    plain = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * plain, torch.zeros_like(plain)
+    if not clip > 0:
+        raise ValueError(f"vf_clip must be > 0 (or None for no clipping), got {clip}")
+    held = old_values + torch.clamp(values - old_values, -clip, clip)
+    capped = (held - returns) ** 2
+    return 0.5 * torch.maximum(plain, capped), (capped > plain).to(values.dtype)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
