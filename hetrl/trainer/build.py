@@ -18,7 +18,7 @@ import torch
 
 from hetrl.schema import InputError
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import Learner, Scorer
+from hetrl.trainer.learner import Critic, Learner, Scorer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 log = logging.getLogger(__name__)
@@ -149,3 +149,21 @@ def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
     if pol.lora:
         return scorer(cfg, pol.module, pol.base_off)
     return scorer(cfg, load_base().eval().requires_grad_(False))
+
+
+def critic(cfg: RunConfig, model) -> Critic | None:
+    """PPO's critic: `model` (a copy of the initial policy, or critic_model's weights) with a scalar value head
+    initialised to zero (values start at 0), its own AdamW at critic_lr. None unless algorithm=ppo."""
+    if cfg.algorithm != "ppo":
+        return None
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    dtype = model.get_input_embeddings().weight.dtype
+    hidden = model.config.get_text_config().hidden_size
+    head = torch.nn.Linear(hidden, 1, dtype=dtype, device=model.get_input_embeddings().weight.device)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+    return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
+                  max_grad_norm=cfg.max_grad_norm)

@@ -19,7 +19,7 @@ import yaml
 from hetrl.algo.losses import LOSS_AGGREGATIONS
 from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 
-ALGORITHMS = ("grpo", "dapo")
+ALGORITHMS = ("grpo", "dapo", "ppo")
 # Built-in reward names (hetrl.data): verifier and partial are a reasoning-gym task's own check; exact_match and
 # math_verify compare with the answer column (answer_key); format: the reply is exactly its final answer.
 BUILTIN_REWARDS = ("verifier", "partial", "exact_match", "math_verify", "format")
@@ -41,6 +41,9 @@ _PRESETS = {
                  dynamic_sampling=False, overlong_filter=False),
     "dapo": dict(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_agg="token-mean",
                  dynamic_sampling=True, overlong_filter=True),
+    # PPO: per-token advantages from a critic (GAE); the KL to the reference as for GRPO
+    "ppo": dict(clip_low=0.2, clip_high=0.2, kl_coef=0.001, loss_agg="token-mean",
+                dynamic_sampling=False, overlong_filter=False),
 }
 
 
@@ -84,6 +87,14 @@ class RunConfig:
     dynamic_sampling: bool | None = None
     max_sampling_rounds: int = rule(3, ge=1)
     overlong_filter: bool | None = None
+    # PPO (algorithm=ppo): the critic and GAE
+    gamma: float = rule(1.0, ge=0, le=1)          # GAE discount
+    lam: float = rule(0.95, ge=0, le=1)           # GAE lambda
+    whiten_advantages: bool = True                # normalise the batch's advantages to mean 0, std 1
+    vf_clip: float | None = rule(0.2, gt=0)       # value-loss clipping around the old values (null: none)
+    critic_lr: float = rule(5e-5, gt=0)
+    critic_warmup_steps: int = rule(0, ge=0)      # steps that train only the critic (the policy waits)
+    critic_model: str | None = None               # a local HF causal-LM directory; default: the policy's weights
     # sampling
     max_new_tokens: int = rule(16, ge=1)
     temperature: float = rule(0.7, gt=0)
@@ -123,9 +134,14 @@ class RunConfig:
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) cannot exceed prompts_per_step ({self.prompts_per_step}): "
                 "groups are never split across mini-batches; lower mini_batches or raise prompts_per_step")
-        if self.responses_per_prompt < 2:
+        if self.algorithm == "ppo" and self.executor == "ray":
+            raise ValueError("algorithm=ppo runs on the local executor for now: the Ray executor does not place the "
+                             "critic roles yet (issue #16); use executor=local")
+        if self.algorithm != "ppo" and (self.critic_model is not None or self.critic_warmup_steps):
+            raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no critic")
+        if self.responses_per_prompt < 2 and self.algorithm != "ppo":
             raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
-                             "advantages compare a prompt's responses with each other")
+                             "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
         if self.algorithm == "dapo" and self.kl_coef > 0:
             raise ValueError(f"DAPO has no KL term, but kl_coef is {self.kl_coef}; set kl_coef=0 or algorithm=grpo")
         if not self.out_dir.strip():

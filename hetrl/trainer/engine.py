@@ -37,11 +37,13 @@ class Trainer(LogProbs, Protocol):
 
 class Engine(Protocol):
     """Where the roles of a run live. `worker` samples (actor_gen), `learner` gives the old log-probs and takes
-    optimizer steps (actor_infer, actor_train), `reference` gives the KL reference's log-probs (None without KL)."""
+    optimizer steps (actor_infer, actor_train), `reference` gives the KL reference's log-probs (None without KL),
+    `critic` gives values and takes value steps (critic_infer, critic_train; PPO only, else None)."""
 
     worker: Generator
     learner: Trainer
     reference: LogProbs | None
+    critic: object | None
 
     def sync_weights(self, version: int) -> dict:
         """Make the rollout side sample from policy version `version`; -> metrics (bytes, seconds)."""
@@ -63,6 +65,7 @@ class LocalEngine:
 
     def __init__(self, cfg: RunConfig, model, tokenizer):
         self.tokenizer = tokenizer
+        self.critic = build.critic(cfg, _critic_model(cfg, model))   # before the policy: LoRA changes `model`
         self.policy = build.policy(cfg, model)
         self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
         self.optimizer = build.optimizer(cfg, self.policy)
@@ -73,16 +76,34 @@ class LocalEngine:
         return {}
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
+        if self.critic is not None:
+            extra = extra | {"critic": self.critic.state()}
         return checkpoint.save(run_dir, step, self.policy.saved, self.tokenizer, self.optimizer, extra, config)
 
     def load(self, path: pathlib.Path) -> dict:
-        return checkpoint.load(path, self.policy.saved, self.optimizer)
+        state = checkpoint.load(path, self.policy.saved, self.optimizer)
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError(f"checkpoint {path} holds no critic; it was not written by a PPO run")
+            self.critic.load_state(state.pop("critic"))
+        return state
 
     def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
         return checkpoint.save_merged(run_dir, self.policy.merged(), self.tokenizer)
 
     def close(self) -> None:
         pass
+
+
+def _critic_model(cfg: RunConfig, model):
+    if cfg.algorithm != "ppo":
+        return None
+    if cfg.critic_model is None:
+        return copy.deepcopy(model)
+    from hetrl.models import load_model
+
+    critic, _ = load_model(cfg.critic_model, model.get_input_embeddings().weight.dtype, seed=cfg.seed)
+    return critic.to(model.get_input_embeddings().weight.device)
 
 
 def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int) -> Engine:

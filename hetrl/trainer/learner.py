@@ -1,4 +1,5 @@
-"""Learner: log-prob passes and the clipped policy update, all through the DualKV shared-prompt engine.
+"""Learner: log-prob passes and the clipped policy update, and PPO's critic (values and the clipped value update),
+all through the DualKV shared-prompt engine.
 
 Groups are cut into micro-batches by packed-token budget (`split_by_token_budget`, which keeps
 groups whole and response order intact), so the per-token tensors of a mini-batch line up with
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hetrl.algo import clipped_policy_loss, kl_k3
-from hetrl.dualkv import pack_groups, shared_prompt_logprobs, split_by_token_budget
+from hetrl.algo import clipped_policy_loss, clipped_value_loss, kl_k3
+from hetrl.dualkv import pack_groups, shared_prompt_head, shared_prompt_logprobs, split_by_token_budget
 
 Groups = list[tuple[list[int], list[list[int]]]]
 
@@ -152,3 +153,71 @@ class Learner:
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
                            clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=float(grad_norm),
                            packed_tokens=packed, standard_tokens=standard)
+
+
+@dataclass(frozen=True)
+class CriticStats:
+    value_loss: float
+    vf_clip_frac: float
+    grad_norm: float
+
+
+class Critic:
+    """PPO's critic: a causal LM's decoder with a scalar value head, its values read at the rows that predict
+    response tokens (shared_prompt_head: the prompt once per group, exactly), trained with the clipped value
+    loss by its own optimizer. The LM head of `model` is never run."""
+
+    def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
+                 micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0):
+        self.model, self.head, self.optimizer = model, head, optimizer
+        self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
+            max_grad_norm
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
+
+    def _values(self, batch) -> torch.Tensor:
+        return shared_prompt_head(self.model, batch, self.head, impl=self.impl).squeeze(-1)
+
+    def values(self, groups: Groups) -> torch.Tensor:
+        """No-grad values [K] of the state before every response token of `groups`."""
+        with torch.no_grad():
+            parts = [self._values(b) for b in _micro_batches(groups, self.micro_batch_tokens)]
+        return torch.cat(parts).detach().cpu() if parts else torch.zeros(0, dtype=self.head.weight.dtype)
+
+    def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
+               weights: torch.Tensor) -> CriticStats:
+        """One optimizer step of the clipped value loss, per-token `weights` as the policy loss's."""
+        if float(weights.sum()) == 0:
+            return CriticStats(0.0, 0.0, 0.0)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = clip_total = 0.0
+        offset = 0
+        for batch in [b for b in _micro_batches(groups, self.micro_batch_tokens) if b.labels.numel()]:
+            sl = slice(offset, offset + batch.labels.numel())
+            offset += batch.labels.numel()
+            v = self._values(batch)
+            w = weights[sl].to(v.device, v.dtype)
+            loss_tok, clipped = clipped_value_loss(v, old_values[sl].to(v.device, v.dtype),
+                                                   returns[sl].to(v.device, v.dtype), self.vf_clip)
+            loss = (w * loss_tok).sum()
+            loss.backward()
+            loss_total += loss.item()
+            clip_total += (w * clipped).sum().item()
+        assert offset == weights.numel(), "micro-batches must cover every response token"
+        params = self.parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return CriticStats(loss_total, clip_total, float(grad_norm))
+
+    def state(self) -> dict:
+        """Everything a checkpoint keeps of the critic (tensors only: loaded back with weights_only=True)."""
+        return {"model": self.model.state_dict(), "head": self.head.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])

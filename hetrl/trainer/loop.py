@@ -32,7 +32,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from hetrl.algo import group_advantages, token_weights
+from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
 from hetrl.data.rewards import nested
 from hetrl.models import load_model
@@ -155,10 +155,34 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
 
 
-def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference) -> dict:
+def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic) -> tuple[torch.Tensor, ...]:
+    """Old values [K] from the critic, then GAE on the token rewards (each response's reward on its last token):
+    (old values, advantages, returns), advantages whitened over the batch's kept tokens when asked."""
+    old_values = critic.values(groups).to(torch.float64)
+    lens = torch.tensor([len(s.tokens) for r in kept for s in r.samples])
+    scores = torch.tensor([x for r in kept for x in r.rewards], dtype=torch.float64)
+    token_rewards = torch.zeros(int(lens.sum()), dtype=torch.float64)
+    ends = torch.cumsum(lens, 0) - 1
+    token_rewards[ends[lens > 0]] = scores[lens > 0]
+    adv, ret = gae(token_rewards, old_values, lens, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        keep = torch.repeat_interleave(torch.tensor([not (cfg.overlong_filter and s.truncated)
+                                                     for r in kept for s in r.samples]), lens)
+        adv = adv.clone()
+        adv[keep] = whiten(adv[keep])
+    return old_values, adv, ret
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None     # metrics.jsonl stays strict JSON (no NaN)
+
+
+def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, critic=None,
+                  train_policy: bool = True) -> dict:
     """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups.
     Async: the importance ratio is taken against the behaviour policy that sampled each response (its
-    log-probs come with the samples), not the learner's current weights."""
+    log-probs come with the samples), not the learner's current weights. PPO: the critic's values, GAE, and a
+    critic step before each policy step (`train_policy` off: the critic warms up alone)."""
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
     if cfg.mode == "async":
@@ -166,14 +190,32 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference) -> di
     else:
         old_logp = learner.logprobs(groups)
     ref_logp = reference.logprobs(groups) if reference is not None else None
+    if critic is not None:
+        old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
     t_update = time.perf_counter()
-    stats = []
+    stats, critic_stats = [], []
     for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
         tok = _token_slice(groups, part)
         advantages, weights = _per_token([kept[i] for i in part], cfg)
-        stats.append(learner.update([groups[i] for i in part], advantages, weights, old_logp[tok],
-                                    None if ref_logp is None else ref_logp[tok]))
-    return _update_stats(stats, t_update - t0, time.perf_counter() - t_update)
+        mb = [groups[i] for i in part]
+        if critic is not None:
+            advantages = ppo_adv[tok]
+            critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
+        if train_policy:
+            stats.append(learner.update(mb, advantages, weights, old_logp[tok],
+                                        None if ref_logp is None else ref_logp[tok]))
+    row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
+        "logprob_s": t_update - t0, "update_s": time.perf_counter() - t_update}
+    if critic is not None:
+        n = len(critic_stats)
+        row |= {"value_loss": sum(c.value_loss for c in critic_stats) / n,
+                "vf_clip_frac": sum(c.vf_clip_frac for c in critic_stats) / n,
+                "critic_grad_norm": max(c.grad_norm for c in critic_stats),
+                "value_mean": float(old_values.mean()) if old_values.numel() else 0.0,
+                "return_mean": float(returns.mean()) if returns.numel() else 0.0,
+                "explained_variance": _finite(explained_variance(old_values, returns)),
+                "policy_updated": train_policy}
+    return row
 
 
 class _StopAfterStep:
@@ -445,7 +487,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
                 row["staleness"] = version - min(versions)
                 assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
             if kept:
-                row |= update_policy(cfg, engine.learner, kept, engine.reference)
+                row |= update_policy(cfg, engine.learner, kept, engine.reference, getattr(engine, "critic", None),
+                                     train_policy=step >= cfg.critic_warmup_steps)
                 version += 1
                 row |= engine.sync_weights(version)
             step += 1

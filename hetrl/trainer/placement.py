@@ -96,10 +96,10 @@ def model_spec_from_hf(config, name: str = "run") -> ModelSpec:
 
 def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str = "bf16") -> WorkloadSpec:
     """The planner workload of a `hetrl train` run: its model, batch and lengths; a reference model only when
-    the KL term needs one; rewards are verifiers (no reward model)."""
+    the KL term needs one; a critic of the actor's size for PPO; rewards are verifiers (no reward model)."""
     return WorkloadSpec(
         algorithm=cfg.algorithm, mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
-        reward=None, critic=None, prompts_per_step=cfg.prompts_per_step,
+        reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision)
 

@@ -553,6 +553,7 @@ class RayEngine:
         self.learner = LearnerGroup(learners, on_failure=self._learner_failed,
                                     sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
         self.reference = ShardedScorer(references) if references else None
+        self.critic = None          # PPO's critic roles are not placed on Ray yet (config refuses algorithm=ppo there)
         self.last_checkpoint = None
         self.weight_bytes = None
         self.pending_sync: list = []
