@@ -97,14 +97,31 @@ def tracker(kind: str, run_dir: pathlib.Path, config: dict) -> Tracker | None:
 
 
 def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None:
-    """Train reward and accuracy per step (`rows`), held-out accuracy where evaluated (`evals`), as a PNG."""
+    """Train reward and accuracy per step (`rows`), held-out accuracy where evaluated (`evals`), and for PPO the
+    critic's value loss and explained variance, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train = [r for r in rows if "reward_mean" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    critic = [r for r in rows if r.get("value_loss") is not None]
+    if critic:      # PPO: a second panel with the critic's value loss and explained variance
+        fig, (ax, cax) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
+        cax.plot([r["step"] for r in critic], [r["value_loss"] for r in critic], ".-", color="C3", label="value loss")
+        cax.set_ylabel("value loss")
+        cax.set_xlabel("step")
+        ev = [(r["step"], r["explained_variance"]) for r in critic if r.get("explained_variance") is not None]
+        twin = cax.twinx()
+        if ev:
+            twin.plot(*zip(*ev), "s--", color="C4", label="explained variance")
+        twin.axhline(0.0, color="gray", lw=0.8)
+        twin.set_ylabel("explained variance")
+        cax.grid(alpha=0.3)
+        lines = cax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        cax.legend(lines, [h.get_label() for h in lines], loc="upper right")
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         steps = [r["step"] for r in train]
         ax.plot(steps, [r["reward_mean"] for r in train], "--", lw=2.5, alpha=0.6, label="train reward (mean)")
