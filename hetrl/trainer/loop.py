@@ -77,6 +77,8 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
     scored: list[Scores] = []
     too_long = 0
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
+    phases = getattr(worker, "phase_seconds", None)     # the local worker's prefill / decode clock
+    before = dict(phases) if phases is not None else None
     for _ in range(rounds):
         if len(kept) >= cfg.prompts_per_step:
             break
@@ -93,7 +95,8 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
             sampled.append(r)
             if not cfg.dynamic_sampling or len(set(r.rewards)) > 1:
                 kept.append(r)
-    return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long}
+    split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
+    return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split}
 
 
 def _reward_stats(scored: list[Scores]) -> dict:

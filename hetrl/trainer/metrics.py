@@ -10,6 +10,10 @@ import pathlib
 from hetrl.schema import InputError
 from hetrl.trainer import files
 
+# metrics.jsonl keys that measure time (they differ between otherwise identical runs); everything else in a row is
+# a function of the config and the seed
+TIMING_KEYS = frozenset({"gen_s", "prefill_s", "decode_s", "logprob_s", "update_s", "step_s", "tokens_per_s"})
+
 
 class MetricsLog:
     def __init__(self, path: pathlib.Path, tracker: Tracker | None = None):

@@ -11,6 +11,7 @@ those).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,9 @@ class RolloutWorker:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
+        # seconds spent so far in the shared prompt prefill and in decoding (generate from the prefilled cache,
+        # which also runs each prompt's last token): the loop reports the split per step
+        self.phase_seconds = {"prefill_s": 0.0, "decode_s": 0.0}
 
     def load_weights(self, state_dict: dict) -> None:
         """Weight sync from a learner that holds a separate copy of the policy."""
@@ -63,13 +67,17 @@ class RolloutWorker:
         sampling = {} if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         ids, mask = ids.to(device), mask.to(device)
         with torch.no_grad():
+            t0 = time.perf_counter()
             cache = self._shared_prefill(ids, mask, n) if n > 1 and width > 1 else None
+            t1 = time.perf_counter()
+            self.phase_seconds["prefill_s"] += t1 - t0
             if cache is not None:
                 ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             generated = self.model.generate(
                 input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
                 num_return_sequences=1 if cache is not None else n, pad_token_id=self.pad, eos_token_id=self.eos,
                 **({"do_sample": False} if greedy else sampling))
+            self.phase_seconds["decode_s"] += time.perf_counter() - t1
         rows = generated[:, width:].tolist()
         samples = []
         for row in rows:

@@ -17,10 +17,11 @@ from safetensors.torch import load_file
 
 from hetrl.cli import main
 from hetrl.trainer import checkpoint, loop
+from hetrl.trainer.metrics import TIMING_KEYS
 
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
-TIMING = {"gen_s", "logprob_s", "update_s", "step_s", "tokens_per_s"}
+TIMING = TIMING_KEYS
 
 
 def _rows(run_dir, name="metrics.jsonl"):

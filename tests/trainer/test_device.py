@@ -8,6 +8,7 @@ import torch
 
 from hetrl.cli import main
 from hetrl.trainer import build
+from hetrl.trainer.metrics import TIMING_KEYS
 
 TINY = str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml")
 
@@ -30,7 +31,7 @@ def test_device_cpu_and_auto_give_the_same_run_on_a_cpu_machine(tmp_path):
     for name in ("cpu", "auto"):
         assert main(["train", "--config", TINY, f"out_dir={tmp_path / name}", f"device={name}", "eval_size=8"]) == 0
     rows = [[json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("cpu", "auto")]
-    timing = ("gen_s", "step_s", "tokens_per_s", "logprob_s", "update_s")
+    timing = TIMING_KEYS
     assert [{k: v for k, v in r.items() if k not in timing} for r in rows[0]] == \
         [{k: v for k, v in r.items() if k not in timing} for r in rows[1]]
 

@@ -9,6 +9,7 @@ import torch
 
 from hetrl.cli import main
 from hetrl.trainer.config import load_config
+from hetrl.trainer.metrics import TIMING_KEYS
 
 from .test_train import TINY, _rows, _weights
 
@@ -46,7 +47,7 @@ def test_ppo_resume_reproduces_the_next_step_exactly(tmp_path):
     ca, cb = _critic(straight, 2), _critic(resumed, 2)
     for part in ("model", "head"):
         assert all(torch.equal(ca[part][k], cb[part][k]) for k in ca[part])
-    timing = {"gen_s", "logprob_s", "update_s", "step_s", "tokens_per_s"}
+    timing = TIMING_KEYS
     same = [{k: v for k, v in r.items() if k not in timing} for r in (_rows(straight)[1], _rows(resumed)[1])]
     assert same[0] == same[1]
 

@@ -15,6 +15,7 @@ from hetrl.cli import main
 from hetrl.models import load_model
 from hetrl.trainer import loop
 from hetrl.trainer.learner import Learner
+from hetrl.trainer.metrics import TIMING_KEYS
 
 from ..dualkv.oracle import _use_float64_norms
 
@@ -63,7 +64,7 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path):
     assert main(["train", "--config", TINY, "steps=2", f"out_dir={resumed}", "--resume"]) == 0
     a, b = _weights(straight, 2), _weights(resumed, 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    timing = {"gen_s", "logprob_s", "update_s", "step_s", "tokens_per_s"}
+    timing = TIMING_KEYS
     same = [{k: v for k, v in r.items() if k not in timing} for r in (_rows(straight)[1], _rows(resumed)[1])]
     assert same[0] == same[1]
     assert [r["step"] for r in _rows(resumed)] == [1, 2]
@@ -144,7 +145,7 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path):
     assert main(["train", "--config", TINY, f"out_dir={plain}", "eval_size=8"]) == 0
     assert main(["train", "--config", TINY, f"out_dir={checkpointed}", "eval_size=8",
                  "gradient_checkpointing=true"]) == 0
-    timing = ("gen_s", "step_s", "tokens_per_s", "logprob_s", "update_s")
+    timing = TIMING_KEYS
     a, b = ([{k: v for k, v in r.items() if k not in timing} for r in _rows(d)] for d in (plain, checkpointed))
     assert a == b
     w_plain, w_ckpt = _weights(plain, 3), _weights(checkpointed, 3)
