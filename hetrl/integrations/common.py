@@ -188,6 +188,25 @@ def even_batches(w: WorkloadSpec, plan: Plan, splitting: tuple[str, ...], keep_m
     return prompts, micro
 
 
+def engine_workload(d: Draft, w: WorkloadSpec, plan: Plan, engine: str, splitting: tuple[str, ...],
+                    keep_micro: bool, mode: str) -> WorkloadSpec:
+    """The workload as an engine runs it: no DualKV, bf16, the batch rounded for even splits (even_batches); each
+    change recorded as a gap on its workload field."""
+    if w.dualkv:
+        d.gap("workload.dualkv", f"{engine} computes each response with its own copy of the prompt")
+    if w.precision != "bf16":
+        d.gap("workload.precision", f"{w.precision}: {engine} trains in bf16 mixed precision")
+    prompts, micro = even_batches(w, plan, splitting, keep_micro)
+    if prompts != w.prompts_per_step:
+        d.gap("workload.prompts_per_step", f"{w.prompts_per_step} -> {prompts}: {engine} splits each batch evenly "
+              "over a role's ranks, so the batch is rounded up to a count they all divide")
+    if micro != w.micro_batch_responses:
+        d.gap("workload.micro_batch_responses", f"{w.micro_batch_responses} -> {micro}: a rank's share of a "
+              "mini-batch must be a whole number of micro-batches")
+    return dataclasses.replace(w, mode=mode, dualkv=False, precision="bf16", prompts_per_step=prompts,
+                               micro_batch_responses=micro)
+
+
 # ---------------------------------------------------------------------------------------------- export
 
 
@@ -215,15 +234,24 @@ def workload_dict(w: WorkloadSpec, original: dict) -> dict:
     return out
 
 
-def write_folder(out_dir: str, files: dict[str, str], executable: tuple[str, ...] = ()) -> None:
-    """Write every file into a fresh temporary folder next to `out_dir`, then move it into place. An existing
-    non-empty `out_dir` is refused (an export never overwrites a user's files)."""
+def check_out_dir(out_dir: str) -> None:
+    """Refuse an --out that is not a new (or empty) folder in an existing, writable parent: before any search."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise InputError(f"--out {out_dir} exists and is not an empty folder; give a new folder name")
     if not os.path.isdir(parent):
-        raise InputError(f"--out {out_dir}: the folder {parent} does not exist; create it first")
+        raise InputError(f"--out {out_dir}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out_dir}: the folder {parent} is not writable by this user")
+
+
+def write_folder(out_dir: str, files: dict[str, str], executable: tuple[str, ...] = ()) -> None:
+    """Write every file into a fresh temporary folder next to `out_dir`, then move it into place. An existing
+    non-empty `out_dir` is refused (an export never overwrites a user's files)."""
+    check_out_dir(out_dir)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".hetrl-export.")
     try:
         for name, text in files.items():

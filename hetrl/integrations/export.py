@@ -10,7 +10,7 @@ from hetrl.planner.spec import cluster_from_dict, workload_from_dict
 from hetrl.schema import InputError, choice_error, read_yaml
 
 from . import ENGINES
-from .common import check_plan, common_files, predict, report_of, summary, write_folder
+from .common import check_out_dir, check_plan, common_files, predict, report_of, summary, write_folder
 
 
 def _engine(name: str):
@@ -21,18 +21,6 @@ def _engine(name: str):
         from . import openrlhf
         return openrlhf
     raise InputError(f"--export: {choice_error('an engine', name, ENGINES)}")
-
-
-def check_out_dir(out_dir: str) -> None:
-    """Refuse an --out that is not a new (or empty) folder in an existing, writable parent: before any search."""
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise InputError(f"--out {out_dir} exists and is not an empty folder; give a new folder name")
-    if not os.path.isdir(parent):
-        raise InputError(f"--out {out_dir}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"--out {out_dir}: the folder {parent} is not writable by this user")
 
 
 def export(engine: str, cluster_path: str, workload_path: str, plan: Plan | dict, out_dir: str) -> dict:

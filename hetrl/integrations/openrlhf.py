@@ -23,7 +23,6 @@ checks that follow it in train_ppo_ray.py, run from its source by the tests):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shlex
 
@@ -31,7 +30,7 @@ from hetrl.planner import evaluate
 from hetrl.planner.plan import Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
 
-from .common import Draft, View, bind_inference, even_batches, even_split_and_order, node_counts
+from .common import Draft, View, bind_inference, engine_workload, even_split_and_order, node_counts
 
 OPENRLHF = "OpenRLHF 0.11.2"
 TRAINERS = ("actor_train", "critic_train")
@@ -122,20 +121,8 @@ def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, keep_micro: bool, r
         d.gap("workload.mode", "async: OpenRLHF's async mode does not colocate vLLM with the actor, so the "
               "colocated plan runs synchronously")
         mode = "sync"
-    if w.dualkv:
-        d.gap("workload.dualkv", "OpenRLHF computes each response with its own copy of the prompt")
-    if w.precision != "bf16":
-        d.gap("workload.precision", f"{w.precision}: OpenRLHF trains in bf16 (ds.param_dtype)")
     eng = d.plan()
-    prompts, micro = even_batches(w, eng, ("actor_train", "critic_train"), keep_micro)
-    if prompts != w.prompts_per_step:
-        d.gap("workload.prompts_per_step", f"{w.prompts_per_step} -> {prompts}: DeepSpeed splits each batch evenly "
-              "over the ranks, so the batch is rounded up to a count they all divide")
-    if micro != w.micro_batch_responses:
-        d.gap("workload.micro_batch_responses", f"{w.micro_batch_responses} -> {micro}: a rank's share of a "
-              "mini-batch must be a whole number of micro-batches")
-    ew = dataclasses.replace(w, mode=mode, dualkv=False, precision="bf16", prompts_per_step=prompts,
-                             micro_batch_responses=micro)
+    ew = engine_workload(d, w, eng, "OpenRLHF", ("actor_train", "critic_train"), keep_micro, mode)
     return View("OpenRLHF", eng, ew, d.gaps, {"colocate_all": colocate_all, "stage": stage, "adam_offload": adam,
                                                "tp": tp})
 

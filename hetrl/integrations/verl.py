@@ -44,7 +44,8 @@ from hetrl.planner.plan import Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
 from hetrl.schema import InputError, read_json, read_yaml
 
-from .common import Draft, View, bind_inference, canonical_gpus, even_batches, even_split_and_order, node_counts
+from .common import (Draft, View, bind_inference, canonical_gpus, engine_workload, even_split_and_order,
+                     node_counts)
 
 TRAINERS = ("actor_train", "critic_train")
 VERL = "verl 0.9.1"
@@ -143,20 +144,8 @@ def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, swap_trainers: bool
     mode = "async" if separate else w.mode
     if mode != w.mode:
         d.gap("workload.mode", "sync: verl runs a separate rollout pool only asynchronously (separate_async)")
-    if w.dualkv:
-        d.gap("workload.dualkv", "verl's v1 trainer computes each response with its own copy of the prompt")
-    if w.precision != "bf16":
-        d.gap("workload.precision", f"{w.precision}: verl trains in bf16 mixed precision")
     eng = Plan(d.plan().groups)
-    prompts, micro = even_batches(w, eng, ("actor_train", "critic_train", "ref_infer"), keep_micro)
-    if prompts != w.prompts_per_step:
-        d.gap("workload.prompts_per_step", f"{w.prompts_per_step} -> {prompts}: verl splits each batch evenly "
-              "over a role's ranks, so the batch is rounded up to a count they all divide")
-    if micro != w.micro_batch_responses:
-        d.gap("workload.micro_batch_responses", f"{w.micro_batch_responses} -> {micro}: a rank's share of a "
-              "mini-batch must be a whole number of micro-batches")
-    ew = dataclasses.replace(w, mode=mode, dualkv=False, precision="bf16", prompts_per_step=prompts,
-                             micro_batch_responses=micro)
+    ew = engine_workload(d, w, eng, "verl", ("actor_train", "critic_train", "ref_infer"), keep_micro, mode)
     trainer_mode = "separate_async" if separate else ("sync" if w.mode == "sync" else "colocate_async")
     return View("verl", eng, ew, d.gaps, {"megatron": megatron, "trainer_mode": trainer_mode})
 
