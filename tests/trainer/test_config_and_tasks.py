@@ -33,7 +33,7 @@ def test_algorithm_presets_fill_unset_knobs():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(algorithm="ppo"), r"algorithm must be one of grpo, dapo, got 'ppo'"),
+    (dict(algorithm="reinforce"), r"algorithm must be one of grpo, dapo, ppo, got 'reinforce'"),
     (dict(data="x.jsonl"), "reward 'verifier' is a reasoning-gym task's own check"),
     (dict(reward="exactmatch"), "reward 'exactmatch' is not a built-in"),
     (dict(reward=("verifier", "format"), reward_weights=(1.0,)), "reward_weights has 1 weights for 2 rewards"),
