@@ -39,7 +39,8 @@ class Replica:
     resources: tuple[tuple[str, float], ...]   # Ray custom resources this actor requests
     sharded: bool                         # tp * pp > 1 in the plan (the executor runs the replica unsharded)
     zero: int = 1                         # the plan's ZeRO stage for the task (learners: 3 = FSDP2 over the DP ranks)
-    offload: str = "none"                 # the plan's offload for the task (not applied by the executor yet)
+    offload: str = "none"                 # the plan's offload for the task (learners: with zero 3, FSDP2's CPU offload)
+    recompute: bool = True                # the plan's recompute (learners: activation checkpointing when true)
 
     @property
     def name(self) -> str:
@@ -75,7 +76,7 @@ def replicas(plan: Plan, cluster: ClusterSpec, *, single_node: bool) -> list[Rep
                         "or use a plan whose replicas stay within a node")
                 res = tuple((NODE_RESOURCE.format(node), _floor4(k * share)) for node, k in sorted(per_node.items()))
                 out.append(Replica(ROLE_OF_TASK[task], r, par.dp, tuple(g.name for g in gpus), res, width > 1,
-                                   par.zero, par.offload))
+                                   par.zero, par.offload, par.recompute))
     return out
 
 

@@ -149,7 +149,8 @@ class LearnerActor:
     (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
     process group is up."""
 
-    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, zero: int = 1, offload: str = "none"):
+    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, zero: int = 1, offload: str = "none",
+                 recompute: bool = False):
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if offload not in ("none", "optimizer", "params"):
@@ -159,6 +160,9 @@ class LearnerActor:
             raise InputError("zero: 3 (FSDP2) learners with LoRA are not supported yet: the adapter's states are "
                              "small, use zero: 1 in the plan, or full fine-tuning")
         self.policy, self.tokenizer = _setup(cfg, threads)
+        if recompute and not cfg.gradient_checkpointing:   # the plan's recompute: activation checkpointing
+            self.policy.module.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
         self.cfg, self.rank, self.world = cfg, rank, world
         # ZeRO-2 (only gradients and optimizer states sharded) has no FSDP2 form; its memory lies between 1 and 3
         self.sharded = zero == 3 and world > 1
@@ -168,6 +172,10 @@ class LearnerActor:
 
     def whereabouts(self) -> dict:
         return _whereabouts()
+
+    def checkpointing(self) -> bool:
+        """Whether this learner recomputes activations in the backward (the plan's recompute, or the config's)."""
+        return bool(getattr(self.policy.module, "is_activation_checkpointing", False))
 
     def rendezvous(self, local: bool, run_dir: str) -> str:
         """Rank 0: where torch.distributed's ranks meet. On one machine (`local`) a file store inside out_dir, so
@@ -540,7 +548,7 @@ class RayEngine:
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
             cfg, threads("rollout"), cfg.mode == "async") for r in by_role["rollout"]]
         learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]),
-                                                          r.zero, r.offload) for r in by_role["learner"]]
+                                                          r.zero, r.offload, r.recompute) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, threads("reference"))
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references}

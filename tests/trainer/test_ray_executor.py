@@ -77,6 +77,11 @@ def test_replicas_follow_the_plan_groups_and_share_colocated_gpus():
     with pytest.raises(ValueError, match="spans nodes"):
         replicas(plan_from_dict(spanning, cluster, w), cluster, single_node=False)
     assert len(replicas(plan_from_dict(spanning, cluster, w), cluster, single_node=True)) == 4  # 1 + 1 + 2
+    assert [r.recompute for r in reps if r.role == "learner"] == [True, True]         # the plan's default
+    lean = json.loads(json.dumps(PLAN))
+    lean["groups"][1]["parallelism"]["actor_train"] |= {"zero": 1, "offload": "none", "recompute": False}
+    assert [r.recompute for r in replicas(plan_from_dict(lean, cluster, w), cluster, single_node=False)
+            if r.role == "learner"] == [False, False]
 
 
 def test_groups_go_whole_to_ranks_balanced_by_tokens():
@@ -113,12 +118,14 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
             node = {"rollout": "node-a", "learner": "node-b", "reference": "node-b"}[p["role"]]
             assert set(p["resources"]) == {f"hetrl-node:{node}"}
             assert all(g.startswith(node) for g in p["gpus"])
+        # the plan's actor_train has the default recompute: true, so the learners recompute activations
+        assert ray.get([a.checkpointing.remote() for a in engine.actors["learner"]]) == [True, True]
     finally:
         engine.close()
 
 
-def _learner_group(world, cfg, zero=1, offload="none"):
-    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world, zero, offload)
+def _learner_group(world, cfg, zero=1, offload="none", recompute=False):
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world, zero, offload, recompute)
               for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
@@ -130,17 +137,18 @@ FOUR = ((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17]))
 ONE = ((20, [5, 0, 9, 1]),)
 
 
-@pytest.mark.parametrize("shapes, zero, offload", [(FOUR, 1, "none"), (ONE, 1, "none"), (FOUR, 3, "none"),
-                                                   (ONE, 3, "none"), (FOUR, 3, "optimizer")],
-                         ids=["replicas-4-groups", "replicas-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
-                              "fsdp2-1-group-so-rank-1-gets-none", "fsdp2-offload-4-groups"])
-def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero, offload):
+@pytest.mark.parametrize("shapes, zero, offload, recompute", [
+    (FOUR, 1, "none", False), (ONE, 1, "none", False), (FOUR, 3, "none", False), (ONE, 3, "none", False),
+    (FOUR, 3, "optimizer", False), (FOUR, 3, "none", True)],
+    ids=["replicas-4-groups", "replicas-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
+         "fsdp2-1-group-so-rank-1-gets-none", "fsdp2-offload-4-groups", "fsdp2-recompute-4-groups"])
+def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero, offload, recompute):
     """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
     it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 3 the two
     ranks are FSDP2 shards (gradients summed by its reduce-scatter; the rank with fewer micro-batches runs
     zero-weight passes so that both all-gather as often), with DualKV log-probs inside: the same step; also with
     FSDP2's CPU offload (on a CPU host the states live in host memory anyway: this checks the wiring and that
-    the numbers stay)."""
+    the numbers stay); and with the plan's recompute (activation checkpointing) on the FSDP2 ranks."""
     cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
     groups = _groups(shapes=shapes)
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
@@ -149,7 +157,8 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
     weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
     results = {}
     for world in (1, 2):
-        actors, group = _learner_group(world, cfg, zero if world > 1 else 1, offload if world > 1 else "none")
+        actors, group = _learner_group(world, cfg, zero if world > 1 else 1, offload if world > 1 else "none",
+                                       recompute and world > 1)   # the plan's recompute: same numbers
         old = group.logprobs(groups)
         stats = group.update(groups, advantages, weights, old + 0.01, old - 0.05)
         last = None if group.sharded else ray.get(actors[-1].weights.remote())   # a shard has no whole copy
