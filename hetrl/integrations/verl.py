@@ -410,21 +410,32 @@ class HetRLTaskRunner:
         from verl.trainer.ppo.v1 import AgentLoopManagerTQ, get_trainer_cls
         from verl.utils.logging_utils import configure_verl_logging
 
+        from verl.utils.import_utils import load_class_from_fqn
+
         configure_verl_logging()
         trainer_cls = pinned(get_trainer_cls(config.trainer.v1.trainer_mode))
         config.transfer_queue.enable = True
         pprint(OmegaConf.to_container(config, resolve=True))
         OmegaConf.resolve(config)
         tq.init(config.transfer_queue)
+        trainer, succeeded = None, False
         try:
             trainer = trainer_cls(config=config)
             trainer.init()
-            manager = AgentLoopManagerTQ.create(config=config, llm_client=trainer.get_llm_client(),
-                                                teacher_client=trainer.get_teacher_client(),
-                                                reward_loop_worker_handles=trainer.get_reward_handles())
+            fqn = config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
+            manager_cls = load_class_from_fqn(fqn, "AgentLoopManager") if fqn else AgentLoopManagerTQ
+            manager = manager_cls.create(config=config, llm_client=trainer.get_llm_client(),
+                                         teacher_client=trainer.get_teacher_client(),
+                                         reward_loop_worker_handles=trainer.get_reward_handles())
             trainer.fit(manager)
+            succeeded = True
         finally:
-            tq.close()
+            try:
+                tracking = getattr(trainer, "logger", None)
+                if tracking is not None:
+                    tracking.finish(exit_code=0 if succeeded else 1)
+            finally:
+                tq.close()
 
 
 @hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)

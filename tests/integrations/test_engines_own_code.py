@@ -195,3 +195,22 @@ def test_launcher_builds_verls_resource_pools(tmp_path):
     assert mgr.mapping[Role.RewardModel] == owner["rm"]
     assert sum(map(sum, mgr.resource_pool_spec.values())) == sum(
         len(g["gpus"]) for g in json.loads((out / "engine_plan.json").read_text())["groups"])
+
+
+@pytest.mark.skipif(not _have("verl"), reason=EXTRA)
+def test_every_verl_name_the_launcher_uses_is_in_verls_source():
+    """The launcher's task runner mirrors verl 0.9.1's TaskRunnerV1 and imports its pieces (the v1 trainer needs
+    GPU-side packages to import here): every `from verl... import name` must name something that module defines
+    or re-exports, so a verl that renames one fails here rather than on a cluster."""
+    root = pathlib.Path(importlib.util.find_spec("verl").submodule_search_locations[0]).parent
+    tree = ast.parse(verl.LAUNCHER)
+    imports = [(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("verl") for a in n.names]
+    assert len(imports) >= 10
+    for module, name in imports:
+        base = root.joinpath(*module.split("."))
+        path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        text = path.read_text()
+        assert any(pat in text for pat in (f"def {name}(", f"class {name}(", f"class {name}:", f"{name} =",
+                                           f"import {name}", f" {name},", f"({name},", f", {name})")), \
+            f"{module} has no {name}"
