@@ -68,11 +68,10 @@ class Draft:
         if src is to:
             return
         self.gap(f"{self.name(src)}.tasks", f"{task} runs with {to['tasks'][0]} on {self.name(to)}'s GPUs: {why}")
-        old, n = src["par"].pop(task), len(to["gpus"])
-        tp, pp = (old.tp, old.pp) if n % (old.tp * old.pp) == 0 else (1, 1)
+        old = src["par"].pop(task)
         src["tasks"].remove(task)
         to["tasks"].append(task)
-        to["par"][task] = Parallelism(tp, pp, n // (tp * pp))
+        to["par"][task] = model_parallel(old, len(to["gpus"]))
 
     def set_par(self, task: str, new: Parallelism, why: str = "") -> None:
         g = self.where(task)
@@ -91,6 +90,31 @@ class Draft:
     def plan(self) -> Plan:
         return Plan(tuple(Group(tuple(g["tasks"]), tuple(g["gpus"]), tuple((t, g["par"][t]) for t in g["tasks"]),
                                 g["split"], g["swap"]) for g in self.groups))
+
+
+def model_parallel(p: Parallelism, n: int) -> Parallelism:
+    """`p`'s tensor and pipeline degrees on n GPUs (data parallel over the rest) when they divide n, else pure
+    data parallelism; default memory strategy."""
+    tp, pp = (p.tp, p.pp) if n % (p.tp * p.pp) == 0 else (1, 1)
+    return Parallelism(tp, pp, n // (tp * pp))
+
+
+def pool_layout(counts: dict[str, int]) -> tuple[int, int]:
+    """(nnodes, n_gpus_per_node) of an engine's "N nodes x M GPUs" pool shape; an uneven spread is one 'node' of
+    all GPUs (verl's launcher then carries the real per-node counts)."""
+    c = set(counts.values())
+    return (len(counts), c.pop()) if len(c) == 1 else (1, sum(counts.values()))
+
+
+def cheapest(cluster: ClusterSpec, variants: list[View]) -> View:
+    """Of the ways an engine can run a plan, the one that fits with the least predicted time per prompt; the first
+    (the engine's plain way) when none fits."""
+    best, cost = None, math.inf
+    for v in variants:
+        e = evaluate(cluster, v.workload, v.plan)
+        if e.feasible and e.iteration_time_s / v.workload.prompts_per_step < cost - 1e-12:
+            best, cost = v, e.iteration_time_s / v.workload.prompts_per_step
+    return best or variants[0]
 
 
 def _show(p: Parallelism) -> str:

@@ -23,14 +23,13 @@ checks that follow it in train_ppo_ray.py, run from its source by the tests):
 
 from __future__ import annotations
 
-import math
 import shlex
 
-from hetrl.planner import evaluate
 from hetrl.planner.plan import Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
 
-from .common import Draft, View, bind_inference, engine_workload, even_split_and_order, node_counts
+from .common import (Draft, View, bind_inference, cheapest, engine_workload, even_split_and_order, node_counts,
+                     pool_layout)
 
 OPENRLHF = "OpenRLHF 0.11.2"
 TRAINERS = ("actor_train", "critic_train")
@@ -40,14 +39,8 @@ def view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> View:
     """The plan as OpenRLHF runs it. Where OpenRLHF leaves a choice (round the batch keeping the micro-batch or
     shrink it; ZeRO-3; gradient checkpointing; sleeping colocated models), the variant that fits with the least
     predicted time per prompt (the plain one when none fits)."""
-    best, cost = None, math.inf
-    variants = [_view(cluster, w, plan, keep, rec, z3, sleep) for rec in (False, True) for z3 in (False, True)
-                for sleep in (False, True) for keep in (True, False)]
-    for v in variants:
-        e = evaluate(cluster, v.workload, v.plan)
-        if e.feasible and e.iteration_time_s / v.workload.prompts_per_step < cost - 1e-12:
-            best, cost = v, e.iteration_time_s / v.workload.prompts_per_step
-    return best or variants[0]
+    return cheapest(cluster, [_view(cluster, w, plan, keep, rec, z3, sleep) for rec in (False, True)
+                              for z3 in (False, True) for sleep in (False, True) for keep in (True, False)])
 
 
 def _legal(tasks: set[str]) -> bool:
@@ -127,11 +120,6 @@ def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, keep_micro: bool, r
                                                "tp": tp})
 
 
-def _layout(counts: dict[str, int]) -> tuple[int, int]:
-    c = set(counts.values())
-    return (len(counts), c.pop()) if len(c) == 1 else (1, sum(counts.values()))
-
-
 def flags(cluster: ClusterSpec, v: View) -> list[str]:
     """train_ppo_ray's arguments (model, data and reward paths come from run.sh)."""
     w, plan, s = v.workload, v.plan, v.settings
@@ -141,7 +129,7 @@ def flags(cluster: ClusterSpec, v: View) -> list[str]:
     out = []
 
     def role(name, task):
-        nn, per = _layout(node_counts(cluster, plan.group_of(task).gpus))
+        nn, per = pool_layout(node_counts(cluster, plan.group_of(task).gpus))
         out.extend([f"--{name}.num_nodes", str(nn), f"--{name}.num_gpus_per_node", str(per)])
 
     role("actor", "actor_train")

@@ -34,18 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 import yaml
 
-from hetrl.planner import evaluate
 from hetrl.planner.plan import Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
 from hetrl.schema import InputError, read_json, read_yaml
 
-from .common import (Draft, View, bind_inference, canonical_gpus, engine_workload, even_split_and_order,
-                     node_counts)
+from .common import (Draft, View, bind_inference, canonical_gpus, cheapest, engine_workload, even_split_and_order,
+                     model_parallel, node_counts, pool_layout)
 
 TRAINERS = ("actor_train", "critic_train")
 VERL = "verl 0.9.1"
@@ -56,14 +54,8 @@ def view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> View:
     shrink the micro-batch; turn verl's time-sharing on for trainer groups the plan keeps resident; recompute
     activations where the plan keeps them), the
     variant that fits with the least predicted time per prompt; the plain one when none fits."""
-    best, best_cost = None, math.inf
-    variants = [_view(cluster, w, plan, swap, keep, rec) for rec in (False, True) for swap in (False, True)
-                for keep in (True, False)]
-    for v in variants:
-        e = evaluate(cluster, v.workload, v.plan)
-        if e.feasible and e.iteration_time_s / v.workload.prompts_per_step < best_cost - 1e-12:
-            best, best_cost = v, e.iteration_time_s / v.workload.prompts_per_step
-    return best or variants[0]
+    return cheapest(cluster, [_view(cluster, w, plan, swap, keep, rec) for rec in (False, True)
+                              for swap in (False, True) for keep in (True, False)])
 
 
 def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, swap_trainers: bool, keep_micro: bool,
@@ -105,8 +97,7 @@ def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, swap_trainers: bool
             why = "FSDP2 has no ZeRO-1: reshard_after_forward=false keeps ZeRO-2's memory" if p.zero == 1 else ""
         else:
             offload = "none" if p.offload == "none" else "optimizer"
-            tp, pp = (p.tp, p.pp) if n % (p.tp * p.pp) == 0 else (1, 1)
-            new = Parallelism(tp, pp, n // (tp * pp), 1, offload, p.recompute)
+            new = dataclasses.replace(model_parallel(p, n), offload=offload, recompute=p.recompute)
             why = "Megatron runs ZeRO-1 (its distributed optimizer) and offloads optimizer states, not streamed " \
                   "parameters" if (p.zero, p.offload) != (1, offload) else ""
         if recompute and not new.recompute:
@@ -127,11 +118,11 @@ def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, swap_trainers: bool
             a = actor["par"]["actor_train"]
             new, why = Parallelism(a.tp, a.pp, a.dp), "the reference runs in the actor workers"
         else:
-            new, why = _model_parallel(p, n), "Megatron keeps the reference's weights whole per shard"
+            new, why = model_parallel(p, n), "Megatron keeps the reference's weights whole per shard"
         d.set_par("ref_infer", new, why)
     if "reward_infer" in _tasks(d):
         g = d.where("reward_infer")
-        d.set_par("reward_infer", _model_parallel(g["par"]["reward_infer"], len(g["gpus"])),
+        d.set_par("reward_infer", model_parallel(g["par"]["reward_infer"], len(g["gpus"])),
                   "verl serves the reward model with vLLM replicas (weights whole per shard)")
     # 3. swap: what verl's offload flags and the rollout's free_cache_engine express
     for g in d.groups:
@@ -144,7 +135,7 @@ def _view(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan, swap_trainers: bool
     mode = "async" if separate else w.mode
     if mode != w.mode:
         d.gap("workload.mode", "sync: verl runs a separate rollout pool only asynchronously (separate_async)")
-    eng = Plan(d.plan().groups)
+    eng = d.plan()
     ew = engine_workload(d, w, eng, "verl", ("actor_train", "critic_train", "ref_infer"), keep_micro, mode)
     trainer_mode = "separate_async" if separate else ("sync" if w.mode == "sync" else "colocate_async")
     return View("verl", eng, ew, d.gaps, {"megatron": megatron, "trainer_mode": trainer_mode})
@@ -154,19 +145,7 @@ def _tasks(d: Draft) -> list[str]:
     return [t for g in d.groups for t in g["tasks"]]
 
 
-def _model_parallel(p: Parallelism, n: int) -> Parallelism:
-    tp, pp = (p.tp, p.pp) if n % (p.tp * p.pp) == 0 else (1, 1)
-    return Parallelism(tp, pp, n // (tp * pp))
-
-
 # ---------------------------------------------------------------------------------------------- render
-
-
-def _layout(counts: dict[str, int]) -> tuple[int, int]:
-    """(nnodes, n_gpus_per_node) of verl's stock pool shape; an uneven spread is one 'node' of all GPUs (the
-    launcher's pool spec then carries the real per-node counts)."""
-    c = set(counts.values())
-    return (len(counts), c.pop()) if len(c) == 1 else (1, sum(counts.values()))
 
 
 def pools(cluster: ClusterSpec, v: View) -> dict:
@@ -216,7 +195,7 @@ def overrides(cluster: ClusterSpec, v: View) -> list[str]:
          f"{ar}.model.enable_gradient_checkpointing={_b(a.recompute)}",
          "trainer.logger=[console]",
          f"trainer.v1.trainer_mode={v.settings['trainer_mode']}"]
-    nn, per = _layout(node_counts(cluster, actor.gpus))
+    nn, per = pool_layout(node_counts(cluster, actor.gpus))
     o += [f"trainer.nnodes={nn}", f"trainer.n_gpus_per_node={per}"]
     if w.algorithm == "dapo":
         o += [f"{ar}.actor.clip_ratio_high=0.28", f"{ar}.actor.loss_agg_mode=token-mean"]
@@ -224,7 +203,7 @@ def overrides(cluster: ClusterSpec, v: View) -> list[str]:
         o += [f"{ar}.actor.use_kl_loss=true" if w.algorithm != "ppo" else "algorithm.use_kl_in_reward=true",
               f"{ar}.ref.log_prob_micro_batch_size_per_gpu={mb}"]
     if separate:
-        gn, gper = _layout(node_counts(cluster, gen.gpus))
+        gn, gper = pool_layout(node_counts(cluster, gen.gpus))
         o += [f"{ar}.hybrid_engine=false", f"{ar}.rollout.nnodes={gn}", f"{ar}.rollout.n_gpus_per_node={gper}",
               f"trainer.v1.separate_async.parameter_sync_step={w.optimizer_steps}",
               f"{ar}.rollout.checkpoint_engine.backend=nccl"]
@@ -253,7 +232,7 @@ def overrides(cluster: ClusterSpec, v: View) -> list[str]:
         o += [f"{rm}.enable=true", f"{rm}.rollout.name=vllm", f"{rm}.rollout.tensor_model_parallel_size={r.tp}",
               f"{rm}.rollout.pipeline_model_parallel_size={r.pp}"]
         if g is not actor:
-            rn, rper = _layout(node_counts(cluster, g.gpus))
+            rn, rper = pool_layout(node_counts(cluster, g.gpus))
             o += [f"{rm}.enable_resource_pool=true", f"{rm}.nnodes={rn}", f"{rm}.n_gpus_per_node={rper}"]
     return o
 

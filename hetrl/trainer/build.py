@@ -86,12 +86,18 @@ class Policy:
         return copy.deepcopy(self.peft).merge_and_unload()
 
 
+def recompute(model) -> None:
+    """Activation checkpointing on `model`: each layer recomputed in the backward. DualKV keeps its attention
+    through the recompute (hetrl/dualkv/api.py)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def policy(cfg: RunConfig, model) -> Policy:
     """The trained policy for `cfg`: `model` itself, or `model` with a fresh LoRA adapter when lora_rank > 0 (the
     adapter's initial weights are drawn from the run's seed, so every process builds the same one); activation
     checkpointing on when `gradient_checkpointing`."""
-    if cfg.gradient_checkpointing:   # DualKV keeps its attention through the recompute (hetrl/dualkv/api.py)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:
+        recompute(model)
     if cfg.lora_rank == 0:
         return Policy(model)
     from peft import LoraConfig, get_peft_model
@@ -157,7 +163,7 @@ def critic(cfg: RunConfig, model) -> Critic | None:
     if cfg.algorithm != "ppo":
         return None
     if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        recompute(model)
     dtype = model.get_input_embeddings().weight.dtype
     hidden = model.config.get_text_config().hidden_size
     head = torch.nn.Linear(hidden, 1, dtype=dtype, device=model.get_input_embeddings().weight.device)

@@ -153,26 +153,31 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     """Per-token advantages and loss weights [K], in the order of the packed responses."""
     rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
     adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
+    lens, keep = _responses(rollouts, cfg)
+    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
+
+
+def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens per response [M], and which responses the loss keeps [M] (DAPO's overlong filter drops some)."""
     lens = torch.tensor([len(s.tokens) for r in rollouts for s in r.samples])
     keep = torch.tensor([not (cfg.overlong_filter and s.truncated) for r in rollouts for s in r.samples])
-    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
+    return lens, keep
 
 
 def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic) -> tuple[torch.Tensor, ...]:
     """Old values [K] from the critic, then GAE on the token rewards (each response's reward on its last token):
     (old values, advantages, returns), advantages whitened over the batch's kept tokens when asked."""
     old_values = critic.values(groups).to(torch.float64)
-    lens = torch.tensor([len(s.tokens) for r in kept for s in r.samples])
+    lens, keep = _responses(kept, cfg)
     scores = torch.tensor([x for r in kept for x in r.rewards], dtype=torch.float64)
     token_rewards = torch.zeros(int(lens.sum()), dtype=torch.float64)
     ends = torch.cumsum(lens, 0) - 1
     token_rewards[ends[lens > 0]] = scores[lens > 0]
     adv, ret = gae(token_rewards, old_values, lens, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        keep = torch.repeat_interleave(torch.tensor([not (cfg.overlong_filter and s.truncated)
-                                                     for r in kept for s in r.samples]), lens)
+        kept_tokens = torch.repeat_interleave(keep, lens)
         adv = adv.clone()
-        adv[keep] = whiten(adv[keep])
+        adv[kept_tokens] = whiten(adv[kept_tokens])
     return old_values, adv, ret
 
 
@@ -199,10 +204,12 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     stats, critic_stats = [], []
     for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
         tok = _token_slice(groups, part)
-        advantages, weights = _per_token([kept[i] for i in part], cfg)
         mb = [groups[i] for i in part]
-        if critic is not None:
+        if critic is None:
+            advantages, weights = _per_token([kept[i] for i in part], cfg)
+        else:
             advantages = ppo_adv[tok]
+            weights = token_weights(*_responses([kept[i] for i in part], cfg), cfg.loss_agg)
             critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
         if train_policy:
             stats.append(learner.update(mb, advantages, weights, old_logp[tok],

@@ -160,9 +160,8 @@ class LearnerActor:
             raise InputError("zero: 3 (FSDP2) learners with LoRA are not supported yet: the adapter's states are "
                              "small, use zero: 1 in the plan, or full fine-tuning")
         self.policy, self.tokenizer = _setup(cfg, threads)
-        if recompute and not cfg.gradient_checkpointing:   # the plan's recompute: activation checkpointing
-            self.policy.module.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False})
+        if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in _setup)
+            build.recompute(self.policy.module)
         self.cfg, self.rank, self.world = cfg, rank, world
         # ZeRO-2 (only gradients and optimizer states sharded) has no FSDP2 form; its memory lies between 1 and 3
         self.sharded = zero == 3 and world > 1
