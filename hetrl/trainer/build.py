@@ -10,6 +10,7 @@ copy. LoRA goes through peft (`get_peft_model`, `disable_adapter`, `merge_and_un
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import logging
 import warnings
@@ -81,8 +82,6 @@ class Policy:
 
     def merged(self):
         """A plain transformers model with the adapter merged in (a copy; this policy is unchanged)."""
-        import copy
-
         return copy.deepcopy(self.peft).merge_and_unload()
 
 
@@ -157,9 +156,21 @@ def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
     return scorer(cfg, load_base().eval().requires_grad_(False))
 
 
-def critic(cfg: RunConfig, model) -> Critic | None:
-    """PPO's critic: `model` (a copy of the initial policy, or critic_model's weights) with a scalar value head
-    initialised to zero (values start at 0), its own AdamW at critic_lr. None unless algorithm=ppo."""
+def critic_model(cfg: RunConfig, policy_model=None):
+    """The critic's decoder: critic_model's weights when given, else the initial policy's (a copy of
+    `policy_model`, or loaded again from cfg.model), on the device and in the dtype of the policy."""
+    from hetrl.models import load_model
+
+    if cfg.critic_model is None and policy_model is not None:
+        return copy.deepcopy(policy_model)
+    dtype = policy_model.get_input_embeddings().weight.dtype if policy_model is not None else DTYPES[cfg.dtype]
+    model, _ = load_model(cfg.critic_model or cfg.model, dtype, seed=cfg.seed)
+    return model if policy_model is None else model.to(policy_model.get_input_embeddings().weight.device)
+
+
+def critic(cfg: RunConfig, model, grad_sync=None) -> Critic | None:
+    """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
+    own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). None unless algorithm=ppo."""
     if cfg.algorithm != "ppo":
         return None
     if cfg.gradient_checkpointing:
@@ -172,4 +183,4 @@ def critic(cfg: RunConfig, model) -> Critic | None:
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
-                  max_grad_norm=cfg.max_grad_norm)
+                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync)

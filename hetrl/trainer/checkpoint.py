@@ -3,7 +3,9 @@
 A checkpoint directory `checkpoints/step_NNNNNN` holds the policy (safetensors + config; a LoRA run: the adapter
 in peft's format), the tokenizer,
 the run config, `trainer_state.pt` (optimizer state, step, data-stream position, RNG states; loaded back
-with `torch.load(..., weights_only=True)`) and `manifest.json` (every file's size and SHA-256, written
+with `torch.load(..., weights_only=True)`), a PPO run's `critic.pt` (the critic's weights, value head and
+optimizer state; written by whichever process holds the critic, `stage`d under a hidden name and moved in
+before the manifest) and `manifest.json` (every file's size and SHA-256, written
 last). It is written under a fresh hidden name created exclusively (a planted file or symlink is never
 followed) and renamed into place; a checkpoint of the same step is moved aside, not deleted, until its
 replacement is in place. `checkpoints/latest` names the newest one; it may only name a `step_NNNNNN`
@@ -33,6 +35,8 @@ from hetrl.trainer import files
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
+CRITIC = "critic.pt"
+_PENDING = re.compile(r"\.pending\..+")
 CONFIG = "run_config.yaml"
 _NAME = re.compile(r"step_(\d{6})")
 _TEMP = re.compile(r"\.step_\d{6}\..+")
@@ -77,19 +81,51 @@ def _write_manifest(folder: pathlib.Path, step: int) -> None:
     files.write_text(folder / MANIFEST, json.dumps({"step": step, "files": entries}, indent=1))
 
 
-def _clean_stale_temps(root: pathlib.Path) -> None:
-    """Hidden directories left by a save that was killed (or a replaced checkpoint not yet removed)."""
+def _clean_stale_temps(root: pathlib.Path, keep: set[str]) -> None:
+    """Hidden directories left by a save that was killed (or a replaced checkpoint not yet removed), and staged
+    files no save took in (other than those of this save, `keep`)."""
     for p in root.iterdir():
         if _TEMP.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
+        elif _PENDING.fullmatch(p.name) and p.name not in keep and (p.is_file() or p.is_symlink()):
+            p.unlink(missing_ok=True)
+
+
+def stage(run_dir: pathlib.Path, name: str, state: dict) -> pathlib.Path:
+    """Write `state` (tensors and plain values) for the next `save` to take in as file `name`, from a process other
+    than the one that saves (the Ray executor's critic actor): `checkpoints/.pending.<name>.<random>`, created
+    exclusively. -> its path, for `save(..., staged={name: path})`."""
+    root = files.real_subdir(pathlib.Path(run_dir), "checkpoints")
+    fd, path = tempfile.mkstemp(dir=root, prefix=f".pending.{name}.")
+    with os.fdopen(fd, "wb") as f:
+        torch.save(state, f)
+    return pathlib.Path(path)
+
+
+def read_staged(path: pathlib.Path, name: str) -> dict:
+    """File `name` of the checkpoint at `path`, as `stage` wrote it (loaded with weights_only=True)."""
+    try:
+        with open(pathlib.Path(path) / name, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no {name}") from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: dict, config: dict, *,
-         gathered: tuple[dict, dict] | None = None) -> pathlib.Path:
+         gathered: tuple[dict, dict] | None = None, staged: dict[str, pathlib.Path] | None = None) -> pathlib.Path:
     """`gathered`: (model state dict, optimizer state dict) gathered from sharded learners, saved instead of the
-    model's and the optimizer's own (same files, same format)."""
+    model's and the optimizer's own (same files, same format). `staged`: {file name: path from `stage`}, files
+    moved into the checkpoint."""
     root = files.real_subdir(pathlib.Path(run_dir), "checkpoints")
-    _clean_stale_temps(root)
+    staged = {name: pathlib.Path(p) for name, p in (staged or {}).items()}
+    for fname, p in staged.items():
+        if p.parent.resolve() != root.resolve() or not _PENDING.fullmatch(p.name) or p.is_symlink() or \
+                not p.is_file() or fname in (STATE, CONFIG, MANIFEST) or "/" in fname:
+            raise ValueError(f"checkpoint: {p} is not a file staged for this run's checkpoints (checkpoint.stage)")
+    _clean_stale_temps(root, {p.name for p in staged.values()})
     name = f"step_{step:06d}"
     tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))   # fresh and exclusive
     hf_logging.disable_progress_bar()  # a bar per checkpoint would bury the training bar
@@ -102,6 +138,8 @@ def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: d
     with open(tmp / STATE, "xb") as f:
         torch.save({"step": step, "optimizer": gathered[1] if gathered else optimizer.state_dict(),
                     "rng": _rng_state(), **extra}, f)
+    for fname, p in staged.items():
+        os.replace(p, tmp / fname)
     _write_manifest(tmp, step)
     final = _put_in_place(tmp, root / name)
     files.write_text(root / "latest", name + "\n")

@@ -134,9 +134,6 @@ class RunConfig:
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) cannot exceed prompts_per_step ({self.prompts_per_step}): "
                 "groups are never split across mini-batches; lower mini_batches or raise prompts_per_step")
-        if self.algorithm == "ppo" and self.executor == "ray":
-            raise ValueError("algorithm=ppo runs on the local executor for now: the Ray executor does not place the "
-                             "critic roles yet (issue #16); use executor=local")
         if self.algorithm != "ppo" and (self.critic_model is not None or self.critic_warmup_steps):
             raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no critic")
         if self.responses_per_prompt < 2 and self.algorithm != "ppo":

@@ -65,7 +65,8 @@ class LocalEngine:
 
     def __init__(self, cfg: RunConfig, model, tokenizer):
         self.tokenizer = tokenizer
-        self.critic = build.critic(cfg, _critic_model(cfg, model))   # before the policy: LoRA changes `model`
+        # before the policy: LoRA changes `model`
+        self.critic = build.critic(cfg, build.critic_model(cfg, model)) if cfg.algorithm == "ppo" else None
         self.policy = build.policy(cfg, model)
         self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
         self.optimizer = build.optimizer(cfg, self.policy)
@@ -76,16 +77,16 @@ class LocalEngine:
         return {}
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        if self.critic is not None:
-            extra = extra | {"critic": self.critic.state()}
-        return checkpoint.save(run_dir, step, self.policy.saved, self.tokenizer, self.optimizer, extra, config)
+        staged = {checkpoint.CRITIC: checkpoint.stage(run_dir, checkpoint.CRITIC, self.critic.state())} \
+            if self.critic is not None else None
+        return checkpoint.save(run_dir, step, self.policy.saved, self.tokenizer, self.optimizer, extra, config,
+                               staged=staged)
 
     def load(self, path: pathlib.Path) -> dict:
+        critic = checkpoint.read_staged(path, checkpoint.CRITIC) if self.critic is not None else None
         state = checkpoint.load(path, self.policy.saved, self.optimizer)
-        if self.critic is not None:
-            if "critic" not in state:
-                raise ValueError(f"checkpoint {path} holds no critic; it was not written by a PPO run")
-            self.critic.load_state(state.pop("critic"))
+        if critic is not None:
+            self.critic.load_state(critic)
         return state
 
     def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:
@@ -93,17 +94,6 @@ class LocalEngine:
 
     def close(self) -> None:
         pass
-
-
-def _critic_model(cfg: RunConfig, model):
-    if cfg.algorithm != "ppo":
-        return None
-    if cfg.critic_model is None:
-        return copy.deepcopy(model)
-    from hetrl.models import load_model
-
-    critic, _ = load_model(cfg.critic_model, model.get_input_embeddings().weight.dtype, seed=cfg.seed)
-    return critic.to(model.get_input_embeddings().weight.device)
 
 
 def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int) -> Engine:

@@ -168,10 +168,12 @@ class Critic:
     loss by its own optimizer. The LM head of `model` is never run."""
 
     def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
-                 micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0):
+                 micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0,
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None):
         self.model, self.head, self.optimizer = model, head, optimizer
         self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
             max_grad_norm
+        self.grad_sync = grad_sync   # data-parallel critics: gradients summed over the ranks, as the Learner's
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
@@ -187,8 +189,9 @@ class Critic:
 
     def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
                weights: torch.Tensor) -> CriticStats:
-        """One optimizer step of the clipped value loss, per-token `weights` as the policy loss's."""
-        if float(weights.sum()) == 0:
+        """One optimizer step of the clipped value loss, per-token `weights` as the policy loss's. With `grad_sync`
+        this rank takes part even with nothing to learn from (the others wait for it)."""
+        if float(weights.sum()) == 0 and self.grad_sync is None:
             return CriticStats(0.0, 0.0, 0.0)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -207,6 +210,8 @@ class Critic:
             clip_total += (w * clipped).sum().item()
         assert offset == weights.numel(), "micro-batches must cover every response token"
         params = self.parameters()
+        if self.grad_sync is not None:
+            self.grad_sync(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

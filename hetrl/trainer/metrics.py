@@ -12,7 +12,8 @@ from hetrl.trainer import files
 
 # metrics.jsonl keys that measure time (they differ between otherwise identical runs); everything else in a row is
 # a function of the config and the seed
-TIMING_KEYS = frozenset({"gen_s", "prefill_s", "decode_s", "logprob_s", "update_s", "step_s", "tokens_per_s"})
+TIMING_KEYS = frozenset({"gen_s", "prefill_s", "decode_s", "logprob_s", "update_s", "step_s", "tokens_per_s",
+                         "weight_sync_s", "weight_load_s"})
 
 
 class MetricsLog:

@@ -2,7 +2,7 @@
 each one asks Ray for. Pure Python over the planner's types (no Ray, no torch), so it is tested alone.
 
 Roles: `rollout` runs actor_gen; `learner` runs actor_train and its bound actor_infer (old log-probs);
-`reference` runs ref_infer. One actor per data-parallel replica; replica r of a task with degrees
+`reference` runs ref_infer; `critic` (PPO) runs critic_train and its bound critic_infer (old values). One actor per data-parallel replica; replica r of a task with degrees
 (tp, pp, dp) owns the group's GPUs [r*tp*pp, (r+1)*tp*pp) (the plan's shard order). A GPU is a Ray
 custom resource named after its cluster node (`hetrl-node:<node>`, one unit per GPU), so the same
 request works on a real cluster (each node started with its resource) and on one CPU machine that
@@ -24,7 +24,8 @@ class ExecutorFailure(RuntimeError):
     last checkpoint intact, and the message says how to resume."""
 
 
-ROLE_OF_TASK = {"actor_gen": "rollout", "actor_train": "learner", "ref_infer": "reference"}
+ROLE_OF_TASK = {"actor_gen": "rollout", "actor_train": "learner", "ref_infer": "reference", "critic_train": "critic"}
+ROLES = ("rollout", "learner", "reference", "critic")
 NODE_RESOURCE = "hetrl-node:{}"
 
 
@@ -40,7 +41,7 @@ class Replica:
     sharded: bool                         # tp * pp > 1 in the plan (the executor runs the replica unsharded)
     zero: int = 1                         # the plan's ZeRO stage for the task (learners: 3 = FSDP2 over the DP ranks)
     offload: str = "none"                 # the plan's offload for the task (learners: with zero 3, FSDP2's CPU offload)
-    recompute: bool = True                # the plan's recompute (learners: activation checkpointing when true)
+    recompute: bool = True                # the plan's recompute (learners, critics: activation checkpointing)
 
     @property
     def name(self) -> str:

@@ -1,16 +1,17 @@
 """Ray executor: the roles of `hetrl train` as Ray actors, placed as a planner plan says.
 
-The roles stay the plain classes of hetrl.trainer (RolloutWorker, Learner, Scorer); the actors
+The roles stay the plain classes of hetrl.trainer (RolloutWorker, Learner, Scorer, Critic); the actors
 below are thin wrappers made at placement time, and the driver-side pools give the loop the same
-`generate` / `logprobs` / `update` calls as the local engine. What only Ray gives:
+`generate` / `logprobs` / `update` / `values` calls as the local engine. What only Ray gives:
 - placement: each actor requests its plan GPUs as node resources (placement.py);
-- data-parallel learners: torch.distributed (gloo on CPU, NCCL on GPUs), gradients all-reduced
-  before clipping, groups assigned whole to ranks, balanced by packed tokens;
+- data-parallel learners and critics (PPO): each role's ranks form a torch.distributed group of their own
+  (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping, groups assigned whole to ranks,
+  balanced by packed tokens; the critic's state goes into the learner's checkpoint (checkpoint.stage);
 - weight sync: learner rank 0 returns its weights into the object store once per version; every
   rollout actor reads that object (Ray moves one copy per node) between generation calls;
 - faults: a rollout actor that dies is restarted by Ray and its chunk of prompts re-queued
-  (chunks are seeded by position, so the re-run draws the same samples); a learner that dies
-  stops the run with the last checkpoint intact and says how to resume.
+  (chunks are seeded by position, so the re-run draws the same samples); a learner or critic that
+  dies stops the run with the last checkpoint intact and says how to resume.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from hetrl.schema import InputError
 from hetrl.trainer import build, checkpoint, files
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import UpdateStats
+from hetrl.trainer.learner import CriticStats, UpdateStats
 from hetrl.trainer.checkpoint import resume_command
-from hetrl.trainer.placement import ExecutorFailure, Replica, node_resources, plan_for_run, replicas
+from hetrl.trainer.placement import ROLES, ExecutorFailure, Replica, node_resources, plan_for_run, replicas
 from hetrl.trainer.rollout import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ ROLLOUT_RESTARTS = 3
 
 
 class LearnerFailed(ExecutorFailure):
-    """A learner actor died: the run stops; the message says where the last checkpoint is and how to resume."""
+    """A learner (or critic) actor died: the run stops; the message says where the last checkpoint is and how to resume."""
 
 
 # ------------------------------------------------------------------------------------------ weights over Ray
@@ -144,7 +145,43 @@ class ReferenceActor:
         return self.scorer.logprobs(groups)
 
 
-class LearnerActor:
+class _DataParallel:
+    """What a data-parallel rank of a role (learner, critic) does to join its own torch.distributed group."""
+
+    rank: int
+    world: int
+
+    def rendezvous(self, local: bool, run_dir: str) -> str:
+        """Rank 0: where torch.distributed's ranks meet. On one machine (`local`) a file store inside out_dir, so
+        nothing listens on the network (torch's TCP store binds every interface); on a cluster a free TCP port
+        of this node."""
+        if local:
+            os.makedirs(run_dir, exist_ok=True)
+            return f"file://{os.path.abspath(run_dir)}/.torch-dist-{uuid.uuid4().hex}"
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def init_process_group(self, address: str) -> None:
+        backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
+        if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
+            os.environ["GLOO_SOCKET_IFNAME"] = next(
+                (name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+        torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
+                                             timeout=timedelta(minutes=10))
+        for p in self._replicated():  # identical start even if a rank's initialisation differed
+            torch.distributed.broadcast(p.data, src=0)
+        self._joined()
+
+    def _replicated(self) -> list[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def _joined(self) -> None:
+        """After the process group is up (sharded learners shard there)."""
+
+
+class LearnerActor(_DataParallel):
     """One data-parallel learner rank. `zero` is the plan's strategy for actor training: 1 keeps a full replica
     (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
     process group is up."""
@@ -176,27 +213,10 @@ class LearnerActor:
         """Whether this learner recomputes activations in the backward (the plan's recompute, or the config's)."""
         return bool(getattr(self.policy.module, "is_activation_checkpointing", False))
 
-    def rendezvous(self, local: bool, run_dir: str) -> str:
-        """Rank 0: where torch.distributed's ranks meet. On one machine (`local`) a file store inside out_dir, so
-        nothing listens on the network (torch's TCP store binds every interface); on a cluster a free TCP port
-        of this node."""
-        if local:
-            os.makedirs(run_dir, exist_ok=True)
-            return f"file://{os.path.abspath(run_dir)}/.torch-dist-{uuid.uuid4().hex}"
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+    def _replicated(self) -> list[torch.nn.Parameter]:
+        return list(self.policy.module.parameters())
 
-    def init_process_group(self, address: str) -> None:
-        backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
-        if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
-            os.environ["GLOO_SOCKET_IFNAME"] = next(
-                (name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
-        torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
-                                             timeout=timedelta(minutes=10))
-        for p in self.policy.module.parameters():  # identical start even if a rank's initialisation differed
-            torch.distributed.broadcast(p.data, src=0)
+    def _joined(self) -> None:
         if self.sharded:   # the optimizer and learner are made again over the sharded parameters
             from hetrl.trainer import sharding
 
@@ -220,9 +240,10 @@ class LearnerActor:
             return state_to_numpy(state) if self.rank == 0 else None
         return weights_to_numpy(self.policy)
 
-    def save(self, run_dir: str, step: int, extra: dict, config: dict) -> str | None:
-        """Rank 0 writes the checkpoint. Sharded learners first gather the full model and optimizer states there
-        (every rank must be called; the others return None): the files are those of unsharded learners."""
+    def save(self, run_dir: str, step: int, extra: dict, config: dict, staged: dict | None = None) -> str | None:
+        """Rank 0 writes the checkpoint, with the files other actors `staged` (the critic's). Sharded learners
+        first gather the full model and optimizer states there (every rank must be called; the others return
+        None): the files are those of unsharded learners."""
         gathered = None
         if self.sharded:
             from hetrl.trainer import sharding
@@ -232,7 +253,7 @@ class LearnerActor:
             if self.rank != 0:
                 return None
         return str(checkpoint.save(pathlib.Path(run_dir), step, self.policy.saved, self.tokenizer, self.optimizer,
-                                   extra, config, gathered=gathered))
+                                   extra, config, gathered=gathered, staged=staged))
 
     def save_merged(self, run_dir: str) -> str:
         return str(checkpoint.save_merged(pathlib.Path(run_dir), self.policy.merged(), self.tokenizer))
@@ -240,6 +261,47 @@ class LearnerActor:
     def load(self, path: str) -> dict:
         state = checkpoint.load(pathlib.Path(path), self.policy.saved, self.optimizer)
         return {k: v for k, v in state.items() if k not in ("optimizer", "rng")}
+
+
+class CriticActor(_DataParallel):
+    """One data-parallel critic rank (PPO's critic_train, with its bound critic_infer): the critic's values and
+    its clipped value update, gradients all-reduced over the critic ranks as the learners' are. The plan's ZeRO
+    stage is not applied here: every rank holds the whole critic (a replica)."""
+
+    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, recompute: bool = False):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(threads)
+        model = build.critic_model(cfg)
+        if ray.get_gpu_ids():
+            model = model.to("cuda")
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.critic = build.critic(cfg, model, grad_sync=allreduce_grads if world > 1 else None)
+        if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
+            build.recompute(model)
+
+    def whereabouts(self) -> dict:
+        return _whereabouts()
+
+    def checkpointing(self) -> bool:
+        return bool(getattr(self.critic.model, "is_activation_checkpointing", False))
+
+    def _replicated(self) -> list[torch.nn.Parameter]:
+        return self.critic.parameters()
+
+    def values(self, groups):
+        return self.critic.values(groups)
+
+    def update(self, groups, returns, old_values, weights):
+        return self.critic.update(groups, returns, old_values, weights)
+
+    def stage(self, run_dir: str) -> str:
+        """The critic's state, staged for the next checkpoint (rank 0; the ranks are identical)."""
+        return str(checkpoint.stage(pathlib.Path(run_dir), checkpoint.CRITIC, self.critic.state()))
+
+    def load(self, path: str) -> None:
+        self.critic.load_state(checkpoint.read_staged(pathlib.Path(path), checkpoint.CRITIC))
 
 
 def allreduce_grads(params: list[torch.nn.Parameter]) -> None:
@@ -297,12 +359,24 @@ class ShardedScorer:
         self.actors, self.on_failure = actors, on_failure
 
     def logprobs(self, groups) -> torch.Tensor:
+        return self._per_token("logprobs", groups)
+
+    def _per_token(self, method: str, groups) -> torch.Tensor:
+        """`method` ([K] per response token) over the actors, each on its share of the groups, in the [K] order."""
         parts = assign_groups(_packed_sizes(groups), len(self.actors))
-        results = self._get(_call(self.actors, "logprobs", [[groups[i] for i in part] for part in parts]))
+        results = self._get(_call(self.actors, method, [[groups[i] for i in part] for part in parts]))
         out = torch.empty(sum(_group_tokens(groups)), dtype=results[0].dtype)
         for idx, res in zip(_rank_tokens(groups, parts), results):
             out[idx] = res
         return out
+
+    def _spread(self, method: str, groups, *per_token: torch.Tensor) -> list:
+        """`method(groups, *per_token)` on every actor with its share of the groups and of each [K] tensor."""
+        parts = assign_groups(_packed_sizes(groups), len(self.actors))
+        idx = _rank_tokens(groups, parts)
+        args = [[[groups[i] for i in part] for part in parts]]
+        args += [[None if t is None else t[i] for i in idx] for t in per_token]
+        return self._get(_call(self.actors, method, *args))
 
     def call_first(self, method: str, *args):
         """`method(*args)` on the first actor (learner rank 0 writes checkpoints), with the failure handling."""
@@ -340,16 +414,27 @@ class LearnerGroup(ShardedScorer):
     def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
             return UpdateStats.no_step()
-        parts = assign_groups(_packed_sizes(groups), len(self.actors))
-        idx = _rank_tokens(groups, parts)
-        args = [[groups[i] for i in part] for part in parts]
-        stats = self._get(_call(self.actors, "update", args, [advantages[i] for i in idx], [weights[i] for i in idx],
-                                [old_logp[i] for i in idx], [None if ref_logp is None else ref_logp[i] for i in idx]))
+        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp)
         return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
                            entropy=sum(s.entropy for s in stats), grad_norm=max(s.grad_norm for s in stats),
                            packed_tokens=sum(s.packed_tokens for s in stats),
                            standard_tokens=sum(s.standard_tokens for s in stats))
+
+
+class CriticGroup(ShardedScorer):
+    """Data-parallel critics behind the Critic interface (values, update), as LearnerGroup for the policy: each
+    rank on its share of the groups, gradients summed across ranks, so one step equals one critic's."""
+
+    def values(self, groups) -> torch.Tensor:
+        return self._per_token("values", groups)
+
+    def update(self, groups, returns, old_values, weights) -> CriticStats:
+        if float(weights.sum()) == 0:   # as Critic.update: no optimizer step
+            return CriticStats(0.0, 0.0, 0.0)
+        stats = self._spread("update", groups, returns, old_values, weights)
+        return CriticStats(value_loss=sum(s.value_loss for s in stats), vf_clip_frac=sum(s.vf_clip_frac for s in stats),
+                           grad_norm=max(s.grad_norm for s in stats))
 
 
 class RolloutPool:
@@ -501,6 +586,9 @@ class RayEngine:
             raise InputError("the plan gives actor_train zero: 3 (FSDP2 learners), which hetrl does not run with LoRA "
                              "yet: the adapter's states are small; use zero: 1 in the plan, or full fine-tuning")
         for r in self.replicas:
+            if r.role == "critic" and r.rank == 0 and (r.zero != 1 or r.offload != "none"):
+                log.warning("the plan gives critic_train zero: %d, offload: %s; the critics run as replicas without "
+                            "offload (gradients all-reduced)", r.zero, r.offload)
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
@@ -550,17 +638,20 @@ class RayEngine:
                                                           r.zero, r.offload, r.recompute) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, threads("reference"))
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
-        self.actors = {"rollout": rollouts, "learner": learners, "reference": references}
+        critics = [_remote(CriticActor, r, real).remote(cfg, threads("critic"), r.rank, len(by_role["critic"]),
+                                                        r.recompute) for r in by_role["critic"]]
+        self.actors = {"rollout": rollouts, "learner": learners, "reference": references, "critic": critics}
         ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started
-        if len(learners) > 1:
-            address = ray.get(learners[0].rendezvous.remote(emulated, cfg.out_dir))
-            ray.get([a.init_process_group.remote(address) for a in learners])
+        for ranks in (learners, critics):   # each role's data-parallel ranks: a torch.distributed group of its own
+            if len(ranks) > 1:
+                address = ray.get(ranks[0].rendezvous.remote(emulated, cfg.out_dir))
+                ray.get([a.init_process_group.remote(address) for a in ranks])
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed,
                                   homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
-        self.learner = LearnerGroup(learners, on_failure=self._learner_failed,
+        self.learner = LearnerGroup(learners, on_failure=lambda e: self._failed("learner", e),
                                     sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
         self.reference = ShardedScorer(references) if references else None
-        self.critic = None          # PPO's critic roles are not placed on Ray yet (config refuses algorithm=ppo there)
+        self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e)) if critics else None
         self.last_checkpoint = None
         self.weight_bytes = None
         self.pending_sync: list = []
@@ -571,7 +662,7 @@ class RayEngine:
         placed = self.placement()
         where = "; ".join(f"{role} x{sum(p['role'] == role for p in placed)} on "
                           f"{', '.join(g for p in placed if p['role'] == role for g in p['gpus'])}"
-                          for role in ("rollout", "learner", "reference") if any(p["role"] == role for p in placed))
+                          for role in ROLES if any(p["role"] == role for p in placed))
         source = self.cfg.plan or "planned now (hybrid)"
         tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})")
         out = pathlib.Path(self.cfg.out_dir)
@@ -596,9 +687,8 @@ class RayEngine:
 
     def placement(self) -> list[dict]:
         """Each actor: its replica (role, rank, plan GPUs, requested resources) and where Ray put it."""
-        handles = [a for role in ("rollout", "learner", "reference") for a in self.actors[role]]
-        reps = [r for role in ("rollout", "learner", "reference") for r in self.replicas if r.role == role
-                and (role != "reference" or self.actors["reference"])]
+        handles = [a for role in ROLES for a in self.actors[role]]
+        reps = [r for role in ROLES for r in self.replicas if r.role == role and self.actors[role]]
         where = ray.get([a.whereabouts.remote() for a in handles])
         return [{"role": r.role, "rank": r.rank, "name": r.name, "gpus": list(r.gpus),
                  "requested": dict(r.resources), **w} for r, w in zip(reps, where)]
@@ -630,7 +720,10 @@ class RayEngine:
         return out
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        path = pathlib.Path(self.learner.call_rank0("save", str(run_dir), step, extra, config))
+        staged = {checkpoint.CRITIC: self.critic.call_first("stage", str(run_dir))} if self.critic else None
+        # the pool's call count seeds its chunks: restored on resume, the next steps draw the samples they would have
+        extra = extra | {"rollout_calls": self.worker.calls}
+        path = pathlib.Path(self.learner.call_rank0("save", str(run_dir), step, extra, config, staged))
         self.last_checkpoint = path
         return path
 
@@ -639,14 +732,18 @@ class RayEngine:
 
     def load(self, path: pathlib.Path) -> dict:
         states = ray.get([a.load.remote(str(path)) for a in self.actors["learner"]])
+        if self.critic is not None:
+            self.critic._get([a.load.remote(str(path)) for a in self.actors["critic"]])
+        self.worker.calls = int(states[0].get("rollout_calls", 0))
         self.sync_weights(states[0]["step"])
         return states[0]
 
-    def _learner_failed(self, error) -> LearnerFailed:
+    def _failed(self, role: str, error) -> LearnerFailed:
+        """A learner or critic actor died: the training state it held is gone, so the run stops."""
         where = (f"the last checkpoint is {self.last_checkpoint}; continue with: {resume_command(self.cfg)}"
                  if self.last_checkpoint else
                  "no checkpoint was written yet (set checkpoint_every to keep progress); start the run again")
-        return LearnerFailed(f"a learner actor died ({type(error).__name__}: {str(error).splitlines()[0]}); "
+        return LearnerFailed(f"a {role} actor died ({type(error).__name__}: {str(error).splitlines()[0]}); "
                              f"the run stops: {where}")
 
     def close(self) -> None:

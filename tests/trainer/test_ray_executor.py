@@ -1,6 +1,7 @@
 """The Ray executor on a local 2-CPU Ray that emulates a 2-node x 2-"GPU" cluster: placement as the plan says
-(read back from Ray's actor table), 2 data-parallel learners == 1 learner (fp64), async within the
-staleness bound, a killed rollout actor loses no sample, a dead learner stops with how to resume."""
+(read back from Ray's actor table), 2 data-parallel learners == 1 learner and 2 critics == 1 critic (fp64),
+async within the staleness bound, a killed rollout actor loses no sample, a dead learner or critic stops the
+run with how to resume, and the resumed run takes the step the uninterrupted one took."""
 
 import ipaddress
 import json
@@ -12,6 +13,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
@@ -25,8 +27,10 @@ from hetrl.trainer.build import Policy  # noqa: E402
 from hetrl.schema import InputError  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, node_resources, replicas, run_workload  # noqa: E402
-from hetrl.trainer.ray_executor import (LearnerActor, LearnerFailed, LearnerGroup, RayEngine,  # noqa: E402
-                                        RolloutActor, RolloutPool, assign_groups, weights_to_numpy)
+from hetrl.trainer.metrics import TIMING_KEYS  # noqa: E402
+from hetrl.trainer.ray_executor import (CriticActor, CriticGroup, LearnerActor, LearnerFailed,  # noqa: E402
+                                        LearnerGroup, RayEngine, RolloutActor, RolloutPool, assign_groups,
+                                        weights_to_numpy)
 
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
@@ -222,12 +226,16 @@ def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
 
 
 def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
-    cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0")
+    """PPO, so that the critic roles run asynchronously too (planned on the fly: no plan given)."""
+    cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0", "algorithm=ppo", "critic_lr=1e-3")
     summary = loop.train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness"] <= 1 for r in rows) and any(r["staleness"] == 1 for r in rows)
     assert all(math.isfinite(r["loss"]) for r in rows) and any(r["grad_norm"] > 0 for r in rows)
+    assert all(math.isfinite(r["value_loss"]) for r in rows) and any(r["critic_grad_norm"] > 0 for r in rows)
+    roles = {a["role"] for a in json.loads((tmp_path / "run" / "placement.json").read_text())["actors"]}
+    assert roles == {"rollout", "learner", "reference", "critic"}
     assert rows[0]["staleness"] == 0 and rows[-1]["weight_version"] == 4
     assert pathlib.Path(summary["checkpoint"]).is_dir()
 
@@ -295,17 +303,92 @@ def test_a_dead_learner_stops_the_run_and_says_how_to_resume(local_ray, tmp_path
         engine.close()
 
 
-def test_a_ray_run_resumes_from_its_checkpoint(local_ray, tmp_path):
+def _critic_group(world, cfg):
+    actors = [ray.remote(CriticActor).options(num_cpus=0).remote(cfg, 1, r, world) for r in range(world)]
+    if world > 1:
+        address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
+        ray.get([a.init_process_group.remote(address) for a in actors])
+    return actors, CriticGroup(actors)
+
+
+def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path):
+    """PPO's critic_train with dp 2: values spread over the ranks and put back in order, and value steps on two
+    ranks (gradients all-reduced, value head included) are the one-critic steps; the ranks stay identical. The
+    second step has one group, so rank 1 gets none and joins the all-reduce with zero gradients."""
+    cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
+               "weight_decay=0.01", "vf_clip=0.05")
+    results = {}
+    for world in (1, 2):
+        actors, group = _critic_group(world, cfg)
+        results[world] = []
+        for seed, shapes in ((3, FOUR), (4, ONE)):
+            groups = _groups(shapes=shapes)
+            lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+            returns = torch.randn(int(lens.sum()), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "token-mean")
+            old = group.values(groups)
+            stats = group.update(groups, returns, old - 0.1 * returns, weights)   # clipped where |return| > 0.5
+            after = [ray.get(a.values.remote(groups)) for a in actors]           # every rank's whole critic
+            results[world].append((old, stats, after))
+        for a in actors:
+            ray.kill(a)
+    for (old1, s1, (after1,)), (old2, s2, after2) in zip(results[1], results[2]):
+        assert torch.allclose(old1, old2, rtol=0, atol=1e-9 * old1.abs().max())
+        assert 0 < s1.vf_clip_frac < 1 and math.isclose(s1.vf_clip_frac, s2.vf_clip_frac, rel_tol=1e-9)
+        assert math.isclose(s1.value_loss, s2.value_loss, rel_tol=1e-9)
+        assert math.isclose(s1.grad_norm, s2.grad_norm, rel_tol=1e-8)
+        assert (after1 - old1).abs().max() > 1e-3                              # the step moved the values
+        assert torch.allclose(after2[0], after1, rtol=0, atol=1e-9 * after1.abs().max())
+        assert torch.equal(after2[0], after2[1]), "the critic ranks disagree after the step"
+
+
+def test_ppo_on_ray_places_six_roles_and_a_killed_critic_resumes_exactly(local_ray, tmp_path, capsys):
+    """algorithm=ppo with the plan `hetrl plan --out` wrote for the PPO workload on this cluster: rollout, learner
+    (actor_train + actor_infer), reference and critic (critic_train + critic_infer) actors where the plan puts
+    them. Killing the critic stops the run with exit 1, its last checkpoint intact (the critic's state in it)
+    and the resume command printed; resuming takes exactly the step the uninterrupted run took."""
     from hetrl.cli import main
 
-    args = ["train", "--config", TINY, "executor=ray", f"emulate_cluster={CLUSTER}", f"out_dir={tmp_path / 'run'}",
-            "eval_size=4", "checkpoint_every=1"]
-    assert main([*args, "steps=2"]) == 0
-    assert main([*args, "steps=3", "--resume"]) == 0
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["weight_version"] == 3
-    assert json.loads((tmp_path / "run" / "placement.json").read_text())["actors"]
+    plan = ROOT / "examples" / "plans" / "cpu-2x2-ppo.json"
+    args = ["train", "--config", TINY, "executor=ray", f"emulate_cluster={CLUSTER}", f"plan={plan}", "eval_size=4",
+            "algorithm=ppo", "critic_lr=1e-3", "checkpoint_every=1"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert main([*args, "steps=2", f"out_dir={straight}"]) == 0
+    placed = json.loads((straight / "placement.json").read_text())
+    assert sorted((a["role"], tuple(a["gpus"])) for a in placed["actors"]) == [
+        ("critic", ("node-b:0", "node-b:1")), ("learner", ("node-a:0", "node-a:1")),
+        ("reference", ("node-a:0",)), ("reference", ("node-a:1",)), ("rollout", ("node-a:0",)),
+        ("rollout", ("node-a:1",))]
+    tasks = {t for g in placed["plan"]["groups"] for t in g["tasks"]}
+    assert {"critic_infer", "critic_train", "actor_infer", "actor_train", "ref_infer", "actor_gen"} == tasks
+
+    def kill_the_critic_after_step_1():
+        latest = killed / "checkpoints" / "latest"
+        while not (latest.is_file() and latest.read_text().strip() == "step_000001"):
+            time.sleep(0.005)
+        ray.kill(ray.get_actor("hetrl-critic-0"))
+
+    killer = threading.Thread(target=kill_the_critic_after_step_1, daemon=True)
+    killer.start()
+    capsys.readouterr()
+    assert main([*args, "steps=2", f"out_dir={killed}"]) == 1
+    killer.join()
+    err = capsys.readouterr().err
+    assert "a critic actor died" in err and f"hetrl train --resume out_dir={killed}" in err
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert (killed / "checkpoints" / "step_000001" / "critic.pt").is_file()
+    assert main([*args, "steps=2", f"out_dir={killed}", "--resume"]) == 0
+    rows = {name: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for name, d in (("straight", straight), ("killed", killed))}
+    assert [r["step"] for r in rows["killed"]] == [1, 2]
+    same = [{k: v for k, v in rows[n][1].items() if k not in TIMING_KEYS} for n in ("straight", "killed")]
+    assert same[0] == same[1] and "value_loss" in same[0]
+    step2 = [d / "checkpoints" / "step_000002" for d in (straight, killed)]
+    a, b = (load_file(d / "model.safetensors") for d in step2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ca, cb = (torch.load(d / "critic.pt", weights_only=True) for d in step2)
+    for part in ("model", "head"):
+        assert all(torch.equal(ca[part][k], cb[part][k]) for k in ca[part])
 
 
 def test_the_example_plan_fits_the_example_cpu_cluster():
