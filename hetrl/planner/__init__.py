@@ -48,9 +48,10 @@ def plan(cluster: ClusterSpec, workload: WorkloadSpec, method: str = "hybrid", *
 
 def _no_plan_message(cluster: ClusterSpec, workload: WorkloadSpec, method: str) -> str:
     biggest = max(g.type.memory_bytes for g in cluster.gpus) / 1e9
-    actor = workload.actor.params * 2 / 1e9
-    return (f"{method}: no plan fits in memory: the actor alone is {actor:.1f} GB of bf16 weights, and training "
-            f"needs ~16 bytes per parameter ({8 * actor:.0f} GB) spread over the GPUs of its group, next to "
+    width = 4 if workload.precision == "fp32" else 2
+    actor = workload.actor.params * width / 1e9
+    return (f"{method}: no plan fits in memory: the actor alone is {actor:.1f} GB of {workload.precision} weights, "
+            f"and training needs ~16 bytes per parameter ({16 * workload.actor.params / 1e9:.0f} GB) spread over the GPUs of its group, next to "
             f"the other models and the KV cache; the largest GPU has {biggest:.0f} GB and the cluster "
             f"{len(cluster.gpus)} GPUs. Add GPUs, use a smaller model, or shorten prompt/response lengths")
 

@@ -94,7 +94,7 @@ def write_json(report: dict, path: str) -> None:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['method']} plan for {r['workload']} on {r['cluster']}: {r['iteration_time_s']:.1f} s per iteration, "
+    lines = [f"{r['method']} plan for {r['workload']} on {r['cluster']}: {_seconds(r['iteration_time_s'])} per iteration, "
              f"{r['samples_per_s']:.1f} samples/s, {r['tokens_per_s']:,.0f} tokens/s "
              f"(search {r['search_time_s']:.1f} s"
              + (f", optimality gap {r['optimality_gap']:.2%}" if r.get("optimality_gap") is not None else "") + ")",
@@ -106,8 +106,10 @@ def format_report(r: dict) -> str:
             p = g["parallelism"][t]
             lines.append(f"{i if j == 0 else '':<6}{gpus if j == 0 else '':<34}{t:<14}{p['tp']:>3}{p['pp']:>4}"
                          f"{p['dp']:>4}{r['task_times_s'][t]:>9.1f}")
+    top = max(r["breakdown"].values(), default=0.0)   # parts under 1% of the largest are left out
     lines += ["", "time breakdown (critical path): " + ", ".join(
-        f"{k} {v:.1f} s" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1]) if v >= 0.05)]
+        f"{k} {_seconds(v)}" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1])
+        if v > 0 and v >= 0.01 * top)]
     for name, m in r.get("methods", {}).items():
         gap = f", gap {m['optimality_gap']:.2%}" if m.get("optimality_gap") is not None else ""
         stop = "; stopped early" if m.get("stopped") else ""
@@ -115,10 +117,24 @@ def format_report(r: dict) -> str:
     lines.append("baselines:")
     for name, b in r["baselines"].items():
         if b.get("plan") is None:
-            lines.append(f"  {name:<10} no plan fits ({b.get('error', '')[:80]})")
+            lines.append(f"  {name:<10} no plan fits ({_shorten(b.get('error', ''), name)})")
         else:
-            lines.append(f"  {name:<10} {b['iteration_time_s']:8.1f} s/iter  -> this plan is {b['speedup']:.2f}x faster")
+            lines.append(f"  {name:<10} {_seconds(b['iteration_time_s']):>10}/iter  -> this plan is {b['speedup']:.2f}x faster")
     return "\n".join(lines)
+
+
+def _seconds(v: float) -> str:
+    return f"{v:.1f} s" if v >= 1 else f"{v:.2g} s"
+
+
+def _shorten(error: str, name: str, width: int = 90) -> str:
+    """A baseline's refusal on one line: without the repeated 'name: no plan fits in memory:', cut at a word with
+    '...' where it is longer than `width` (the JSON report has it whole)."""
+    for prefix in (f"{name}: ", "no plan fits in memory: ", "no plan fits: "):
+        error = error.removeprefix(prefix)
+    if len(error) <= width:
+        return error
+    return error[:width].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 def _compress(names: list[str]) -> str:

@@ -570,7 +570,9 @@ class RolloutPool:
 def _remote(cls, replica: Replica, real_gpus: bool, **options):
     res = dict(replica.resources)
     gpus = replica.gpu_share if real_gpus else 0
-    return ray.remote(cls).options(name=replica.name, num_cpus=0, num_gpus=gpus, resources=res, **options)
+    # no progress bars from actors (the GGUF loader's tqdm ignores transformers' switch): the driver's bar is the one
+    env = {"runtime_env": {"env_vars": {"TQDM_DISABLE": "1"}}}
+    return ray.remote(cls).options(name=replica.name, num_cpus=0, num_gpus=gpus, resources=res, **env, **options)
 
 
 class RayEngine:
