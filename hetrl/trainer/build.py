@@ -20,6 +20,7 @@ import torch
 from hetrl.schema import InputError
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import Critic, Learner, Scorer
+from hetrl.trainer.rollout import RolloutWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 log = logging.getLogger(__name__)
@@ -137,13 +138,23 @@ def optimizer(cfg: RunConfig, pol: Policy) -> torch.optim.Optimizer:
 def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None, sharded: bool = False) -> Learner:
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
                    micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded)
+                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded,
+                   mixed=mixed(cfg))
+
+
+def mixed(cfg: RunConfig) -> bool:
+    """Whether the roles' passes run under bf16 autocast (precision=bf16-mixed)."""
+    return cfg.precision == "bf16-mixed"
+
+
+def rollout_worker(cfg: RunConfig, model, tokenizer) -> RolloutWorker:
+    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, mixed=mixed(cfg))
 
 
 def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
     """No-grad log-probs of `model` through the DualKV path, inside `context` (the adapter off for the reference)."""
     return Scorer(model, impl=cfg.impl, temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
-                  context=context)
+                  context=context, mixed=mixed(cfg))
 
 
 def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
@@ -183,4 +194,4 @@ def critic(cfg: RunConfig, model, grad_sync=None) -> Critic | None:
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
-                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync)
+                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, mixed=mixed(cfg))

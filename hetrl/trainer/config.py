@@ -28,6 +28,7 @@ PYTHON = "<python>"   # data or a reward passed to hetrl.train() from Python, no
 REPORT_TO = ("none", "tensorboard", "wandb")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("float32", "bfloat16", "float64")
+PRECISIONS = ("fp32", "bf16-mixed")
 EXECUTORS = ("local", "ray")
 MODES = ("sync", "async")
 
@@ -102,6 +103,9 @@ class RunConfig:
     rollout_batch_size: int = rule(64, ge=1)   # sequences per generate() call
     # engine
     device: str = "auto"                  # auto (CUDA when present, else CPU) | cpu | cuda | cuda:N (local executor)
+    # bf16-mixed: fp32 weights and optimizer, bf16 autocast around the rollout, log-prob, value and update passes
+    # (log-softmax in fp32). Pays off where bf16 matmuls are fast (GPUs; CPUs with AVX512-BF16 or AMX), README
+    precision: str = rule("fp32", choices=PRECISIONS)
     impl: str = rule("auto", choices=("auto", "sdpa", "flex", "reference"))  # DualKV attention
     micro_batch_tokens: int = rule(2048, ge=1)   # packed tokens per forward/backward
     gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, ~1/3 more FLOPs
@@ -134,6 +138,9 @@ class RunConfig:
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) cannot exceed prompts_per_step ({self.prompts_per_step}): "
                 "groups are never split across mini-batches; lower mini_batches or raise prompts_per_step")
+        if self.precision == "bf16-mixed" and self.dtype != "float32":
+            raise ValueError(f"precision=bf16-mixed keeps fp32 master weights and autocasts to bf16; it needs "
+                             f"dtype=float32, got dtype={self.dtype} (dtype=bfloat16 alone is pure bf16)")
         if self.algorithm != "ppo" and (self.critic_model is not None or self.critic_warmup_steps):
             raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no critic")
         if self.responses_per_prompt < 2 and self.algorithm != "ppo":

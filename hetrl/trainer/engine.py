@@ -16,7 +16,7 @@ import torch
 from hetrl.trainer import build, checkpoint
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import UpdateStats
-from hetrl.trainer.rollout import RolloutWorker, Sample
+from hetrl.trainer.rollout import Sample
 
 Groups = list[tuple[list[int], list[list[int]]]]
 
@@ -71,7 +71,7 @@ class LocalEngine:
         self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer)
-        self.worker = RolloutWorker(self.policy.module, tokenizer, cfg.rollout_batch_size)
+        self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
 
     def sync_weights(self, version: int) -> dict:
         return {}

@@ -55,14 +55,23 @@ def _dummy_passes(n: int, sharded: bool) -> int:
 DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
+def amp(model, mixed: bool) -> contextlib.AbstractContextManager:
+    """precision=bf16-mixed: bf16 autocast on `model`'s device (its fp32 weights stay the master copy); else
+    nothing. The log-softmax runs in fp32 either way (hetrl.dualkv promotes the logits)."""
+    if not mixed:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
+
+
 class Scorer:
     """No-grad log-probs of sampled responses under a fixed model (the reference, or a rollout worker's
     behaviour policy), through the same DualKV path as the learner."""
 
     def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 sharded: bool = False):
+                 sharded: bool = False, mixed: bool = False):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
+        self.mixed = mixed       # precision=bf16-mixed: the passes under bf16 autocast (amp)
         self.context = context   # entered around every pass (a LoRA reference: the adapter off)
         self.sharded = sharded   # an FSDP2 rank: runs as many passes as the others (sharding.py)
 
@@ -70,7 +79,7 @@ class Scorer:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
         batches = _micro_batches(groups, self.micro_batch_tokens)
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
-        with torch.no_grad(), self.context():
+        with torch.no_grad(), self.context(), amp(self.model, self.mixed):
             parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
                      for b in batches]
             for _ in range(dummies):
@@ -87,13 +96,14 @@ class Learner:
     def __init__(self, model, optimizer: torch.optim.Optimizer, *, impl: str = "auto", temperature: float = 1.0,
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
-                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False):
-        self.model, self.optimizer = model, optimizer
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
+                 mixed: bool = False):
+        self.model, self.optimizer, self.mixed = model, optimizer, mixed
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.clip_low, self.clip_high, self.kl_coef, self.max_grad_norm = clip_low, clip_high, kl_coef, max_grad_norm
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
         self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
-                             sharded=sharded)
+                             sharded=sharded, mixed=mixed)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
@@ -117,8 +127,9 @@ class Learner:
             k = batch.labels.numel()
             sl = slice(offset, offset + k)
             offset += k
-            logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl, temperature=self.temperature,
-                                                   return_entropy=True)
+            with amp(self.model, self.mixed):   # the forward; its backward follows autocast's casts
+                logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl,
+                                                       temperature=self.temperature, return_entropy=True)
             device, dtype = logp.device, logp.dtype
             w = weights[sl].to(device, dtype)
             pg, clipped = clipped_policy_loss(logp, old_logp[sl].to(device, dtype), advantages[sl].to(device, dtype),
@@ -138,7 +149,9 @@ class Learner:
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
         for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
-            logp = shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl, temperature=self.temperature)
+            with amp(self.model, self.mixed):
+                logp = shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl,
+                                              temperature=self.temperature)
             (0.0 * logp.sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -169,8 +182,8 @@ class Critic:
 
     def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
                  micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0,
-                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None):
-        self.model, self.head, self.optimizer = model, head, optimizer
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, mixed: bool = False):
+        self.model, self.head, self.optimizer, self.mixed = model, head, optimizer, mixed
         self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
             max_grad_norm
         self.grad_sync = grad_sync   # data-parallel critics: gradients summed over the ranks, as the Learner's
@@ -179,7 +192,9 @@ class Critic:
         return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
 
     def _values(self, batch) -> torch.Tensor:
-        return shared_prompt_head(self.model, batch, self.head, impl=self.impl).squeeze(-1)
+        with amp(self.model, self.mixed):
+            v = shared_prompt_head(self.model, batch, self.head, impl=self.impl).squeeze(-1)
+        return v.to(self.head.weight.dtype)     # the value loss in the master dtype
 
     def values(self, groups: Groups) -> torch.Tensor:
         """No-grad values [K] of the state before every response token of `groups`."""

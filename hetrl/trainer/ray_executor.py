@@ -43,7 +43,6 @@ from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import CriticStats, UpdateStats
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.placement import ROLES, ExecutorFailure, Replica, node_resources, plan_for_run, replicas
-from hetrl.trainer.rollout import RolloutWorker
 
 log = logging.getLogger(__name__)
 ROLLOUT_RESTARTS = 3
@@ -108,7 +107,7 @@ def _whereabouts() -> dict:
 class RolloutActor:
     def __init__(self, cfg: RunConfig, threads: int, behaviour_logprobs: bool):
         self.policy, tokenizer = _setup(cfg, threads)
-        self.worker = RolloutWorker(self.policy.module, tokenizer, cfg.rollout_batch_size)
+        self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
         self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs else None
         self.version = 0
 
