@@ -139,22 +139,24 @@ def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=N
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
                    micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded,
-                   mixed=mixed(cfg))
+                   precision=cfg.precision)
 
 
-def mixed(cfg: RunConfig) -> bool:
-    """Whether the roles' passes run under bf16 autocast (precision=bf16-mixed)."""
-    return cfg.precision == "bf16-mixed"
+def fast_fp32_matmuls(cfg: RunConfig) -> None:
+    """On CUDA, unless precision=fp32: TF32 for the matmuls that stay fp32 (outside autocast)."""
+    if cfg.precision != "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def rollout_worker(cfg: RunConfig, model, tokenizer) -> RolloutWorker:
-    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, mixed=mixed(cfg))
+    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=cfg.precision)
 
 
 def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
     """No-grad log-probs of `model` through the DualKV path, inside `context` (the adapter off for the reference)."""
     return Scorer(model, impl=cfg.impl, temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
-                  context=context, mixed=mixed(cfg))
+                  context=context, precision=cfg.precision)
 
 
 def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
@@ -194,4 +196,4 @@ def critic(cfg: RunConfig, model, grad_sync=None) -> Critic | None:
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
-                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, mixed=mixed(cfg))
+                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=cfg.precision)

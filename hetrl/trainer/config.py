@@ -28,7 +28,7 @@ PYTHON = "<python>"   # data or a reward passed to hetrl.train() from Python, no
 REPORT_TO = ("none", "tensorboard", "wandb")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("float32", "bfloat16", "float64")
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("auto", "fp32", "bf16-mixed")
 EXECUTORS = ("local", "ray")
 MODES = ("sync", "async")
 
@@ -104,8 +104,9 @@ class RunConfig:
     # engine
     device: str = "auto"                  # auto (CUDA when present, else CPU) | cpu | cuda | cuda:N (local executor)
     # bf16-mixed: fp32 weights and optimizer, bf16 autocast around the rollout, log-prob, value and update passes
-    # (log-softmax in fp32). Pays off where bf16 matmuls are fast (GPUs; CPUs with AVX512-BF16 or AMX), README
-    precision: str = rule("fp32", choices=PRECISIONS)
+    # (log-softmax in fp32). Pays off where bf16 matmuls are fast (GPUs; CPUs with AVX512-BF16 or AMX), README.
+    # auto: bf16-mixed on CUDA (and TF32 for what stays fp32), fp32 on the CPU
+    precision: str = rule("auto", choices=PRECISIONS)
     impl: str = rule("auto", choices=("auto", "sdpa", "flex", "reference"))  # DualKV attention
     micro_batch_tokens: int = rule(2048, ge=1)   # packed tokens per forward/backward
     gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, ~1/3 more FLOPs

@@ -55,12 +55,14 @@ def _dummy_passes(n: int, sharded: bool) -> int:
 DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
-def amp(model, mixed: bool) -> contextlib.AbstractContextManager:
-    """precision=bf16-mixed: bf16 autocast on `model`'s device (its fp32 weights stay the master copy); else
-    nothing. The log-softmax runs in fp32 either way (hetrl.dualkv promotes the logits)."""
-    if not mixed:
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
+def amp(model, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on `model`'s device for precision=bf16-mixed, and for precision=auto on a CUDA model with fp32
+    weights (the fp32 weights stay the master copy); else nothing. The log-softmax runs in fp32 either way
+    (hetrl.dualkv promotes the logits)."""
+    p = next(model.parameters())
+    if precision == "bf16-mixed" or (precision == "auto" and p.device.type == "cuda" and p.dtype == torch.float32):
+        return torch.autocast(p.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 class Scorer:
@@ -69,9 +71,9 @@ class Scorer:
 
     def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 sharded: bool = False, mixed: bool = False):
+                 sharded: bool = False, precision: str = "fp32"):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
-        self.mixed = mixed       # precision=bf16-mixed: the passes under bf16 autocast (amp)
+        self.precision = precision   # the run's precision: bf16 autocast or not (amp)
         self.context = context   # entered around every pass (a LoRA reference: the adapter off)
         self.sharded = sharded   # an FSDP2 rank: runs as many passes as the others (sharding.py)
 
@@ -79,7 +81,7 @@ class Scorer:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
         batches = _micro_batches(groups, self.micro_batch_tokens)
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
-        with torch.no_grad(), self.context(), amp(self.model, self.mixed):
+        with torch.no_grad(), self.context(), amp(self.model, self.precision):
             parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
                      for b in batches]
             for _ in range(dummies):
@@ -97,13 +99,13 @@ class Learner:
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
-                 mixed: bool = False):
-        self.model, self.optimizer, self.mixed = model, optimizer, mixed
+                 precision: str = "fp32"):
+        self.model, self.optimizer, self.precision = model, optimizer, precision
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.clip_low, self.clip_high, self.kl_coef, self.max_grad_norm = clip_low, clip_high, kl_coef, max_grad_norm
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
         self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
-                             sharded=sharded, mixed=mixed)
+                             sharded=sharded, precision=precision)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
@@ -127,7 +129,7 @@ class Learner:
             k = batch.labels.numel()
             sl = slice(offset, offset + k)
             offset += k
-            with amp(self.model, self.mixed):   # the forward; its backward follows autocast's casts
+            with amp(self.model, self.precision):   # the forward; its backward follows autocast's casts
                 logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl,
                                                        temperature=self.temperature, return_entropy=True)
             device, dtype = logp.device, logp.dtype
@@ -149,7 +151,7 @@ class Learner:
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
         for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
-            with amp(self.model, self.mixed):
+            with amp(self.model, self.precision):
                 logp = shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl,
                                               temperature=self.temperature)
             (0.0 * logp.sum()).backward()
@@ -182,8 +184,8 @@ class Critic:
 
     def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
                  micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0,
-                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, mixed: bool = False):
-        self.model, self.head, self.optimizer, self.mixed = model, head, optimizer, mixed
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, precision: str = "fp32"):
+        self.model, self.head, self.optimizer, self.precision = model, head, optimizer, precision
         self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
             max_grad_norm
         self.grad_sync = grad_sync   # data-parallel critics: gradients summed over the ranks, as the Learner's
@@ -192,7 +194,7 @@ class Critic:
         return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
 
     def _values(self, batch) -> torch.Tensor:
-        with amp(self.model, self.mixed):
+        with amp(self.model, self.precision):
             v = shared_prompt_head(self.model, batch, self.head, impl=self.impl).squeeze(-1)
         return v.to(self.head.weight.dtype)     # the value loss in the master dtype
 

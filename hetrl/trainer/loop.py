@@ -420,6 +420,8 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
 def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
+    if device.type == "cuda":
+        build.fast_fp32_matmuls(cfg)
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     model = model.to(device)
     source = build_source(cfg, tokenizer, train_dataset, eval_dataset)

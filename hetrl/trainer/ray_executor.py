@@ -92,6 +92,7 @@ def _setup(cfg: RunConfig, threads: int, lora: bool = True):
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     if ray.get_gpu_ids():
         model = model.to("cuda")
+        build.fast_fp32_matmuls(cfg)
     return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
 
@@ -275,6 +276,7 @@ class CriticActor(_DataParallel):
         model = build.critic_model(cfg)
         if ray.get_gpu_ids():
             model = model.to("cuda")
+        build.fast_fp32_matmuls(cfg)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.critic = build.critic(cfg, model, grad_sync=allreduce_grads if world > 1 else None)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)

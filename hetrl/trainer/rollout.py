@@ -31,9 +31,9 @@ class Sample:
 
 
 class RolloutWorker:
-    def __init__(self, model, tokenizer, batch_size: int = 64, mixed: bool = False):
+    def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32"):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.mixed = mixed   # precision=bf16-mixed: prefill and decoding under bf16 autocast
+        self.precision = precision   # bf16-mixed (or auto on CUDA): prefill and decoding under bf16 autocast
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         # seconds spent so far in the shared prompt prefill and in decoding (generate from the prefilled cache,
@@ -69,7 +69,7 @@ class RolloutWorker:
             mask[i, width - len(p):] = 1
         sampling = {} if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         ids, mask = ids.to(device), mask.to(device)
-        with torch.no_grad(), amp(self.model, self.mixed):
+        with torch.no_grad(), amp(self.model, self.precision):
             t0 = time.perf_counter()
             cache = self._shared_prefill(ids, mask, n) if n > 1 and width > 1 else None
             t1 = time.perf_counter()

@@ -90,6 +90,28 @@ def test_a_mixed_precision_run_completes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
 
 
+def test_auto_precision_is_fp32_on_the_cpu():
+    """precision=auto (the default) runs the CPU in fp32: the default CPU run is unchanged."""
+    cfg, pol, _ = _roles("auto")
+    assert load_config(TINY, []).precision == "auto"
+    seen = _linear_dtypes(pol.module)
+    build.scorer(cfg, pol.module).logprobs(GROUPS)
+    assert seen and set(seen) == {torch.float32}
+
+
+@pytest.mark.gpu
+def test_auto_precision_is_bf16_mixed_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg, pol, _ = _roles("auto")
+    pol.module.to("cuda")
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
+    seen = _linear_dtypes(pol.module)
+    logp = learner.logprobs(GROUPS)
+    assert set(seen) == {torch.bfloat16} and logp.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in pol.trainable())
+
+
 def test_mixed_precision_needs_fp32_weights():
     with pytest.raises(ValueError, match="dtype=float32"):
         load_config(TINY, ["precision=bf16-mixed", "dtype=bfloat16"])
