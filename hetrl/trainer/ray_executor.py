@@ -80,19 +80,31 @@ def load_numpy_weights(pol: build.Policy, weights: dict[str, np.ndarray]) -> Non
                              else torch.from_numpy(a) for k, a in weights.items()})
 
 
-def _setup(cfg: RunConfig, threads: int, lora: bool = True):
-    """Actor start-up: thread count, then the policy (with its LoRA adapter when the run has one and `lora`) and
-    the tokenizer, on the actor's GPU when Ray gave one."""
+def _start(threads: int) -> None:
+    """Every actor's start-up: its torch thread count, and no loading bars (one per actor would bury the
+    driver's training bar)."""
     from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+
+
+def _on_device(cfg: RunConfig, model):
+    """`model` on the actor's GPU when Ray gave one (with TF32 where the run's precision allows it)."""
+    if not ray.get_gpu_ids():
+        return model
+    build.fast_fp32_matmuls(cfg)
+    return model.to("cuda")
+
+
+def _setup(cfg: RunConfig, threads: int, lora: bool = True):
+    """Actor start-up, then the policy (with its LoRA adapter when the run has one and `lora`) and the tokenizer,
+    on the actor's GPU when Ray gave one."""
     from hetrl.models import load_model
 
-    hf_logging.disable_progress_bar()  # one loading bar per actor would bury the driver's training bar
-    torch.set_num_threads(threads)
+    _start(threads)
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
-    if ray.get_gpu_ids():
-        model = model.to("cuda")
-        build.fast_fp32_matmuls(cfg)
+    model = _on_device(cfg, model)
     return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
 
@@ -163,22 +175,17 @@ class _DataParallel:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def init_process_group(self, address: str) -> None:
+    def _join(self, address: str, params) -> None:
+        """Join this role's process group at `address` (from rank 0's `rendezvous`), then take rank 0's `params`
+        so that every rank starts identical even if a rank's initialisation differed."""
         backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
         if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
             os.environ["GLOO_SOCKET_IFNAME"] = next(
                 (name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
         torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
                                              timeout=timedelta(minutes=10))
-        for p in self._replicated():  # identical start even if a rank's initialisation differed
+        for p in params:
             torch.distributed.broadcast(p.data, src=0)
-        self._joined()
-
-    def _replicated(self) -> list[torch.nn.Parameter]:
-        raise NotImplementedError
-
-    def _joined(self) -> None:
-        """After the process group is up (sharded learners shard there)."""
 
 
 class LearnerActor(_DataParallel):
@@ -213,10 +220,8 @@ class LearnerActor(_DataParallel):
         """Whether this learner recomputes activations in the backward (the plan's recompute, or the config's)."""
         return bool(getattr(self.policy.module, "is_activation_checkpointing", False))
 
-    def _replicated(self) -> list[torch.nn.Parameter]:
-        return list(self.policy.module.parameters())
-
-    def _joined(self) -> None:
+    def init_process_group(self, address: str) -> None:
+        self._join(address, self.policy.module.parameters())
         if self.sharded:   # the optimizer and learner are made again over the sharded parameters
             from hetrl.trainer import sharding
 
@@ -269,14 +274,8 @@ class CriticActor(_DataParallel):
     stage is not applied here: every rank holds the whole critic (a replica)."""
 
     def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, recompute: bool = False):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(threads)
-        model = build.critic_model(cfg)
-        if ray.get_gpu_ids():
-            model = model.to("cuda")
-        build.fast_fp32_matmuls(cfg)
+        _start(threads)
+        model = _on_device(cfg, build.critic_model(cfg))
         self.cfg, self.rank, self.world = cfg, rank, world
         self.critic = build.critic(cfg, model, grad_sync=allreduce_grads if world > 1 else None)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
@@ -288,8 +287,8 @@ class CriticActor(_DataParallel):
     def checkpointing(self) -> bool:
         return bool(getattr(self.critic.model, "is_activation_checkpointing", False))
 
-    def _replicated(self) -> list[torch.nn.Parameter]:
-        return self.critic.parameters()
+    def init_process_group(self, address: str) -> None:
+        self._join(address, self.critic.parameters())
 
     def values(self, groups):
         return self.critic.values(groups)
@@ -379,6 +378,10 @@ class ShardedScorer:
         args += [[None if t is None else t[i] for i in idx] for t in per_token]
         return self._get(_call(self.actors, method, *args))
 
+    def call_all(self, method: str, *args) -> list:
+        """`method(*args)` on every actor (e.g. loading a checkpoint), with the failure handling."""
+        return self._get([getattr(a, method).remote(*args) for a in self.actors])
+
     def call_first(self, method: str, *args):
         """`method(*args)` on the first actor (learner rank 0 writes checkpoints), with the failure handling."""
         return self._get([getattr(self.actors[0], method).remote(*args)])[0]
@@ -410,7 +413,7 @@ class LearnerGroup(ShardedScorer):
         """`method(*args)` answered by rank 0 (checkpoints); sharded ranks all take part in gathering."""
         if not self.sharded:
             return self.call_first(method, *args)
-        return self._get([getattr(a, method).remote(*args) for a in self.actors])[0]
+        return self.call_all(method, *args)[0]
 
     def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
@@ -734,9 +737,9 @@ class RayEngine:
         return pathlib.Path(self.learner.call_first("save_merged", str(run_dir)))
 
     def load(self, path: pathlib.Path) -> dict:
-        states = ray.get([a.load.remote(str(path)) for a in self.actors["learner"]])
+        states = self.learner.call_all("load", str(path))
         if self.critic is not None:
-            self.critic._get([a.load.remote(str(path)) for a in self.actors["critic"]])
+            self.critic.call_all("load", str(path))
         self.worker.calls = int(states[0].get("rollout_calls", 0))
         self.sync_weights(states[0]["step"])
         return states[0]

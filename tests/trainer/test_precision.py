@@ -100,9 +100,7 @@ def test_auto_precision_is_fp32_on_the_cpu():
 
 
 @pytest.mark.gpu
-def test_auto_precision_is_bf16_mixed_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def test_auto_precision_is_bf16_mixed_on_cuda():   # conftest skips gpu tests where CUDA is absent
     cfg, pol, _ = _roles("auto")
     pol.module.to("cuda")
     learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
