@@ -14,10 +14,10 @@ trainer:
 
 Each is timed `--repeats` times (default 3) and the median kept, after a warm-up call.
 
-A whole `trainer.train()` step was tried first. Stock TRL took 468 s for one step on this 2-core machine. The
-profile showed why: GRPOConfig's default `bf16=True` runs every pass under bf16 autocast. The decoder's matmuls
-then ran at ~17 GFLOP/s, where fp32 gets ~130, because this CPU has no bf16 matmul. So both trainers are given
-`bf16=False` here.
+A whole `trainer.train()` step was tried first, with TRL's defaults. One stock step took several minutes on this
+2-core machine (that run's log was not kept). GRPOConfig's default `bf16=True` runs every pass under bf16
+autocast, and this CPU has no bf16 matmul (benchmarks/results/precision_cpu.md measures what that costs). So
+both trainers are given `bf16=False` here.
 """
 
 from __future__ import annotations
