@@ -16,41 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import time
 
 import torch
 
+from hetrl.bench.machine import cpu, matmul_gflops
 from hetrl.models import load_model
 from hetrl.trainer import build
 from hetrl.trainer.config import load_config
-
-
-def matmul_gflops(dtype: torch.dtype, n: int = 1024, seconds: float = 3.0) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        calls += 1
-    return 2 * n**3 * calls / (time.perf_counter() - t0) / 1e9
-
-
-def cpu() -> dict:
-    model, flags = platform.processor(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def passes(precision: str) -> dict:

@@ -24,6 +24,16 @@ def _bench_demo(args) -> int:
     return 0
 
 
+def _bench_train(args) -> int:
+    import pathlib
+
+    from hetrl.bench import train_vs_trl
+
+    train_vs_trl.main(args.case, args.systems, args.seeds, args.steps, pathlib.Path(args.out),
+                      pathlib.Path(args.work) if args.work else None, tuple(args.set))
+    return 0
+
+
 def _bench_dualkv(args) -> int:
     if args.layer:
         from hetrl.bench import dualkv_layer
@@ -193,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "Table 2 setup (P 5K-32K, mb 4-32, R ~ U(131, 2048)); tiny: small sizes for CPU")
     dk.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (the layer benchmark; bf16 on CUDA)")
     dk.set_defaults(func=_bench_dualkv)
+    bt = bench_sub.add_parser("train", help="whole GRPO steps: hetrl train vs TRL's GRPOTrainer, stock and with DualKV")
+    bt.add_argument("--case", nargs="+", default=["default"], metavar="CASE",
+                    help="default (the default job) and/or long (a ~512-token shared few-shot prompt, timing only)")
+    bt.add_argument("--systems", nargs="+", default=["hetrl", "trl-dualkv", "trl"], metavar="SYSTEM",
+                    help="hetrl, trl-dualkv, trl (stock GRPOTrainer)")
+    bt.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    bt.add_argument("--steps", type=int, help="hetrl steps per run (default: 16 for default, 2 for long)")
+    bt.add_argument("--out", default="benchmarks/results", help="directory of train_vs_trl.jsonl (each finished run "
+                    "is appended at once; runs already there are not run again), .json and .md")
+    bt.add_argument("--work", help="directory for the runs' own files (default: a new temporary directory)")
+    bt.add_argument("--set", nargs="*", default=[], metavar="key=value",
+                    help="more hetrl config for both systems (e.g. model=tiny for a smoke test)")
+    bt.set_defaults(func=_bench_train)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
     demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")
     demo.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,406 @@
+"""`hetrl bench train`: whole GRPO steps of `hetrl train` and of TRL 1.16's GRPOTrainer (stock, and with DualKV from
+hetrl.integrations.trl) on one job, one after the other on this machine.
+
+Each (case, system, seed) is one run: it trains `steps` hetrl steps (one rollout batch of prompts_per_step x N, then
+mini_batches optimizer steps; TRL: the same batch through steps_per_generation = mini_batches optimizer steps) and
+appends one JSON line to OUT/train_vs_trl.jsonl as soon as it finishes: its per-step times (rollout, log-probs,
+update), tokens, and the held-out accuracy before and after (greedy, hetrl's own evaluator on the same held-out
+prompts, so the two systems are scored by the same code). A run already in the file is not run again, so a long
+comparison can be spread over several invocations; OUT/train_vs_trl.json and .md are rewritten from the whole file
+after every run.
+
+Both systems get the same prompts in the same order (hetrl's data source for that seed; TRL with
+shuffle_dataset=False), the same reward code (hetrl's RewardSet, called from a TRL reward function), model, N,
+lengths, sampling, learning rate and schedule, clip, KL and loss aggregation. `KNOBS` lists what still differs.
+
+Cases:
+- `default`: the default job (examples/runs/default.yaml): reasoning-gym arithmetic, prompts of ~38 tokens, 8 x 8
+  samples of <= 16 tokens.
+- `long`: the same problems behind a shared few-shot block of solved problems (prompts of ~512 tokens), N = 8,
+  <= 64 new tokens, 2 prompts per step: the prompt dominates. Timing only (exact_match on 4 held-out prompts).
+
+FLOP/s: model FLOPs of the standard per-sample computation, 2 x (matmul weights) per token for a forward and 6 x
+for a forward + backward, over every sample's prompt + completion tokens: one forward for the rollout, two for the
+old and reference log-probs, one forward + backward for the update (attention scores not counted). The same work
+definition for every system, so a system that skips repeated prompt work is credited with the work it made
+unnecessary: `effective`. It is compared with the fp32 and bf16 matmul peaks measured at the start of the
+invocation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SYSTEMS = ("hetrl", "trl-dualkv", "trl")
+RESULTS = "train_vs_trl"
+
+# what differs between the two systems when this benchmark runs them (everything else is set equal, see trl_args)
+KNOBS = [
+    "mini-batches: hetrl splits a rollout batch into mini_batches of whole prompt groups; TRL shuffles the 64 "
+    "samples and splits them into steps_per_generation slices (groups spread over both optimizer steps).",
+    "optimizer: both AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, constant lr); hetrl torch.optim.AdamW "
+    "(foreach), TRL its Trainer's default adamw_torch_fused.",
+    "log-prob numerics: stock TRL's CPU LM head scores every position and accumulates the log-softmax in fp32 tiles; "
+    "hetrl (and DualKV TRL) gathers the completion rows and does log-softmax on those.",
+    "rollout: hetrl prefills each prompt once and decodes its N continuations from one cache; TRL repeats each "
+    "prompt N times and calls generate on the N x prompts rows (both transformers generate, same sampling: "
+    "temperature 0.7, top_p 1, top_k 0).",
+    "micro-batching: hetrl packs up to micro_batch_tokens=2048 tokens per forward; TRL runs each optimizer step's "
+    "rows in one forward (per_device_train_batch_size = samples / mini_batches).",
+    "random streams: the same seed does not draw the same samples in both systems (different generate batches).",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    overrides: tuple[str, ...]        # hetrl config key=value on top of the built-in defaults
+    few_shot_tokens: int = 0          # > 0: a shared block of solved problems of about this many tokens
+    eval_rows: int = 0                # few-shot cases: held-out prompts (from the same problem stream)
+    accuracy: bool = True             # whether the held-out accuracy is part of the comparison
+    extra: dict = field(default_factory=dict)
+
+
+CASES = {
+    "default": Case("default", ()),
+    "long": Case("long", ("prompts_per_step=2", "max_new_tokens=64", "eval_max_new_tokens=64", "reward=exact_match",
+                          "max_prompt_tokens=1024"), few_shot_tokens=512, eval_rows=4, accuracy=False),
+}
+
+
+# ----------------------------------------------------------------------------------------------- the job
+
+
+def job(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, ...] = ()):
+    """-> (RunConfig, train rows or None, eval rows or None): the run both systems do (`overrides`: more hetrl
+    config key=value, e.g. model=tiny for a smoke test)."""
+    from hetrl.trainer.config import load_config
+
+    cfg = load_config(None, [*case.overrides, *overrides, f"seed={seed}", f"steps={steps}", f"out_dir={out_dir}",
+                             "checkpoint_every=0"])
+    if not case.few_shot_tokens:
+        return cfg, None, None
+    from hetrl.data import TaskSource, prompt_ids
+    from hetrl.trainer.config import DEFAULT_TASK_CONFIG
+
+    _, tokenizer = _tokenizer(cfg)
+    task = TaskSource("basic_arithmetic", DEFAULT_TASK_CONFIG, seed, 1, tokenizer)
+    problems = [e.row for e in task.train_examples(0, steps * cfg.prompts_per_step + case.eval_rows + 200)[0]]
+    shots = ""
+    for p in problems[steps * cfg.prompts_per_step + case.eval_rows:]:
+        shots += f"{p['question']} {p['answer']}\n"
+        if len(prompt_ids(tokenizer, [{"role": "user", "content": shots}])) >= case.few_shot_tokens - 16:
+            break
+    rows = [{"prompt": [{"role": "user", "content": shots + p["question"]}], "answer": str(p["answer"])}
+            for p in problems[: steps * cfg.prompts_per_step + case.eval_rows]]
+    return cfg, rows[case.eval_rows:], rows[: case.eval_rows]
+
+
+def _tokenizer(cfg):
+    """-> (model, tokenizer) of the run, fp32, seeded."""
+    from hetrl.models import load_model
+
+    return load_model(cfg.model, seed=cfg.seed)
+
+
+def matmul_params(model) -> int:
+    """Weights that enter a matmul per token: every Linear, the LM head included (tied or not)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+# ----------------------------------------------------------------------------------------------- hetrl
+
+
+def run_hetrl(case: Case, seed: int, steps: int, work: pathlib.Path, overrides: tuple[str, ...] = ()) -> dict:
+    from hetrl.trainer.loop import train
+
+    cfg, rows, evals = job(case, seed, steps, str(work / f"hetrl-{case.name}-{seed}"), overrides)
+    summary = train(cfg, train_dataset=rows, eval_dataset=evals)
+    metrics = [json.loads(line) for line in open(pathlib.Path(cfg.out_dir) / "metrics.jsonl")]
+    per_step = [{"step": m["step"], "step_s": m["step_s"], "rollout_s": m["gen_s"], "logprob_s": m["logprob_s"],
+                 "update_s": m["update_s"], "sample_tokens": m["sample_tokens"],
+                 "prefill_s": m.get("prefill_s"), "decode_s": m.get("decode_s"), "rho": m.get("rho")}
+                for m in metrics]
+    return {"steps": per_step, "eval_accuracy_before": summary.get("eval_accuracy_before"),
+            "eval_accuracy_after": summary.get("eval_accuracy_after"), "gained": summary.get("gained"),
+            "lost": summary.get("lost"), "sign_test_p": summary.get("sign_test_p")}
+
+
+# ----------------------------------------------------------------------------------------------- TRL
+
+
+def trl_args(cfg, seed: int, out_dir: str):
+    """GRPOConfig with every knob hetrl's run has set to hetrl's value (KNOBS lists what cannot be)."""
+    from trl import GRPOConfig
+
+    n, per_step = cfg.responses_per_prompt, cfg.prompts_per_step * cfg.responses_per_prompt
+    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    return GRPOConfig(
+        output_dir=out_dir, seed=seed, data_seed=seed, use_cpu=not cuda,
+        # fp32 weights; bf16 autocast where hetrl's precision runs bf16-mixed (auto: on CUDA), fp32 on a CPU
+        bf16=cfg.precision == "bf16-mixed" or (cfg.precision == "auto" and cuda),
+        model_init_kwargs={"dtype": torch.float32},
+        max_steps=cfg.steps * cfg.mini_batches, per_device_train_batch_size=per_step // cfg.mini_batches,
+        steps_per_generation=cfg.mini_batches, gradient_accumulation_steps=1, num_iterations=1,
+        num_generations=n, max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=0, learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=cfg.max_grad_norm,
+        beta=cfg.kl_coef if cfg.kl_coef is not None else 0.001, epsilon=cfg.clip_low if cfg.clip_low is not None else 0.2,
+        epsilon_high=cfg.clip_high if cfg.clip_high is not None else 0.2, loss_type="grpo",
+        scale_rewards="group" if cfg.scale_advantages else "none", mask_truncated_completions=False,
+        shuffle_dataset=False, gradient_checkpointing=cfg.gradient_checkpointing, disable_dropout=True,
+        logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, log_completions=False,
+        disable_tqdm=False)
+
+
+class _StepTimes:
+    """Per hetrl-equivalent step: wall time of its optimizer steps, and the time inside generation, reward scoring
+    and no-grad log-prob passes (the rest is the update)."""
+
+    def __init__(self, optimizer_steps_per_step: int):
+        self.per, self.rows, self.current = optimizer_steps_per_step, [], None
+        self.k = 0
+
+    def phase(self, name: str, value) -> None:
+        if self.current is not None:
+            self.current[name] = self.current.get(name, type(value)()) + value
+
+    def begin(self) -> None:
+        if self.k % self.per == 0:
+            self.current = {"step": len(self.rows) + 1, "rollout_s": 0.0, "logprob_s": 0.0, "sample_tokens": 0}
+            self.t0 = time.perf_counter()
+
+    def end(self) -> None:
+        self.k += 1
+        if self.k % self.per == 0:
+            row = self.current
+            row["step_s"] = time.perf_counter() - self.t0
+            row["update_s"] = row["step_s"] - row["rollout_s"] - row["logprob_s"]
+            self.rows.append(row)
+            self.current = None
+
+
+def _timed(cls, times: _StepTimes):
+    """`cls` (a GRPOTrainer) with its phases timed into `times`."""
+
+    @contextlib.contextmanager
+    def clock(name):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            times.phase(name, time.perf_counter() - t0)
+
+    class Timed(cls):
+        def _generate(self, prompts):
+            with clock("rollout_s"):
+                return super()._generate(prompts)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            with clock("rollout_s"):
+                return super()._calculate_rewards(*args, **kwargs)
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            if torch.is_grad_enabled():
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            with clock("logprob_s"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            times.phase("sample_tokens", int(out["prompt_mask"].sum() + out["completion_mask"].sum()))
+            return out
+
+    return Timed
+
+
+def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool, overrides: tuple[str, ...] = ()) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from hetrl.data.rewards import completion_text
+    from hetrl.integrations.trl import with_dualkv
+    from hetrl.trainer.loop import build_rewards, build_source, evaluate, paired_comparison
+    from hetrl.trainer.rollout import RolloutWorker
+
+    name = "trl-dualkv" if dualkv else "trl"
+    out = work / f"{name}-{case.name}-{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, rows, evals = job(case, seed, steps, str(out), overrides)
+    model, tokenizer = _tokenizer(cfg)
+    model_dir = out / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    source = build_source(cfg, tokenizer, rows, evals)
+    rewards = build_rewards(cfg, source)
+    examples, _, _ = source.train_examples(0, steps * cfg.prompts_per_step)   # hetrl's prompts, in hetrl's order
+    by_index = [e.row for e in examples]
+    times = _StepTimes(cfg.mini_batches)
+
+    def reward(completions, row_index, **_):
+        times.phase("rows", sorted(set(row_index)))     # which prompts this step trained on (the same as hetrl's)
+        picked = [by_index[i] for i in row_index]
+        return rewards.score(picked, [r["prompt"] for r in picked], [completion_text(c) for c in completions]).total
+
+    reward.__name__ = "_".join(rewards.names)
+    data = Dataset.from_list([{"prompt": r["prompt"], "row_index": i} for i, r in enumerate(by_index)])
+    worker = RolloutWorker(model.eval(), tokenizer)
+    before, _ = evaluate(cfg, source, rewards, worker, out / "eval_step_0.jsonl")
+    del worker, model
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            times.begin()
+
+        def on_step_end(self, *_, **__):
+            times.end()
+
+    cls = _timed(with_dualkv(GRPOTrainer) if dualkv else GRPOTrainer, times)
+    trainer = cls(model=str(model_dir), reward_funcs=[reward], args=trl_args(cfg, seed, str(out / "trl")),
+                  train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    worker = RolloutWorker(trainer.model.eval(), tokenizer)
+    after, means = evaluate(cfg, source, rewards, worker, out / f"eval_step_{steps}.jsonl")
+    rewards.close()
+    return {"steps": times.rows, "eval_accuracy_before": sum(before) / len(before),
+            "eval_accuracy_after": means.get("eval_accuracy"), **paired_comparison(before, after)}
+
+
+# ----------------------------------------------------------------------------------------------- the table
+
+
+def summarise(records: list[dict]) -> dict:
+    """Per (case, system): step times (median over each run's steps 2.., then mean / spread over seeds), phases,
+    tokens/s, effective FLOP/s, held-out accuracy over seeds; and each system's step-time ratio to stock TRL."""
+    out: dict = {}
+    for rec in records:
+        out.setdefault(rec["case"], {}).setdefault(rec["system"], []).append(rec)
+    table = {}
+    for case, systems in out.items():
+        table[case] = {}
+        for system, recs in systems.items():
+            per_run = []
+            for r in recs:
+                steps = r["steps"][1:] or r["steps"]      # step 1 carries one-off warm-up
+                med = {k: statistics.median(s[k] for s in steps) for k in ("step_s", "rollout_s", "logprob_s",
+                                                                           "update_s")}
+                tokens = statistics.median(s["sample_tokens"] for s in steps)
+                flops = 12 * r["matmul_params"] * tokens
+                per_run.append({**med, "tokens_per_s": tokens / med["step_s"],
+                                "effective_gflops": flops / med["step_s"] / 1e9,
+                                "acc_after": r.get("eval_accuracy_after"), "acc_before": r.get("eval_accuracy_before"),
+                                "seed": r["seed"], "peaks": r["machine"]["matmul_gflops"]})
+            row = {"seeds": [p["seed"] for p in per_run]}
+            for k in ("step_s", "rollout_s", "logprob_s", "update_s", "tokens_per_s", "effective_gflops"):
+                row[k] = statistics.mean(p[k] for p in per_run)
+            peaks = per_run[0]["peaks"]
+            row["of_fp32_peak"] = row["effective_gflops"] / peaks["fp32"]
+            row["of_bf16_peak"] = row["effective_gflops"] / peaks["bf16"]
+            accs = [p["acc_after"] for p in per_run if p["acc_after"] is not None]
+            if accs and CASES.get(case, Case(case, ())).accuracy:
+                row["accuracy_after"] = {"mean": statistics.mean(accs), "min": min(accs), "max": max(accs),
+                                         "runs": accs}
+                row["accuracy_before"] = statistics.mean(p["acc_before"] for p in per_run)
+            table[case][system] = row
+        if "trl" in table[case]:
+            for system, row in table[case].items():
+                row["step_time_vs_stock_trl"] = row["step_s"] / table[case]["trl"]["step_s"]
+    return table
+
+
+def markdown(table: dict, records: list[dict]) -> str:
+    m = records[0]["machine"]
+    lines = ["# `hetrl train` against TRL 1.16's GRPOTrainer, whole steps", "",
+             f"`hetrl bench train` on {m['model']} ({', '.join(m['flags'])}), {m['cores']} cores, torch "
+             f"{m['torch']} with {m['torch_threads']} threads; matmul peaks measured in the run: fp32 "
+             f"{m['matmul_gflops']['fp32']:.1f} GFLOP/s, bf16 {m['matmul_gflops']['bf16']:.1f} GFLOP/s. Runs one "
+             "after the other; raw per-step numbers in train_vs_trl.jsonl. Step times: each run's median over its "
+             "steps after the first, then the mean over seeds.", ""]
+    for case, systems in table.items():
+        lines += [f"## Case `{case}`", "",
+                  "| system | seeds | step s | vs stock TRL | rollout s | log-probs s | update s | tokens/s | "
+                  "effective GFLOP/s (of fp32 / bf16 peak) | held-out accuracy after (mean, min-max) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+        for system in SYSTEMS:
+            if system not in systems:
+                continue
+            r = systems[system]
+            acc = r.get("accuracy_after")
+            acc_s = (f"{acc['mean']:.3f} ({acc['min']:.2f}-{acc['max']:.2f}); before {r['accuracy_before']:.2f}"
+                     if acc else "-")
+            ratio = f"{r['step_time_vs_stock_trl']:.3f}" if "step_time_vs_stock_trl" in r else "-"
+            lines.append(f"| {system} | {', '.join(map(str, r['seeds']))} | {r['step_s']:.1f} | {ratio} | "
+                         f"{r['rollout_s']:.1f} | {r['logprob_s']:.1f} | {r['update_s']:.1f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['effective_gflops']:.1f} ({r['of_fp32_peak']:.0%} / "
+                         f"{r['of_bf16_peak']:.0%}) | {acc_s} |")
+        lines.append("")
+    lines += ["## What differs between the two systems", ""] + [f"- {k}" for k in KNOBS] + [""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def machine() -> dict:
+    from hetrl.bench.machine import cpu, matmul_gflops
+
+    return {**cpu(), "matmul_gflops": {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}}
+
+
+def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | None, out: pathlib.Path,
+         work: pathlib.Path | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+    for c in cases:
+        if c not in CASES:
+            raise ValueError(f"--case: {c!r} is not one of {', '.join(CASES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / f"{RESULTS}.jsonl"
+    records = [json.loads(line) for line in open(store)] if store.exists() else []
+    done = {(r["case"], r["system"], r["seed"], r["steps_asked"], tuple(r.get("overrides", ()))) for r in records}
+    work = work or pathlib.Path(tempfile.mkdtemp(prefix="hetrl-bench-train-"))
+    torch.set_num_threads(os.cpu_count() or 1)
+    mach = params = None
+    for case_name in cases:
+        case = CASES[case_name]
+        n = steps or (2 if case.few_shot_tokens else 16)
+        for seed in seeds:
+            for system in systems:
+                if (case_name, system, seed, n, tuple(overrides)) in done:
+                    print(f"{case_name} {system} seed {seed}: in {store} already", flush=True)
+                    continue
+                if mach is None:      # measured once per invocation, before its first run
+                    mach = machine()
+                    print(f"matmul peaks: fp32 {mach['matmul_gflops']['fp32']:.1f}, bf16 "
+                          f"{mach['matmul_gflops']['bf16']:.1f} GFLOP/s", flush=True)
+                    cfg0 = job(case, 0, 1, str(work / "probe"), overrides)[0]
+                    params = matmul_params(_tokenizer(cfg0)[0])
+                print(f"== {case_name} {system} seed {seed}, {n} steps", flush=True)
+                t0 = time.perf_counter()
+                if system == "hetrl":
+                    got = run_hetrl(case, seed, n, work, overrides)
+                else:
+                    got = run_trl(case, seed, n, work, system == "trl-dualkv", overrides)
+                rec = {"case": case_name, "system": system, "seed": seed, "steps_asked": n, "overrides": list(overrides),
+                       "machine": mach,
+                       "matmul_params": params, "wall_s": time.perf_counter() - t0,
+                       "date": time.strftime("%Y-%m-%d"), **got}
+                with open(store, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                records.append(rec)
+                table = summarise(records)
+                (out / f"{RESULTS}.json").write_text(json.dumps({"table": table, "knobs": KNOBS}, indent=2))
+                (out / f"{RESULTS}.md").write_text(markdown(table, records))
+                print(json.dumps({k: v for k, v in rec.items() if k not in ("steps", "machine")}), flush=True)
+    return summarise(records)

@@ -1,0 +1,58 @@
+"""`hetrl bench train` on the tiny model: both systems train on the same prompts, with TRL configured by hetrl's
+run config (checked through TRL's own GRPOConfig), results appended per run and not run twice."""
+
+import json
+
+import pytest
+
+pytest.importorskip("trl")
+
+from hetrl.bench import train_vs_trl  # noqa: E402
+from hetrl.trainer.config import load_config  # noqa: E402
+
+TINY = ("model=tiny", "eval_size=4")
+
+
+def test_trl_is_configured_as_the_hetrl_run(tmp_path):
+    cfg = load_config(None, ["steps=3", "lr=3e-5", "kl_coef=0.01", "clip_low=0.1", "clip_high=0.3",
+                             "prompts_per_step=4", "responses_per_prompt=6", "mini_batches=3", "max_new_tokens=20"])
+    args = train_vs_trl.trl_args(cfg, 7, str(tmp_path))
+    # TRL derives the generation batch itself: one rollout batch of hetrl's, prompts_per_step x N samples
+    assert args.generation_batch_size == 24 and args.num_generations == 6
+    assert args.max_steps == 9 and args.steps_per_generation == 3 and args.per_device_train_batch_size == 8
+    assert (args.learning_rate, args.beta, args.epsilon, args.epsilon_high) == (3e-5, 0.01, 0.1, 0.3)
+    assert args.loss_type == "grpo" and args.lr_scheduler_type == "constant" and args.warmup_steps == 0
+    assert (args.temperature, args.top_p, args.top_k, args.max_completion_length) == (0.7, 1.0, 0, 20)
+    assert args.scale_rewards == "group" and args.shuffle_dataset is False and args.seed == 7
+    assert args.gradient_checkpointing is False and args.bf16 is False
+
+
+def test_bench_train_runs_both_systems_on_the_same_prompts(tmp_path):
+    out = tmp_path / "results"
+    train_vs_trl.main(["default"], ["hetrl", "trl-dualkv", "trl"], [0], 2, out, tmp_path / "work", TINY)
+    records = [json.loads(line) for line in open(out / "train_vs_trl.jsonl")]
+    assert [r["system"] for r in records] == ["hetrl", "trl-dualkv", "trl"]
+    for r in records:
+        assert [s["step"] for s in r["steps"]] == [1, 2]
+        for s in r["steps"]:
+            assert s["step_s"] > 0 and s["rollout_s"] > 0 and s["logprob_s"] > 0 and s["update_s"] > 0
+            assert s["sample_tokens"] > 8 * 8       # every sample's prompt + completion
+        assert 0 <= r["eval_accuracy_before"] <= 1 and 0 <= r["eval_accuracy_after"] <= 1
+    for r in records[1:]:
+        # TRL trained on hetrl's prompts in hetrl's order: 8 per step from the start of the stream
+        assert [s["rows"] for s in r["steps"]] == [list(range(8)), list(range(8, 16))]
+    table = json.loads((out / "train_vs_trl.json").read_text())["table"]["default"]
+    assert table["trl"]["step_time_vs_stock_trl"] == 1.0 and set(table) == {"hetrl", "trl-dualkv", "trl"}
+    text = (out / "train_vs_trl.md").read_text()
+    assert "| hetrl | 0 |" in text and "What differs" in text
+    # a second call finds every run in the file and runs none
+    train_vs_trl.main(["default"], ["hetrl", "trl"], [0], 2, out, tmp_path / "work2", TINY)
+    assert len(open(out / "train_vs_trl.jsonl").readlines()) == 3
+    assert not (tmp_path / "work2" / "hetrl-default-0").exists()
+
+
+def test_bench_train_rejects_unknown_names(tmp_path):
+    with pytest.raises(ValueError, match="trl-dualkv"):
+        train_vs_trl.main(["default"], ["verl"], [0], 1, tmp_path, None, TINY)
+    with pytest.raises(ValueError, match="long"):
+        train_vs_trl.main(["short"], ["hetrl"], [0], 1, tmp_path, None, TINY)
