@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks  # noqa: E402
-from hetrl.planner.spec import TokenLengths  # noqa: E402
+from hetrl.planner.spec import TokenLengths, cluster_from_dict  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.loop import train  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
@@ -64,6 +65,61 @@ def measure_core() -> dict:
     return {"fp32_matmul_flops": flops, "copy_bytes_per_s": copy}
 
 
+def measure_pool(core: dict) -> dict:
+    """What the cores deliver together: fp32 matmul FLOP/s with every core busy (torch threads = cores) over one
+    core's, i.e. how many cores' worth of compute the machine has at once (`concurrent_devices`)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b, a @ b
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    flops = 2 * 2048**3 / min(times)
+    cores = os.cpu_count()
+    return {"all_cores_fp32_matmul_flops": flops,
+            "concurrent_devices": max(1.0, min(float(cores), round(flops / core["fp32_matmul_flops"], 2)))}
+
+
+def _gloo_worker(rank: int, port: int, nbytes: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.ones(nbytes // 4)
+    dist.all_reduce(x)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t)
+    if rank == 0:
+        out.put(min(times))
+    dist.destroy_process_group()
+
+
+def measure_gloo(nbytes: int = 256 << 20) -> dict:
+    """Bandwidth between two processes on this machine as the learners' gradient all-reduce sees it (gloo over
+    loopback, one thread each): a 2-rank all-reduce of n bytes moves n bytes each way, so bytes/s = n / t."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, port, nbytes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    seconds = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return {"gloo_allreduce_bytes": nbytes, "gloo_allreduce_s": seconds, "intra_node_gbps": nbytes / seconds * 8 / 1e9}
+
+
 def cpu_cluster(core: dict) -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count()
@@ -72,7 +128,9 @@ def cpu_cluster(core: dict) -> dict:
         "hbm_bytes_per_s": core["copy_bytes_per_s"],
         "source": "measured in this run: one core's fp32 matmul and copy bandwidth; RAM / cores"}],
         "nodes": [{"name": "cpu", "region": "local", "gpu": "cpu-core", "count": cores, "intra_node": "pcie",
-                   "network_gbps": 10}]}
+                   "network_gbps": 10,
+                   # measured in this run (absent: the cost model's defaults, cores independent, PCIe between them)
+                   **{k: core[k] for k in ("concurrent_devices", "intra_node_gbps") if k in core}}]}
 
 
 def fixed_plans(tasks: list[str]) -> dict[str, dict]:
@@ -86,7 +144,11 @@ def fixed_plans(tasks: list[str]) -> dict[str, dict]:
     }
 
 
-def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path, cluster) -> list[dict]:
+def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path, cluster, independent,
+        plans=("local", "split", "colocated", "planner"), modes=("sync", "async")) -> list[dict]:
+    """Each (plan, mode) trained and timed; `predicted` from the cost model on `cluster` (this machine as
+    measured: cores sharing one pool, gloo between them) and on `independent` (the same cores as independent
+    devices linked by PCIe, the model's defaults)."""
     base = load_config(CONFIGS[config], [f"steps={steps}"])
     model, tokenizer = load_model(base.model, seed=base.seed)
     task = TaskSource(base.task, base.task_config, base.seed, base.eval_size, tokenizer, base.max_prompt_tokens,
@@ -95,8 +157,8 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
     spec = model_spec_from_hf(model.config, base.model)
     del model
     rows = []
-    variants = [("local", "sync", None)] + [(p, m, p) for p in ("split", "colocated", "planner")
-                                             for m in ("sync", "async")]
+    variants = [("local", "sync", None)] * ("local" in plans) + [(p, m, p) for p in ("split", "colocated", "planner")
+                                                                if p in plans for m in modes]
     for name, mode, plan_name in variants:
         workload = dataclasses.replace(run_workload(base, spec, TokenLengths(prompt_len, float(prompt_len))), mode=mode)
         overrides = [f"steps={steps}", "eval_size=4", "checkpoint_every=0", f"out_dir={work / f'{config}-{name}-{mode}'}"]
@@ -110,7 +172,9 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
             plan_file = work / f"{config}-{name}-{mode}.plan.json"
             plan_file.write_text(json.dumps(plan_dict))
             est = evaluate(cluster, workload, plan_from_dict(plan_dict, cluster, workload))
-            predicted = {"iteration_time_s": est.iteration_time_s, "breakdown": est.breakdown}
+            predicted = {"iteration_time_s": est.iteration_time_s, "breakdown": est.breakdown,
+                         "independent_cores_s": evaluate(independent, workload, plan_from_dict(
+                             plan_dict, independent, workload)).iteration_time_s}
             overrides += ["executor=ray", f"mode={mode}", f"emulate_cluster={cluster_path}", f"plan={plan_file}"]
         cfg = load_config(CONFIGS[config], overrides)
         t0 = time.perf_counter()
@@ -147,22 +211,44 @@ def markdown(result: dict) -> str:
         f"{result['steps']} steps, median step time of steps 2..{result['steps']} (step 1 warms up). The machine is "
         f"emulated as a cluster of {m['cpus']} `cpu-core` devices measured in this run: "
         f"{result['core']['fp32_matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul and "
-        f"{result['core']['copy_bytes_per_s'] / 1e9:.1f} GB/s copy per core. `predicted s` is the planner's cost "
-        "model for that plan on that cluster, not a measurement.",
+        f"{result['core']['copy_bytes_per_s'] / 1e9:.1f} GB/s copy per core"
+        + (f"; with every core busy they deliver {result['core']['concurrent_devices']:g} cores' worth of matmul "
+           f"(`concurrent_devices`), and two processes all-reduce through gloo at "
+           f"{result['core']['intra_node_gbps']:.1f} Gbit/s (`intra_node_gbps`)" if "concurrent_devices" in
+           result["core"] else "")
+        + ". `predicted s` is the planner's cost model for that plan on that cluster, not a measurement; "
+        "`independent cores` is its prediction with the cores described as independent devices joined by PCIe "
+        "(the model's defaults, before the device description could say otherwise).",
         "",
         "| config | plan | mode | rollout workers | learners | step s (measured) | steps/s | gen wait s | "
-        "update s | weight sync s | predicted s | measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "update s | weight sync s | predicted s | measured / predicted | predicted s, independent cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         p = r["predicted"]["iteration_time_s"] if r["predicted"] else None
         lines.append(
             f"| {r['config']} | {r['plan']} | {r['mode']} | {r['rollout_workers']} | {r['learners']} | "
             f"{r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['gen_wait_s']:.3f} | {r['update_s']:.3f} | "
             f"{r['weight_sync_s']:.4f} | {'' if p is None else f'{p:.4f}'} | "
-            f"{'' if p is None else format(r['step_s'] / p, '.1f') + 'x'} |")
+            f"{'' if p is None else format(r['step_s'] / p, '.1f') + 'x'} | "
+            f"{'' if p is None or 'independent_cores_s' not in r['predicted'] else format(r['predicted']['independent_cores_s'], '.4f')} |")
     lines += ["", "Plans: `split` = generation on cpu:0, log-probs/reference/training on cpu:1; `colocated` = every "
               "task on both cores, data-parallel 2; `planner` = the hybrid search's choice for this cluster; "
               "`local` = no Ray, one process.", ""]
+    lines += ["Ranking of the fixed plans (`split`, `colocated`), fastest first:", ""]
+    for config in dict.fromkeys(r["config"] for r in result["rows"]):
+        for mode in ("sync", "async"):
+            rows = [r for r in result["rows"] if r["config"] == config and r["mode"] == mode
+                    and r["plan"] in ("split", "colocated")]
+            if len(rows) < 2:
+                continue
+            order = {k: " < ".join(r["plan"] for r in sorted(rows, key=key)) for k, key in (
+                ("measured", lambda r: r["step_s"]), ("predicted", lambda r: r["predicted"]["iteration_time_s"]),
+                ("independent cores", lambda r: r["predicted"].get("independent_cores_s", math.inf)))}
+            lines.append(f"- {config}, {mode}: measured {order['measured']}; predicted {order['predicted']} "
+                         f"({'agrees' if order['predicted'] == order['measured'] else 'DISAGREES'}); independent "
+                         f"cores {order['independent cores']} "
+                         f"({'agrees' if order['independent cores'] == order['measured'] else 'disagrees'})")
+    lines.append("")
     for r in result["rows"]:
         if r["plan"] == "planner":
             lines.append(f"- planner's plan ({r['config']}, {r['mode']}): " + "; ".join(
@@ -175,16 +261,24 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="tiny,default")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--plans", default="local,split,colocated,planner")
+    ap.add_argument("--modes", default="sync,async")
     args = ap.parse_args(argv)
     import ray
 
     core = measure_core()
+    core |= measure_pool(core) | measure_gloo()
+    print(json.dumps(core), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         cluster_path = work / "cpu-local.yaml"
         cluster_path.write_text(yaml.safe_dump(cpu_cluster(core)))
         cluster = load_cluster(str(cluster_path))
-        rows = [r for c in args.configs.split(",") for r in run(c, args.steps, work, cluster_path, cluster)]
+        independent = cluster_from_dict(
+            cpu_cluster({k: core[k] for k in ("fp32_matmul_flops", "copy_bytes_per_s")}))
+        rows = [r for c in args.configs.split(",")
+                for r in run(c, args.steps, work, cluster_path, cluster, independent, args.plans.split(","),
+                             args.modes.split(","))]
     result = {"date": datetime.date.today().isoformat(), "steps": args.steps, "core": core,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                           "ray": ray.__version__},

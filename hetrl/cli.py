@@ -29,6 +29,13 @@ def _bench_train(args) -> int:
 
     from hetrl.bench import train_vs_trl
 
+    if args.report:
+        records = train_vs_trl.read_records(pathlib.Path(args.out))
+        if not records:
+            raise ValueError(f"--report: no runs in {args.out}/{train_vs_trl.RESULTS}.jsonl yet")
+        train_vs_trl.write_report(pathlib.Path(args.out), records)
+        print(f"wrote {args.out}/{train_vs_trl.RESULTS}.md and .json from {len(records)} runs")
+        return 0
     train_vs_trl.main(args.case, args.systems, args.seeds, args.steps, pathlib.Path(args.out),
                       pathlib.Path(args.work) if args.work else None, tuple(args.set))
     return 0
@@ -215,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--work", help="directory for the runs' own files (default: a new temporary directory)")
     bt.add_argument("--set", nargs="*", default=[], metavar="key=value",
                     help="more hetrl config for both systems (e.g. model=tiny for a smoke test)")
+    bt.add_argument("--report", action="store_true", help="run nothing: rewrite the .md and .json from the runs "
+                    "already in train_vs_trl.jsonl")
     bt.set_defaults(func=_bench_train)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
     demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")

@@ -131,9 +131,30 @@ def _shards(group: Group, par: Parallelism):
     return [[g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)] for r in range(par.dp)]
 
 
+def pooled(cluster: ClusterSpec, ids) -> dict[int, float]:
+    """Share of its own compute and memory bandwidth each device of `ids` gets while all of `ids` run at once:
+    1, except on a node whose devices draw on one pool (Node.concurrent_devices, e.g. CPU cores of one socket),
+    where k busy devices get min(1, concurrent_devices / k) each."""
+    busy: dict[str, int] = {}
+    for i in ids:
+        busy[cluster.gpus[i].node] = busy.get(cluster.gpus[i].node, 0) + 1
+    pool = {n: cluster.node(n).concurrent_devices for n in busy}
+    return {i: 1.0 if pool[cluster.gpus[i].node] is None else min(1.0, pool[cluster.gpus[i].node]
+                                                                   / busy[cluster.gpus[i].node]) for i in ids}
+
+
+def _flops(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
+    return cluster.gpus[i].type.dense_bf16_flops * share[i]
+
+
+def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
+    return cluster.gpus[i].type.hbm_bytes_per_s * share[i]
+
+
 def _replica_speeds(cluster, shards, mfu) -> list[float]:
     """FLOP/s of each DP replica: its pipeline runs at the pace of its slowest stage."""
-    return [len(stages) * min(len(ids) * min(cluster.gpus[i].type.dense_bf16_flops for i in ids) * mfu
+    share = pooled(cluster, [i for stages in shards for ids in stages for i in ids])
+    return [len(stages) * min(len(ids) * min(_flops(cluster, i, share) for i in ids) * mfu
                               for ids in stages) for stages in shards]
 
 
@@ -224,7 +245,8 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     if par.offload == "params":   # each pass streams this rank's weight shard in from host memory
         offload += _overlapped(passes * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
     if train:
-        slowest_hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in group.gpus)
+        share = pooled(cluster, group.gpus)
+        slowest_hbm = min(_hbm(cluster, i, share) for i in group.gpus)
         if par.offload == "none":
             weights_written = shard_params / par.dp if par.zero == 3 else shard_params
             terms["optimizer"] = steps * (16 * shard_params / par.dp + 4 * weights_written) / (slowest_hbm * HBM_EFF)
@@ -240,8 +262,8 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     par = group.par("actor_gen")
     shards = _shards(group, par)
     kv_seq = (w.prompt_tokens.max + w.response_tokens.max) * model.kv_bytes_per_token / (par.tp * par.pp)
-    caps = [min(min(cluster.gpus[i].type.hbm_bytes_per_s for i in ids) for ids in stages) * par.tp
-            for stages in shards]
+    pool = pooled(cluster, group.gpus)
+    caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
@@ -251,8 +273,8 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
             return TaskCost(math.inf, {"infeasible": math.inf})
         waves = math.ceil(batch / fits)
         wave = batch / waves
-        hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in ids) * HBM_EFF
-        flops = min(cluster.gpus[i].type.dense_bf16_flops for i in ids)
+        hbm = min(_hbm(cluster, i, pool) for i in ids) * HBM_EFF
+        flops = min(_flops(cluster, i, pool) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
         prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * flops * MFU_INFER)
         weights_read = waves * r_max * model.params * BYTES / par.tp / hbm
@@ -456,7 +478,8 @@ def weight_sync_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group, gen: Grou
     after gathering ZeRO-3 shards (shard_gather_s)."""
     gather = shard_gather_s(cluster, w, train)
     if colocated:
-        hbm = min(cluster.gpus[i].type.hbm_bytes_per_s for i in gen.gpus)
+        share = pooled(cluster, gen.gpus)
+        hbm = min(_hbm(cluster, i, share) for i in gen.gpus)
         return gather + w.actor.params * BYTES / (hbm * HBM_EFF) / len(gen.gpus)
     return gather + group_transfer_s(cluster, train, gen, w.actor.params * BYTES)
 

@@ -77,7 +77,9 @@ def pools(cluster: ClusterSpec) -> tuple[Pool, ...]:
     fine = len(cluster.gpus) <= FINE_GRAINED_GPUS
     by_kind: dict[tuple, list[Node]] = {}
     for n in cluster.nodes:
-        by_kind.setdefault((n.gpu, n.region, n.intra_node, n.network_gbps, n.count), []).append(n)
+        # nodes that differ in anything the cost model reads are never interchangeable
+        by_kind.setdefault((n.gpu, n.region, n.intra_node, n.network_gbps, n.count, n.host_memory_gb,
+                            n.concurrent_devices, n.intra_node_gbps), []).append(n)
     return tuple(Pool(tuple(ns), 1 if fine else ns[0].count) for ns in by_kind.values())
 
 

@@ -126,6 +126,13 @@ class Node:
     intra_node: str = rule("nvlink", choices=("nvlink", "pcie"))
     network_gbps: float = rule(100.0, gt=0)
     host_memory_gb: float | None = rule(None, gt=0)   # CPU RAM for offload and swap; default per GPU, below
+    # devices' worth of compute and memory bandwidth the node delivers while all its devices run at once (default:
+    # count). Fewer where devices draw on one pool: CPU cores of one socket (shared memory bandwidth, caches,
+    # SMT siblings). A group running on k of the node's devices gets min(1, concurrent_devices / k) of each.
+    concurrent_devices: float | None = rule(None, gt=0)
+    # measured bandwidth between two of the node's devices, where intra_node's default does not describe it
+    # (CPU processes exchanging tensors through gloo over loopback: far below PCIe's 25 GB/s)
+    intra_node_gbps: float | None = rule(None, gt=0)
 
     @property
     def host_memory_bytes(self) -> float:
@@ -134,6 +141,10 @@ class Node:
 
     def __post_init__(self):  # the GPU type is checked by ClusterSpec, which also knows the cluster's own types
         check(self)
+        if self.concurrent_devices is not None and self.concurrent_devices > self.count:
+            raise ValueError(f"node {self.name}: concurrent_devices {self.concurrent_devices:g} is more than its "
+                             f"count {self.count}; it says how many devices' worth of throughput the node delivers "
+                             "with all of them busy (at most count; fewer where they share one pool)")
 
 
 @dataclass(frozen=True)
@@ -233,6 +244,8 @@ class ClusterSpec:
         if a.node == b.node:
             n = self.node(a.node)
             bw = a.type.nvlink_bytes_per_s if n.intra_node == "nvlink" else PCIE_BYTES_PER_S
+            if n.intra_node_gbps is not None:
+                bw = n.intra_node_gbps * GBIT
             return INTRA_NODE_LATENCY_S, bw
         if a.region == b.region:
             bw = min(self.node(a.node).network_gbps, self.node(b.node).network_gbps) * GBIT

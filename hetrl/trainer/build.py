@@ -19,7 +19,7 @@ import torch
 
 from hetrl.schema import InputError
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import Critic, Learner, Scorer
+from hetrl.trainer.learner import Critic, Learner, Scorer, mixed
 from hetrl.trainer.rollout import RolloutWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -161,12 +161,23 @@ def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
 
 def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
     """The KL reference: with LoRA, the policy's own base weights with the adapter off (no second copy); else a
-    frozen copy of the initial model, from `load_base()`. None when kl_coef is 0."""
+    frozen copy of the initial model, from `load_base()`, held in bf16 where the run is bf16-mixed (it is never
+    trained, so it needs no fp32 master copy: half the memory, as verl's and the planner's reference). None when
+    kl_coef is 0."""
     if cfg.kl_coef == 0:
         return None
     if pol.lora:
         return scorer(cfg, pol.module, pol.base_off)
-    return scorer(cfg, load_base().eval().requires_grad_(False))
+    return scorer(cfg, frozen(cfg, load_base()))
+
+
+def frozen(cfg: RunConfig, model):
+    """`model` as a frozen scorer's copy: eval, no gradients, and bf16 weights where the run is bf16-mixed on its
+    device (it is never trained, so it needs no fp32 master copy)."""
+    model = model.eval().requires_grad_(False)
+    if mixed(cfg.precision, next(model.parameters()).device) and next(model.parameters()).dtype == torch.float32:
+        model = model.to(torch.bfloat16)
+    return model
 
 
 def critic_model(cfg: RunConfig, policy_model=None):

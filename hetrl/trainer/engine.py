@@ -31,7 +31,7 @@ class LogProbs(Protocol):
 
 
 class Trainer(LogProbs, Protocol):
-    def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor,
+    def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None = None) -> UpdateStats: ...
 
 

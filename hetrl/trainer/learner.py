@@ -55,12 +55,17 @@ def _dummy_passes(n: int, sharded: bool) -> int:
 DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
+def mixed(precision: str, device: torch.device | str) -> bool:
+    """Whether `precision` runs bf16-mixed on `device`: asked for, or precision=auto on CUDA."""
+    return precision == "bf16-mixed" or (precision == "auto" and torch.device(device).type == "cuda")
+
+
 def amp(model, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on `model`'s device for precision=bf16-mixed, and for precision=auto on a CUDA model with fp32
-    weights (the fp32 weights stay the master copy); else nothing. The log-softmax runs in fp32 either way
+    """bf16 autocast on `model`'s device where the run is bf16-mixed there (`mixed`): fp32 weights stay the master
+    copy, a frozen bf16 copy (the reference) runs as it is; else nothing. The log-softmax runs in fp32 either way
     (hetrl.dualkv promotes the logits)."""
     p = next(model.parameters())
-    if precision == "bf16-mixed" or (precision == "auto" and p.device.type == "cuda" and p.dtype == torch.float32):
+    if mixed(precision, p.device):
         return torch.autocast(p.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -111,10 +116,13 @@ class Learner:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
         return self.scorer.logprobs(groups)
 
-    def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor,
+    def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None = None) -> UpdateStats:
         """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
-        With `grad_sync` this rank takes part even with nothing to learn from (the others wait for it)."""
+        `old_logp` None: on-policy, the weights about to be updated are the ones that sampled `groups` (the first
+        mini-batch of a sync step), so the old log-probs are this very forward's, detached (ratio 1, as TRL
+        does), and no separate pass computes them. With `grad_sync` this rank takes part even with nothing to
+        learn from (the others wait for it)."""
         if float(weights.sum()) == 0 and self.grad_sync is None and not self.sharded:  # e.g. all overlong
             return UpdateStats.no_step()
         self.model.train()
@@ -134,8 +142,9 @@ class Learner:
                                                        temperature=self.temperature, return_entropy=True)
             device, dtype = logp.device, logp.dtype
             w = weights[sl].to(device, dtype)
-            pg, clipped = clipped_policy_loss(logp, old_logp[sl].to(device, dtype), advantages[sl].to(device, dtype),
-                                              self.clip_low, self.clip_high)
+            old = logp.detach() if old_logp is None else old_logp[sl].to(device, dtype)
+            pg, clipped = clipped_policy_loss(logp, old, advantages[sl].to(device, dtype), self.clip_low,
+                                              self.clip_high)
             loss_tok = pg
             if self.kl_coef > 0:
                 kl = kl_k3(logp, ref_logp[sl].to(device, dtype))

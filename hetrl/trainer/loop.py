@@ -193,16 +193,25 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     critic step before each policy step (`train_policy` off: the critic warms up alone)."""
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
+    parts = np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups)))
     if cfg.mode == "async":
         old_logp = torch.cat([s.logprobs for r in kept for s in r.samples])
     else:
-        old_logp = learner.logprobs(groups)
+        # Sync: the first mini-batch is updated by the weights that sampled it, so its old log-probs are its own
+        # update forward's (Learner.update with None); only the later mini-batches, updated after the policy has
+        # moved, need the sampling policy's log-probs computed beforehand.
+        first = _token_slice(groups, parts[0])
+        old_logp = torch.zeros(len(first))
+        if len(parts) > 1:
+            later = learner.logprobs([groups[i] for p in parts[1:] for i in p])
+            old_logp = old_logp.to(later.dtype)
+            old_logp[~first] = later
     ref_logp = reference.logprobs(groups) if reference is not None else None
     if critic is not None:
         old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
     t_update = time.perf_counter()
     stats, critic_stats = [], []
-    for part in np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups))):
+    for j, part in enumerate(parts):
         tok = _token_slice(groups, part)
         mb = [groups[i] for i in part]
         if critic is None:
@@ -212,7 +221,8 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             weights = token_weights(*_responses([kept[i] for i in part], cfg), cfg.loss_agg)
             critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
         if train_policy:
-            stats.append(learner.update(mb, advantages, weights, old_logp[tok],
+            on_policy = j == 0 and cfg.mode != "async"
+            stats.append(learner.update(mb, advantages, weights, None if on_policy else old_logp[tok],
                                         None if ref_logp is None else ref_logp[tok]))
     row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
         "logprob_s": t_update - t0, "update_s": time.perf_counter() - t_update}

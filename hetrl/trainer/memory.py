@@ -17,6 +17,7 @@ from hetrl.planner.cost import task_memory
 from hetrl.planner.plan import Parallelism
 from hetrl.planner.spec import TokenLengths
 
+from .learner import mixed
 from .placement import model_spec_from_hf, run_workload
 
 GIB = 1024**3
@@ -49,6 +50,8 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
     train = task_memory(w, "actor_train", Parallelism(1, 1, 1, recompute=cfg.gradient_checkpointing),
                         micro_batch_tokens=t)
     ref = task_memory(w, "ref_infer", Parallelism(), micro_batch_tokens=t) if w.reference else None
+    # a bf16-mixed run holds its reference in bf16 (build.frozen): half of an fp32 weight
+    ref_scale = 0.5 if b == 4 and mixed(cfg.precision, next(model.parameters()).device) else scale
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
     gen_len = prompt_tokens + cfg.max_new_tokens
     # LoRA: gradients and Adam moments only for the adapter's parameters (the planner's per-parameter bytes, scaled
@@ -60,7 +63,7 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
         "activations_and_logits": int(train.working * scale),
         # SDPA's math path on CPU materialises one layer's [heads, T, T] scores; CUDA's flex/flash kernels do not
         "attention_scores": spec.heads * t * t * b if next(model.parameters()).device.type == "cpu" else 0,
-        "reference_model": int(ref.weights * scale) if ref and not cfg.lora_rank else 0,
+        "reference_model": int(ref.weights * ref_scale) if ref and not cfg.lora_rank else 0,
         "generation_kv_cache": gen_rows * gen_len * spec.kv_bytes_per_token * b // 2 + gen_rows * spec.vocab * 4,
     }
 

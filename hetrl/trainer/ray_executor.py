@@ -148,7 +148,7 @@ class RolloutActor:
 class ReferenceActor:
     def __init__(self, cfg: RunConfig, threads: int):
         base, _ = _setup(cfg, threads, lora=False)   # the reference is the base model (with LoRA: the adapter off)
-        self.scorer = build.scorer(cfg, base.module.eval().requires_grad_(False))
+        self.scorer = build.scorer(cfg, build.frozen(cfg, base.module))
 
     def whereabouts(self) -> dict:
         return _whereabouts()

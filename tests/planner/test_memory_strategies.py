@@ -259,3 +259,43 @@ def test_published_setups_are_scored(cluster, workload, plan_file, capsys):
     r = json.loads(capsys.readouterr().out)
     assert math.isfinite(r["iteration_time_s"]) and r["breakdown"]["compute"] > 0
     assert r["plan"]["groups"][0]["swap"] is True
+
+
+def _cpu_cluster(concurrent):
+    node = {"name": "cpu", "region": "local", "gpu": "cpu-core", "count": 2, "intra_node": "pcie", "network_gbps": 10}
+    if concurrent is not None:
+        node["concurrent_devices"] = concurrent
+    return cluster_from_dict({"name": "cpu", "gpu_types": [{"name": "cpu-core", "dense_bf16_flops": 1.5e11,
+                                                             "memory_bytes": 12e9, "hbm_bytes_per_s": 1.6e10,
+                                                             "source": "test"}],
+                              "nodes": [node]})
+
+
+@pytest.mark.parametrize("concurrent", [1.0, 1.5])
+def test_devices_of_one_pool_share_its_compute_and_bandwidth(concurrent):
+    w = _workload()
+    free, pooled = _cpu_cluster(None), _cpu_cluster(concurrent)
+    both = Group(("actor_train",), (0, 1), (("actor_train", Parallelism(1, 1, 2)),))
+    one = Group(("actor_train",), (0,), (("actor_train", Parallelism(1, 1, 1)),))
+    a, b = (_dense_pass(c, w, w.actor, both, "actor_train", True) for c in (free, pooled))
+    # two busy devices of a pool worth `concurrent` devices each run at concurrent / 2 of their own speed
+    assert b.terms["compute"] == pytest.approx(a.terms["compute"] * 2 / concurrent, rel=1e-12)
+    assert b.terms["optimizer"] == pytest.approx(a.terms["optimizer"] * 2 / concurrent, rel=1e-12)
+    assert b.terms["dp_comm"] == a.terms["dp_comm"]
+    # a group on one device of the pool has it to itself
+    assert _dense_pass(pooled, w, w.actor, one, "actor_train", True) == _dense_pass(free, w, w.actor, one,
+                                                                                      "actor_train", True)
+
+
+def test_a_pool_cannot_hold_more_devices_than_the_node():
+    with pytest.raises(ValueError, match="concurrent_devices 3 is more than its count 2"):
+        _cpu_cluster(3)
+
+
+def test_a_measured_intra_node_link_replaces_the_pcie_default():
+    assert slowest_link(_cpu_cluster(None), (0, 1))[1] == PCIE_BYTES_PER_S
+    d = {"name": "c", "gpu_types": [{"name": "cpu-core", "dense_bf16_flops": 1.5e11, "memory_bytes": 12e9,
+                                     "hbm_bytes_per_s": 1.6e10, "source": "test"}],
+         "nodes": [{"name": "cpu", "region": "local", "gpu": "cpu-core", "count": 2, "intra_node": "pcie",
+                    "intra_node_gbps": 8}]}
+    assert slowest_link(cluster_from_dict(d), (0, 1))[1] == 1e9

@@ -115,3 +115,26 @@ def test_mixed_precision_needs_fp32_weights():
         load_config(TINY, ["precision=bf16-mixed", "dtype=bfloat16"])
     with pytest.raises(ValueError, match="precision"):
         load_config(TINY, ["precision=fp16"])
+
+
+def test_a_mixed_run_holds_its_reference_in_bf16():
+    """The reference is never trained: a bf16-mixed run keeps it in bf16 (half the memory, as the planner and verl
+    hold it), its log-probs as close to fp32's as the policy's own bf16-mixed pass; fp32 keeps it in fp32."""
+    import copy
+
+    from hetrl.trainer import memory
+
+    out = {}
+    for precision in ("fp32", "auto", "bf16-mixed"):
+        cfg = load_config(TINY, [f"precision={precision}", "kl_coef=0.01"])
+        model, _ = load_model("tiny", seed=0)
+        pol = build.policy(cfg, model)
+        ref = build.reference(cfg, pol, lambda: copy.deepcopy(model))
+        dtypes = {p.dtype for p in ref.model.parameters()}
+        assert dtypes == {torch.bfloat16 if precision == "bf16-mixed" else torch.float32}
+        assert all(p.dtype == torch.float32 for p in pol.trainable())     # the policy keeps its fp32 master copy
+        assert not any(p.requires_grad for p in ref.model.parameters())
+        out[precision] = (ref.logprobs(GROUPS), memory.estimate(cfg, model, 16)["reference_model"])
+    assert torch.equal(out["fp32"][0], out["auto"][0])                     # auto is fp32 on the CPU
+    assert (out["fp32"][0] - out["bf16-mixed"][0]).abs().max() < 0.1
+    assert out["bf16-mixed"][1] * 2 == out["fp32"][1] > 0

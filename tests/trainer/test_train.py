@@ -7,6 +7,7 @@ import os
 import pathlib
 import signal
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -127,6 +128,53 @@ def test_one_dualkv_update_equals_the_standard_update():
         assert diff <= 1e-8 * p.abs().max().item(), f"{name}: {diff:.3e}"
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, results["sdpa"][n])]
     assert len(moved) == len(list(model.parameters()))
+
+
+def test_an_on_policy_update_needs_no_old_log_prob_pass():
+    """Sync mode's first mini-batch: the old log-probs are the update forward's own, detached. The step equals the
+    step against old log-probs from a separate pass (fp64), and update_policy runs the old pass only on the groups
+    of the later mini-batches."""
+    from hetrl.data import Example
+    from hetrl.trainer.config import load_config
+    from hetrl.trainer.loop import Rollout, update_policy
+    from hetrl.trainer.rollout import Sample
+
+    model, _ = load_model("tiny", dtype=torch.float64, seed=1)
+    _use_float64_norms(model)
+    g = torch.Generator().manual_seed(0)
+    groups = [(torch.randint(4, 100, (p,), generator=g).tolist(),
+               [torch.randint(4, 100, (r,), generator=g).tolist() for r in rs])
+              for p, rs in [(20, [5, 9]), (7, [12, 3]), (9, [4, 6])]]
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=g, dtype=torch.float64), lens)
+    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
+    results = {}
+    for how in ("separate pass", "on-policy"):
+        m = copy.deepcopy(model)
+        learner = Learner(m, torch.optim.AdamW(m.parameters(), lr=1e-2), impl="reference", micro_batch_tokens=40,
+                          kl_coef=0.1, clip_low=0.2, clip_high=0.2)
+        old = learner.logprobs(groups)
+        stats = learner.update(groups, advantages, weights, old if how == "separate pass" else None, old - 0.05)
+        results[how] = (dict(m.named_parameters()), stats)
+    for name, p in results["separate pass"][0].items():
+        diff = (results["on-policy"][0][name] - p).abs().max().item()
+        assert diff <= 1e-10 * p.abs().max().item(), f"{name}: {diff:.3e}"
+    assert results["on-policy"][1].loss == pytest.approx(results["separate pass"][1].loss, rel=1e-10, abs=1e-12)
+
+    class Counting(Learner):
+        def logprobs(self, gs):
+            asked.append([len(rs) for _, rs in gs])
+            return super().logprobs(gs)
+
+    kept = [Rollout(Example({"prompt": "p"}, p), [Sample(r, "", False) for r in rs], [1.0] * len(rs))
+            for p, rs in groups]
+    # 3 groups in mini-batches [0 1 2] | [0 1] [2] | [0] [1] [2]: the old pass covers the groups after the first part
+    for mini_batches, want in ((1, []), (2, [[2]]), (3, [[2, 2]])):
+        asked = []
+        cfg = load_config(TINY, [f"mini_batches={mini_batches}", "kl_coef=0"])
+        learner = Counting(copy.deepcopy(model), torch.optim.AdamW(model.parameters(), lr=0.0), impl="reference")
+        update_policy(cfg, learner, kept, None)
+        assert asked == want
 
 
 def test_a_local_hugging_face_directory_trains(tmp_path):
