@@ -65,9 +65,42 @@ def measure_core() -> dict:
     return {"fp32_matmul_flops": flops, "copy_bytes_per_s": copy}
 
 
+def _copy_worker(seconds: float, start, out) -> None:
+    torch.set_num_threads(1)
+    x = torch.empty(64 << 20)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        y.copy_(x)
+        n += 1
+    out.put(2 * x.numel() * 4 * n / (time.perf_counter() - t0))
+
+
+def copy_together(processes: int, seconds: float = 3.0) -> float:
+    """Bytes/s of `processes` one-thread processes copying 256 MiB buffers at the same time, summed: what the
+    cores' memory bandwidth is when the roles' processes run side by side."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_copy_worker, args=(seconds, start, out)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    time.sleep(2.0)          # every process allocated and warmed up
+    start.set()
+    total = sum(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join()
+    return total
+
+
 def measure_pool(core: dict) -> dict:
-    """What the cores deliver together: fp32 matmul FLOP/s with every core busy (torch threads = cores) over one
-    core's, i.e. how many cores' worth of compute the machine has at once (`concurrent_devices`)."""
+    """How many cores' worth the machine delivers with every core busy (`concurrent_devices`): the smaller of
+    the fp32 matmul ratio (torch threads = cores against one thread) and the memory-copy ratio (one process per
+    core copying at once against one process alone). A 135M model's passes are small matmuls and weight reads,
+    so the bandwidth ratio is the one that binds where the cores share a memory system."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b, a @ b
     times = []
@@ -77,8 +110,11 @@ def measure_pool(core: dict) -> dict:
         times.append(time.perf_counter() - t)
     flops = 2 * 2048**3 / min(times)
     cores = os.cpu_count()
-    return {"all_cores_fp32_matmul_flops": flops,
-            "concurrent_devices": max(1.0, min(float(cores), round(flops / core["fp32_matmul_flops"], 2)))}
+    alone, together = copy_together(1), copy_together(cores)
+    ratio = min(flops / core["fp32_matmul_flops"], together / alone)
+    return {"all_cores_fp32_matmul_flops": flops, "copy_bytes_per_s_one_process": alone,
+            "copy_bytes_per_s_all_cores": together,
+            "concurrent_devices": max(1.0, min(float(cores), round(ratio, 2)))}
 
 
 def _gloo_worker(rank: int, port: int, nbytes: int, out) -> None:

@@ -30,6 +30,7 @@ invocation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -230,13 +231,15 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
 
     from hetrl.data.rewards import completion_text
     from hetrl.integrations.trl import with_dualkv
-    from hetrl.trainer.loop import build_rewards, build_source, evaluate, paired_comparison
+    from hetrl.trainer.loop import build_rewards, build_source, evaluate, paired_comparison, python_fields
     from hetrl.trainer.rollout import RolloutWorker
 
     name = "trl-dualkv" if dualkv else "trl"
     out = work / f"{name}-{case.name}-{seed}"
     out.mkdir(parents=True, exist_ok=True)
     cfg, rows, evals = job(case, seed, steps, str(out), overrides)
+    if rows is not None:    # as hetrl.train records rows given from Python
+        cfg = dataclasses.replace(cfg, **python_fields(cfg.data, cfg.eval_data, rows, evals, None))
     model, tokenizer = _tokenizer(cfg)
     model_dir = out / "model"
     model.save_pretrained(model_dir)
@@ -303,9 +306,10 @@ def summarise(records: list[dict]) -> dict:
             row = {"seeds": [p["seed"] for p in per_run]}
             for k in ("step_s", "rollout_s", "logprob_s", "update_s", "tokens_per_s", "effective_gflops"):
                 row[k] = statistics.mean(p[k] for p in per_run)
-            peaks = per_run[0]["peaks"]
-            row["of_fp32_peak"] = row["effective_gflops"] / peaks["fp32"]
-            row["of_bf16_peak"] = row["effective_gflops"] / peaks["bf16"]
+            # each run against the peaks measured at the start of its own invocation
+            row["of_fp32_peak"] = statistics.mean(p["effective_gflops"] / p["peaks"]["fp32"] for p in per_run)
+            row["of_bf16_peak"] = statistics.mean(p["effective_gflops"] / p["peaks"]["bf16"] for p in per_run)
+            row["step_s_runs"] = [p["step_s"] for p in per_run]
             accs = [p["acc_after"] for p in per_run if p["acc_after"] is not None]
             if accs and CASES.get(case, Case(case, ())).accuracy:
                 row["accuracy_after"] = {"mean": statistics.mean(accs), "min": min(accs), "max": max(accs),
@@ -320,15 +324,24 @@ def summarise(records: list[dict]) -> dict:
 
 def markdown(table: dict, records: list[dict]) -> str:
     m = records[0]["machine"]
+    fp32 = [r["machine"]["matmul_gflops"]["fp32"] for r in records]
+    bf16 = [r["machine"]["matmul_gflops"]["bf16"] for r in records]
     lines = ["# `hetrl train` against TRL 1.16's GRPOTrainer, whole steps", "",
              f"`hetrl bench train` on {m['model']} ({', '.join(m['flags'])}), {m['cores']} cores, torch "
-             f"{m['torch']} with {m['torch_threads']} threads; matmul peaks measured in the run: fp32 "
-             f"{m['matmul_gflops']['fp32']:.1f} GFLOP/s, bf16 {m['matmul_gflops']['bf16']:.1f} GFLOP/s. Runs one "
+             f"{m['torch']} with {m['torch_threads']} threads; 1024^3 matmul peaks measured at the start of each "
+             f"invocation: fp32 {min(fp32):.1f}-{max(fp32):.1f} GFLOP/s, bf16 {min(bf16):.1f}-{max(bf16):.1f} "
+             "GFLOP/s (this VM's throughput varies between invocations; each run is compared with its own). Runs one "
              "after the other; raw per-step numbers in train_vs_trl.jsonl. Step times: each run's median over its "
-             "steps after the first, then the mean over seeds.", ""]
+             "steps after the first, then the mean over seeds. One step = one rollout batch (prompts x N samples) "
+             "and its optimizer steps (2 on both systems).", "",
+             "`effective GFLOP/s` counts the model FLOPs of the standard per-sample computation (12 x matmul "
+             "weights per sample token: a rollout forward, two log-prob forwards, a forward + backward) over the "
+             "step time: the same work for every system, so a system that skips repeated prompt work is credited "
+             "with it, and can exceed the matmul peak. What the shared-prompt rollout alone gained is measured in "
+             "[rollout_prefill.md](rollout_prefill.md).", ""]
     for case, systems in table.items():
         lines += [f"## Case `{case}`", "",
-                  "| system | seeds | step s | vs stock TRL | rollout s | log-probs s | update s | tokens/s | "
+                  "| system | seeds | step s (each seed) | vs stock TRL | rollout s | log-probs s | update s | tokens/s | "
                   "effective GFLOP/s (of fp32 / bf16 peak) | held-out accuracy after (mean, min-max) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
         for system in SYSTEMS:
@@ -339,7 +352,8 @@ def markdown(table: dict, records: list[dict]) -> str:
             acc_s = (f"{acc['mean']:.3f} ({acc['min']:.2f}-{acc['max']:.2f}); before {r['accuracy_before']:.2f}"
                      if acc else "-")
             ratio = f"{r['step_time_vs_stock_trl']:.3f}" if "step_time_vs_stock_trl" in r else "-"
-            lines.append(f"| {system} | {', '.join(map(str, r['seeds']))} | {r['step_s']:.1f} | {ratio} | "
+            each = f" ({', '.join(f'{x:.1f}' for x in r['step_s_runs'])})" if len(r["step_s_runs"]) > 1 else ""
+            lines.append(f"| {system} | {', '.join(map(str, r['seeds']))} | {r['step_s']:.1f}{each} | {ratio} | "
                          f"{r['rollout_s']:.1f} | {r['logprob_s']:.1f} | {r['update_s']:.1f} | "
                          f"{r['tokens_per_s']:.0f} | {r['effective_gflops']:.1f} ({r['of_fp32_peak']:.0%} / "
                          f"{r['of_bf16_peak']:.0%}) | {acc_s} |")

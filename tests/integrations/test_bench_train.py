@@ -56,3 +56,12 @@ def test_bench_train_rejects_unknown_names(tmp_path):
         train_vs_trl.main(["default"], ["verl"], [0], 1, tmp_path, None, TINY)
     with pytest.raises(ValueError, match="long"):
         train_vs_trl.main(["short"], ["hetrl"], [0], 1, tmp_path, None, TINY)
+
+
+def test_the_long_prompt_case_runs_on_trl(tmp_path):
+    """The few-shot case passes its rows from Python to both systems; TRL trains on them."""
+    out = tmp_path / "results"
+    train_vs_trl.main(["long"], ["trl-dualkv"], [0], 1, out, tmp_path / "work", TINY + ("max_new_tokens=4",))
+    (rec,) = [json.loads(line) for line in open(out / "train_vs_trl.jsonl")]
+    assert rec["case"] == "long" and rec["steps"][0]["rows"] == [0, 1]
+    assert rec["steps"][0]["sample_tokens"] > 2 * 8 * 100     # each prompt carries the few-shot block
