@@ -104,16 +104,22 @@ def test_refusals_say_what_to_do(tmp_path, capsys):
     assert "unknown config key(s) ['warmup']" in capsys.readouterr().err
 
 
-def test_one_dualkv_update_equals_the_standard_update():
-    model, tokenizer = load_model("tiny", dtype=torch.float64, seed=1)
+def _fp64_batch(shape):
+    """The tiny model in fp64 and random groups of `shape` [(prompt length, [response lengths])], with per-token
+    advantages and seq-mean-token-mean loss weights."""
+    model, _ = load_model("tiny", dtype=torch.float64, seed=1)
     _use_float64_norms(model)
     g = torch.Generator().manual_seed(0)
     groups = [(torch.randint(4, 100, (p,), generator=g).tolist(),
-               [torch.randint(4, 100, (r,), generator=g).tolist() for r in rs])
-              for p, rs in [(20, [5, 0, 9, 1]), (7, [12, 3])]]
+               [torch.randint(4, 100, (r,), generator=g).tolist() for r in rs]) for p, rs in shape]
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
     advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=g, dtype=torch.float64), lens)
-    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
+    return model, groups, advantages, token_weights(lens, torch.ones_like(lens, dtype=torch.bool),
+                                                    "seq-mean-token-mean")
+
+
+def test_one_dualkv_update_equals_the_standard_update():
+    model, groups, advantages, weights = _fp64_batch([(20, [5, 0, 9, 1]), (7, [12, 3])])
     results = {}
     for impl in ("sdpa", "reference"):
         m = copy.deepcopy(model)
@@ -139,15 +145,7 @@ def test_an_on_policy_update_needs_no_old_log_prob_pass():
     from hetrl.trainer.loop import Rollout, update_policy
     from hetrl.trainer.rollout import Sample
 
-    model, _ = load_model("tiny", dtype=torch.float64, seed=1)
-    _use_float64_norms(model)
-    g = torch.Generator().manual_seed(0)
-    groups = [(torch.randint(4, 100, (p,), generator=g).tolist(),
-               [torch.randint(4, 100, (r,), generator=g).tolist() for r in rs])
-              for p, rs in [(20, [5, 9]), (7, [12, 3]), (9, [4, 6])]]
-    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
-    advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=g, dtype=torch.float64), lens)
-    weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean")
+    model, groups, advantages, weights = _fp64_batch([(20, [5, 9]), (7, [12, 3]), (9, [4, 6])])
     results = {}
     for how in ("separate pass", "on-policy"):
         m = copy.deepcopy(model)
