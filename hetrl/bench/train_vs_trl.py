@@ -37,7 +37,7 @@ import pathlib
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -68,7 +68,6 @@ class Case:
     few_shot_tokens: int = 0          # > 0: a shared block of solved problems of about this many tokens
     eval_rows: int = 0                # few-shot cases: held-out prompts (from the same problem stream)
     accuracy: bool = True             # whether the held-out accuracy is part of the comparison
-    extra: dict = field(default_factory=dict)
 
 
 CASES = {
@@ -93,7 +92,7 @@ def job(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, .
     from hetrl.data import TaskSource, prompt_ids
     from hetrl.trainer.config import DEFAULT_TASK_CONFIG
 
-    _, tokenizer = _tokenizer(cfg)
+    _, tokenizer = _load(cfg)
     task = TaskSource("basic_arithmetic", DEFAULT_TASK_CONFIG, seed, 1, tokenizer)
     problems = [e.row for e in task.train_examples(0, steps * cfg.prompts_per_step + case.eval_rows + 200)[0]]
     shots = ""
@@ -106,8 +105,8 @@ def job(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, .
     return cfg, rows[case.eval_rows:], rows[: case.eval_rows]
 
 
-def _tokenizer(cfg):
-    """-> (model, tokenizer) of the run, fp32, seeded."""
+def _load(cfg):
+    """-> (model, tokenizer) of the run, fp32, seeded (the few-shot case reads only the tokenizer)."""
     from hetrl.models import load_model
 
     return load_model(cfg.model, seed=cfg.seed)
@@ -240,7 +239,7 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
     cfg, rows, evals = job(case, seed, steps, str(out), overrides)
     if rows is not None:    # as hetrl.train records rows given from Python
         cfg = dataclasses.replace(cfg, **python_fields(cfg.data, cfg.eval_data, rows, evals, None))
-    model, tokenizer = _tokenizer(cfg)
+    model, tokenizer = _load(cfg)
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -429,7 +428,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
                     print(f"matmul peaks: fp32 {mach['matmul_gflops']['fp32']:.1f}, bf16 "
                           f"{mach['matmul_gflops']['bf16']:.1f} GFLOP/s", flush=True)
                     cfg0 = job(case, 0, 1, str(work / "probe"), overrides)[0]
-                    params = matmul_params(_tokenizer(cfg0)[0])
+                    params = matmul_params(_load(cfg0)[0])
                 print(f"== {case_name} {system} seed {seed}, {n} steps", flush=True)
                 t0 = time.perf_counter()
                 if system == "hetrl":

@@ -134,7 +134,12 @@ def _shards(group: Group, par: Parallelism):
 def pooled(cluster: ClusterSpec, ids) -> dict[int, float]:
     """Share of its own compute and memory bandwidth each device of `ids` gets while all of `ids` run at once:
     1, except on a node whose devices draw on one pool (Node.concurrent_devices, e.g. CPU cores of one socket),
-    where k busy devices get min(1, concurrent_devices / k) each."""
+    where k busy devices get min(1, concurrent_devices / k) each. Cached: the search asks for the same groups."""
+    return _pooled(cluster, tuple(ids))
+
+
+@functools.lru_cache(maxsize=100_000)
+def _pooled(cluster: ClusterSpec, ids: tuple[int, ...]) -> dict[int, float]:
     busy: dict[str, int] = {}
     for i in ids:
         busy[cluster.gpus[i].node] = busy.get(cluster.gpus[i].node, 0) + 1
