@@ -1,105 +1,157 @@
-"""The rollout's shared-prompt prefill against transformers' `num_return_sequences`, side by side.
+"""The rollout, step by step against transformers' `generate`, side by side in one run.
 
-SmolLM2-135M (the default run's model), 8 prompts x 8 samples, 16 new tokens, temperature 0.7, seeded: the
-default job's rollout batch, once with its own prompts (reasoning-gym arithmetic, ~38 tokens) and once with a
-few-shot prefix of solved problems in front of each (~500 tokens, the long prompts of real tasks). `before` is
-the previous rollout (`generate(num_return_sequences=8)`, which copies each prompt 8 times before the prefill),
-`after` is RolloutWorker.generate (each prompt prefilled once, its cache repeated 8 times). Rounds interleaved,
-median. Each round both sample from the same seed; how many of their 64 samples came out token-identical is
-reported (the logits agree to fp32 rounding, tests/trainer/test_rollout.py, so a draw that lands within that
-rounding of a category boundary can pick the neighbour, and the sample then continues differently).
+SmolLM2-135M (the default run's model), seeded, temperature 0.7, top-p 1, the two cases of `hetrl bench train`:
+`default` (the default job's rollout batch: 8 reasoning-gym arithmetic prompts of ~38 tokens x 8 samples, 16 new
+tokens) and `long` (2 prompts behind a shared few-shot block, ~505 tokens, x 8 samples, 64 new tokens). Four
+variants, each a change on the one before:
 
-    python benchmarks/rollout_prefill.py --out benchmarks/results
+1. `generate`: `generate(num_return_sequences=8)`, which copies each prompt 8 times before the prefill.
+2. `prefill once`: each prompt prefilled once, its cache repeated 8 times, `generate` continues (session 10).
+3. `own loop`: hetrl's decoding loop on that repeated cache: finished rows leave the batch, one uniform draw
+   per row inverts the softmax CDF (torch's CPU multinomial draws one exponential per vocabulary entry).
+4. `prompt once in the cache`: RolloutWorker's default, the loop on a SharedPrefixCache (each prompt's keys
+   and values stored and read once per group per step, the rows' own tokens written in place).
+
+Rounds interleaved, median seconds. Samples differ between variants (different random streams, and a
+sampled length changes the work), so the mean number of new tokens per row is reported beside each time;
+a greedy pass of every variant reports how many of its rows are token-identical to `generate`'s.
+
+    python benchmarks/rollout.py --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
-from hetrl.data import TaskSource, prompt_ids
+from hetrl.bench.machine import cpu
+from hetrl.bench.train_vs_trl import CASES, job
+from hetrl.data import prompt_ids
 from hetrl.models import load_model
-from hetrl.trainer.config import DEFAULT_TASK_CONFIG
 from hetrl.trainer.rollout import RolloutWorker
 
+N, TEMPERATURE = 8, 0.7
 
-def before(worker: RolloutWorker, prompts, n, max_new_tokens, temperature):
-    """The rollout as it was: transformers expands every prompt n times, then prefills all of them."""
+
+def _padded(worker, prompts):
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), worker.pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    with torch.no_grad():
-        out = worker.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                    num_return_sequences=n, do_sample=True, temperature=temperature, top_p=1.0,
-                                    top_k=0, pad_token_id=worker.pad, eos_token_id=worker.eos)
-    rows = out[:, width:].tolist()
+    return ids, mask
+
+
+def _cut(worker, rows):
     return [r[:r.index(worker.eos) + 1] if worker.eos in r else r for r in rows]
 
 
-def after(worker: RolloutWorker, prompts, n, max_new_tokens, temperature):
-    return [s.tokens for g in worker.generate(prompts, n, max_new_tokens, temperature) for s in g]
+def generate(worker, prompts, new, greedy):
+    """1: transformers expands every prompt N times, then prefills and decodes all of them."""
+    ids, mask = _padded(worker, prompts)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=TEMPERATURE, top_p=1.0, top_k=0)
+    with torch.no_grad():
+        out = worker.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                    num_return_sequences=1 if greedy else N, pad_token_id=worker.pad,
+                                    eos_token_id=worker.eos, **sampling)
+    rows = _cut(worker, out[:, ids.shape[1]:].tolist())
+    return [r for r in rows for _ in range(N)] if greedy else rows
+
+
+def prefill_once(worker, prompts, new, greedy):
+    """2: the prompt prefilled once and its cache repeated N times; transformers' generate decodes."""
+    ids, mask = _padded(worker, prompts)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=TEMPERATURE, top_p=1.0, top_k=0)
+    with torch.no_grad():
+        cache = worker._shared_prefill(ids, mask, N)
+        out = worker.model.generate(input_ids=ids.repeat_interleave(N, 0), attention_mask=mask.repeat_interleave(N, 0),
+                                    past_key_values=cache, max_new_tokens=new, pad_token_id=worker.pad,
+                                    eos_token_id=worker.eos, **sampling)
+    return _cut(worker, out[:, ids.shape[1]:].tolist())
+
+
+def _worker(shared):
+    def run(worker, prompts, new, greedy):
+        worker.shared_decode = shared
+        return [s.tokens for g in worker.generate(prompts, N, new, TEMPERATURE, greedy=greedy) for s in g]
+    return run
+
+
+VARIANTS = {"generate": generate, "prefill once": prefill_once, "own loop": _worker(False),
+            "prompt once in the cache": _worker(True)}
+
+
+def cases(tokenizer):
+    from hetrl.data import TaskSource
+    from hetrl.trainer.config import DEFAULT_TASK_CONFIG
+
+    task = TaskSource("basic_arithmetic", DEFAULT_TASK_CONFIG, 0, 8, tokenizer)
+    cfg, rows, _ = job(CASES["long"], 0, 2, "/tmp/hetrl-rollout-bench")
+    long_prompts = [prompt_ids(tokenizer, r["prompt"]) for r in rows[: cfg.prompts_per_step]]
+    return {"default": ([e.prompt_ids for e in task.eval_examples], 16),
+            "long": (long_prompts, cfg.max_new_tokens)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--case", nargs="+", default=["default", "long"])
     parser.add_argument("--out")
     parser.add_argument("--conditions", default="Nothing else computed while it ran.")
     args = parser.parse_args()
     model, tokenizer = load_model("smollm2-135m")
     worker = RolloutWorker(model.eval(), tokenizer, batch_size=64)
-    task = TaskSource("basic_arithmetic", DEFAULT_TASK_CONFIG, 0, 8, tokenizer)
-    problems = [e.row for e in task.train_examples(0, 8 + 24)[0]]
-    shots = "".join(f"{p['question']} {p['answer']}\n" for p in problems[8:])
-    cases = {
-        "default prompts": [e.prompt_ids for e in task.eval_examples],
-        "few-shot prompts": [prompt_ids(tokenizer, [{"role": "user", "content": shots + p["question"]}])
-                             for p in problems[:8]],
-    }
-    rows = []
-    for name, prompts in cases.items():
-        times = {"before": [], "after": []}
-        identical = []
+    results = []
+    for name, (prompts, new) in cases(tokenizer).items():
+        if name not in args.case:
+            continue
+        greedy = {v: fn(worker, prompts, new, True) for v, fn in VARIANTS.items()}
+        times = {v: [] for v in VARIANTS}
+        lengths = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
-            for variant, fn in (("before", before), ("after", after)):
+            for variant, fn in VARIANTS.items():
                 torch.manual_seed(r)
                 t0 = time.perf_counter()
-                tokens = fn(worker, prompts, 8, 16, 0.7)
+                rows = fn(worker, prompts, new, False)
                 times[variant].append(time.perf_counter() - t0)
-                if variant == "before":
-                    want = tokens
-                else:
-                    identical.append(sum(a == b for a, b in zip(tokens, want)))
-        rows.append({"case": name, "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
-                     "before_s": statistics.median(times["before"]), "after_s": statistics.median(times["after"]),
-                     "identical_samples": identical, "times": times})
-        print(json.dumps(rows[-1]), flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    lines = ["# Rollout: prefill each prompt once vs transformers' num_return_sequences", "",
-             f"Made by `python benchmarks/rollout_prefill.py --out benchmarks/results` on {cpu}, {os.cpu_count()} "
-             f"cores, torch {torch.__version__}; SmolLM2-135M, 8 prompts x 8 samples, 16 new tokens, temperature 0.7; "
-             f"{args.rounds} interleaved rounds, median. {args.conditions}", "",
-             "| prompts | prompt tokens (mean) | before s | after s | speed-up | token-identical samples per round (of 64) |",
-             "|---|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['case']} | {r['prompt_tokens_mean']:.0f} | {r['before_s']:.2f} | {r['after_s']:.2f} | "
-              f"{r['before_s'] / r['after_s']:.2f}x | {', '.join(map(str, r['identical_samples']))} |" for r in rows]
-    text = "\n".join(lines) + "\n"
+                lengths[variant].append(statistics.mean(len(x) for x in rows))
+        result = {"case": name, "prompts": len(prompts), "n": N, "max_new_tokens": new,
+                  "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
+                  "variants": {v: {"median_s": statistics.median(times[v]), "times_s": times[v],
+                                   "new_tokens_mean": statistics.mean(lengths[v]),
+                                   "greedy_identical_rows": sum(a == b for a, b in zip(greedy[v], greedy["generate"])),
+                                   "rows": len(greedy["generate"])} for v in VARIANTS}}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    machine = cpu()
+    lines = ["# Rollout: hetrl's decoding against transformers' generate, step by step", "",
+             f"Made by `python benchmarks/rollout.py --out benchmarks/results` on {machine['model']}, "
+             f"{machine['cores']} cores, {machine['torch_threads']} torch threads, torch {torch.__version__}; "
+             f"SmolLM2-135M fp32, N = {N} samples per prompt, "
+             f"temperature {TEMPERATURE}; {args.rounds} interleaved rounds, median. {args.conditions} Variants as "
+             "in the script's docstring; each row's speed-up is against `generate`.", ""]
+    for r in results:
+        lines += [f"## `{r['case']}`: {r['prompts']} prompts of {r['prompt_tokens_mean']:.0f} tokens (mean) x {N}, "
+                  f"up to {r['max_new_tokens']} new tokens", "",
+                  "| variant | median s | speed-up | new tokens per row (mean) | greedy rows identical to generate's |",
+                  "|---|---:|---:|---:|---|"]
+        base = r["variants"]["generate"]["median_s"]
+        for v, x in r["variants"].items():
+            lines.append(f"| {v} | {x['median_s']:.2f} | {base / x['median_s']:.2f}x | {x['new_tokens_mean']:.1f} | "
+                         f"{x['greedy_identical_rows']} of {x['rows']} |")
+        lines.append("")
+    text = "\n".join(lines)
     print(text)
     if args.out:
         out = pathlib.Path(args.out)
-        (out / "rollout_prefill.json").write_text(json.dumps(rows, indent=2))
-        (out / "rollout_prefill.md").write_text(text)
+        (out / "rollout.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+        (out / "rollout.md").write_text(text)
     return 0
 
 

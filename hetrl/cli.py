@@ -37,7 +37,7 @@ def _bench_train(args) -> int:
         print(f"wrote {args.out}/{train_vs_trl.RESULTS}.md and .json from {len(records)} runs")
         return 0
     train_vs_trl.main(args.case, args.systems, args.seeds, args.steps, pathlib.Path(args.out),
-                      pathlib.Path(args.work) if args.work else None, tuple(args.set))
+                      pathlib.Path(args.work) if args.work else None, tuple(args.set), again=args.again)
     return 0
 
 
@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more hetrl config for both systems (e.g. model=tiny for a smoke test)")
     bt.add_argument("--report", action="store_true", help="run nothing: rewrite the .md and .json from the runs "
                     "already in train_vs_trl.jsonl")
+    bt.add_argument("--again", action="store_true", help="run even the runs already in train_vs_trl.jsonl (after a "
+                    "change to a system's code): the new record supersedes the old one in the report, the .jsonl "
+                    "keeps both")
     bt.set_defaults(func=_bench_train)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
     demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")

@@ -48,13 +48,20 @@ RESULTS = "train_vs_trl"
 KNOBS = [
     "mini-batches: hetrl splits a rollout batch into mini_batches of whole prompt groups; TRL shuffles the 64 "
     "samples and splits them into steps_per_generation slices (groups spread over both optimizer steps).",
-    "optimizer: both AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, constant lr); hetrl torch.optim.AdamW "
-    "(foreach), TRL its Trainer's default adamw_torch_fused.",
+    "optimizer: both AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, constant lr) with torch's fused kernel "
+    "(hetrl's build.adamw, TRL's Trainer default adamw_torch_fused); hetrl's runs without a recorded revision "
+    "used the foreach kernel.",
+    "old log-probs: TRL computes them for all samples in a forward pass (steps_per_generation > 1); hetrl's first "
+    "mini-batch is on-policy (its own forward's, detached, as TRL's num_iterations=1 loss does) and the later "
+    "mini-batch's are read off the rollout's fp32 logits (old_logprobs=auto; a recomputing pass in runs without a "
+    "recorded revision), equal to a recompute to fp32 rounding.",
     "log-prob numerics: stock TRL's CPU LM head scores every position and accumulates the log-softmax in fp32 tiles; "
     "hetrl (and DualKV TRL) gathers the completion rows and does log-softmax on those.",
-    "rollout: hetrl prefills each prompt once and decodes its N continuations from one cache; TRL repeats each "
-    "prompt N times and calls generate on the N x prompts rows (both transformers generate, same sampling: "
-    "temperature 0.7, top_p 1, top_k 0).",
+    "rollout: hetrl prefills each prompt once and decodes its N continuations in its own loop, the prompt stored "
+    "once in the KV cache, finished rows leaving the batch, one uniform draw per row inverting the CDF; TRL repeats "
+    "each prompt N times and calls transformers' generate on the N x prompts rows (multinomial sampling, finished "
+    "rows decoded on padding until the last ends). Same distribution: transformers' temperature warper, 0.7, "
+    "top_p 1, top_k 0.",
     "micro-batching: hetrl packs up to micro_batch_tokens=2048 tokens per forward; TRL runs each optimizer step's "
     "rows in one forward (per_device_train_batch_size = samples / mini_batches).",
     "random streams: the same seed does not draw the same samples in both systems (different generate batches).",
@@ -281,11 +288,23 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
 # ----------------------------------------------------------------------------------------------- the table
 
 
+def _key(rec: dict) -> tuple:
+    return rec["case"], rec["system"], rec["seed"], rec["steps_asked"], tuple(rec.get("overrides", ()))
+
+
+def latest(records: list[dict]) -> list[dict]:
+    """The last record of each (case, system, seed, steps, overrides): a run made again (`again`, after a change
+    to that system's code) supersedes the earlier one, which stays in the .jsonl as history."""
+    last = {_key(r): r for r in records}
+    return [r for r in records if last[_key(r)] is r]
+
+
 def summarise(records: list[dict]) -> dict:
     """Per (case, system): step times (median over each run's steps 2.., then mean / spread over seeds), phases,
-    tokens/s, effective FLOP/s, held-out accuracy over seeds; and each system's step-time ratio to stock TRL."""
+    tokens/s, effective FLOP/s, held-out accuracy over seeds; and each system's step-time ratio to stock TRL.
+    Only the latest record of each run counts (`latest`)."""
     out: dict = {}
-    for rec in records:
+    for rec in latest(records):
         out.setdefault(rec["case"], {}).setdefault(rec["system"], []).append(rec)
     table = {}
     for case, systems in out.items():
@@ -302,7 +321,9 @@ def summarise(records: list[dict]) -> dict:
                                 "effective_gflops": flops / med["step_s"] / 1e9,
                                 "acc_after": r.get("eval_accuracy_after"), "acc_before": r.get("eval_accuracy_before"),
                                 "seed": r["seed"], "peaks": r["machine"]["matmul_gflops"]})
-            row = {"seeds": [p["seed"] for p in per_run]}
+            row = {"seeds": [p["seed"] for p in per_run],
+                   "revisions": sorted({r.get("revision") or "unrecorded" for r in recs}),
+                   "dates": sorted({r["date"] for r in recs})}
             for k in ("step_s", "rollout_s", "logprob_s", "update_s", "tokens_per_s", "effective_gflops"):
                 row[k] = statistics.mean(p[k] for p in per_run)
             # each run against the peaks measured at the start of its own invocation
@@ -337,7 +358,7 @@ def markdown(table: dict, records: list[dict]) -> str:
              "weights per sample token: a rollout forward, two log-prob forwards, a forward + backward) over the "
              "step time: the same work for every system, so a system that skips repeated prompt work is credited "
              "with it, and can exceed the matmul peak. What the shared-prompt rollout alone gained is measured in "
-             "[rollout_prefill.md](rollout_prefill.md).", ""]
+             "[rollout.md](rollout.md).", ""]
     for case, systems in table.items():
         lines += [f"## Case `{case}`", "",
                   "| system | seeds | step s (each seed) | vs stock TRL | rollout s | log-probs s | update s | tokens/s | "
@@ -356,7 +377,13 @@ def markdown(table: dict, records: list[dict]) -> str:
                          f"{r['rollout_s']:.1f} | {r['logprob_s']:.1f} | {r['update_s']:.1f} | "
                          f"{r['tokens_per_s']:.0f} | {r['effective_gflops']:.1f} ({r['of_fp32_peak']:.0%} / "
                          f"{r['of_bf16_peak']:.0%}) | {acc_s} |")
-        lines.append("")
+        lines += ["", "Code and dates of these runs: " + "; ".join(
+            f"{system} {', '.join(systems[system]['revisions'])} ({', '.join(systems[system]['dates'])})"
+            for system in SYSTEMS if system in systems) + ".", ""]
+        superseded = sum(1 for r in records if r["case"] == case) - sum(len(x["seeds"]) for x in systems.values())
+        if superseded:
+            lines += [f"{superseded} earlier run(s) of this case were made again after a code change; the table "
+                      "shows the latest of each, train_vs_trl.jsonl keeps all.", ""]
     lines += ["## Against issue #17's targets", ""]
     for case, target in (("default", 4), ("long", 6)):
         rows = table.get(case, {})
@@ -400,8 +427,23 @@ def read_records(out: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in open(store)] if store.exists() else []
 
 
+def revision() -> str | None:
+    """The git commit the code runs from (with `+dirty` when the work tree differs), or None outside git."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | None, out: pathlib.Path,
-         work: pathlib.Path | None = None, overrides: tuple[str, ...] = ()) -> dict:
+         work: pathlib.Path | None = None, overrides: tuple[str, ...] = (), again: bool = False) -> dict:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
@@ -411,7 +453,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
     out.mkdir(parents=True, exist_ok=True)
     store = out / f"{RESULTS}.jsonl"
     records = read_records(out)
-    done = {(r["case"], r["system"], r["seed"], r["steps_asked"], tuple(r.get("overrides", ()))) for r in records}
+    done = set() if again else {_key(r) for r in records}
     work = work or pathlib.Path(tempfile.mkdtemp(prefix="hetrl-bench-train-"))
     torch.set_num_threads(os.cpu_count() or 1)
     mach = params = None
@@ -438,7 +480,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
                 rec = {"case": case_name, "system": system, "seed": seed, "steps_asked": n, "overrides": list(overrides),
                        "machine": mach,
                        "matmul_params": params, "wall_s": time.perf_counter() - t0,
-                       "date": time.strftime("%Y-%m-%d"), **got}
+                       "date": time.strftime("%Y-%m-%d"), "revision": revision(), **got}
                 with open(store, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 records.append(rec)

@@ -132,7 +132,16 @@ def _no_such_target(model, wanted: list[str]):
 
 
 def optimizer(cfg: RunConfig, pol: Policy) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(pol.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return adamw(pol.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """torch's AdamW, its fused kernel (one pass over each parameter's state) where every parameter is a plain
+    floating tensor on the CPU or a GPU, as TRL's default adamw_torch_fused; else (FSDP2's sharded DTensors) the
+    foreach kernel. The update is AdamW's either way."""
+    fused = all(type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                for p in params) and bool(params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None, sharded: bool = False) -> Learner:
@@ -205,6 +214,6 @@ def critic(cfg: RunConfig, model, grad_sync=None) -> Critic | None:
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+    opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
                   max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=cfg.precision)

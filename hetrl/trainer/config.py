@@ -77,6 +77,11 @@ class RunConfig:
     prompts_per_step: int = rule(8, ge=1)
     responses_per_prompt: int = rule(8, ge=1)
     mini_batches: int = rule(2, ge=1)     # optimizer steps per rollout batch (disjoint groups each)
+    # the sampling policy's log-probs that mini-batches after the first take their ratio against (sync):
+    # rollout: read off the logits each token was drawn from (no extra pass); recompute: a no-grad DualKV pass;
+    # auto: rollout where the rollout's logits are fp32 (the local executor without bf16 autocast: the two agree
+    # to fp32 rounding), else recompute
+    old_logprobs: str = rule("auto", choices=("auto", "rollout", "recompute"))
     lr: float = rule(2e-5, gt=0)
     weight_decay: float = rule(0.0, ge=0)
     max_grad_norm: float = rule(1.0, ge=0)
@@ -163,6 +168,10 @@ class RunConfig:
             if self.mode == "async":
                 raise ValueError("mode=async overlaps generation and the update in separate processes; "
                                  "it needs executor=ray (e.g. executor=ray emulate_cluster=examples/clusters/cpu-2x2.yaml)")
+        elif self.old_logprobs == "rollout":
+            raise ValueError("old_logprobs=rollout reads the log-probs off the local rollout's logits; on Ray the "
+                             "rollout runs in other processes and the learner recomputes them: use old_logprobs=auto "
+                             "or recompute with executor=ray")
         elif (self.cluster is None) == (self.emulate_cluster is None):
             raise ValueError("executor=ray needs exactly one of cluster=C.yaml (a running Ray cluster at ray_address) "
                              "or emulate_cluster=C.yaml (a local Ray declaring C's GPUs, e.g. "

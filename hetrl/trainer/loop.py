@@ -41,6 +41,7 @@ from hetrl.trainer import build, checkpoint, files, memory
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
+from hetrl.trainer.learner import mixed
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.rollout import RolloutWorker, Sample
@@ -79,13 +80,14 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
     phases = getattr(worker, "phase_seconds", None)     # the local worker's prefill / decode clock
     before = dict(phases) if phases is not None else None
+    want_logprobs = rollout_logprobs(cfg, worker)
     for _ in range(rounds):
         if len(kept) >= cfg.prompts_per_step:
             break
         examples, start, skipped = source.train_examples(start, cfg.prompts_per_step - len(kept))
         too_long += skipped
         outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt, cfg.max_new_tokens,
-                                  cfg.temperature, cfg.top_p)
+                                  cfg.temperature, cfg.top_p, **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs)
         scored.append(scores)
         offset = 0
@@ -97,6 +99,15 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
                 kept.append(r)
     split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split}
+
+
+def rollout_logprobs(cfg: RunConfig, worker) -> bool:
+    """Whether the (sync) update takes its old log-probs from the rollout's own logits (`old_logprobs`): auto
+    does where those logits are fp32, i.e. a local RolloutWorker not under bf16 autocast (then the two agree to
+    fp32 rounding, tests/trainer/test_rollout.py); Ray's workers are always recomputed."""
+    if cfg.old_logprobs == "recompute" or cfg.mode == "async" or not isinstance(worker, RolloutWorker):
+        return False
+    return cfg.old_logprobs == "rollout" or not mixed(worker.precision, next(worker.model.parameters()).device)
 
 
 def _reward_stats(scored: list[Scores]) -> dict:
@@ -199,10 +210,14 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     else:
         # Sync: the first mini-batch is updated by the weights that sampled it, so its old log-probs are its own
         # update forward's (Learner.update with None); only the later mini-batches, updated after the policy has
-        # moved, need the sampling policy's log-probs computed beforehand.
+        # moved, need the sampling policy's log-probs: read off the rollout's logits when it gave them
+        # (old_logprobs), else computed here.
         first = _token_slice(groups, parts[0])
         old_logp = torch.zeros(len(first))
-        if len(parts) > 1:
+        samples = [s for r in kept for s in r.samples]
+        if len(parts) > 1 and all(s.logprobs is not None for s in samples):
+            old_logp = torch.cat([s.logprobs for s in samples])
+        elif len(parts) > 1:
             later = learner.logprobs([groups[i] for p in parts[1:] for i in p])
             old_logp = old_logp.to(later.dtype)
             old_logp[~first] = later

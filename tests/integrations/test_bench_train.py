@@ -49,6 +49,14 @@ def test_bench_train_runs_both_systems_on_the_same_prompts(tmp_path):
     train_vs_trl.main(["default"], ["hetrl", "trl"], [0], 2, out, tmp_path / "work2", TINY)
     assert len(open(out / "train_vs_trl.jsonl").readlines()) == 3
     assert not (tmp_path / "work2" / "hetrl-default-0").exists()
+    # `again` (after a code change) runs it once more: the newer record is the one reported, both are kept
+    train_vs_trl.main(["default"], ["hetrl"], [0], 2, out, tmp_path / "work3", TINY, again=True)
+    records = [json.loads(line) for line in open(out / "train_vs_trl.jsonl")]
+    assert [r["system"] for r in records] == ["hetrl", "trl-dualkv", "trl", "hetrl"]
+    assert all(r["revision"] for r in records)          # the git commit each ran from
+    newer = train_vs_trl.summarise(records)["default"]["hetrl"]
+    assert newer["seeds"] == [0] and newer["step_s"] == train_vs_trl.summarise(records[1:])["default"]["hetrl"]["step_s"]
+    assert "1 earlier run(s) of this case were made again" in (out / "train_vs_trl.md").read_text()
 
 
 def test_bench_train_rejects_unknown_names(tmp_path):

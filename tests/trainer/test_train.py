@@ -31,13 +31,22 @@ def _rows(run_dir, name="metrics.jsonl"):
     return [json.loads(line) for line in (pathlib.Path(run_dir) / name).read_text().splitlines()]
 
 
+def _spread_reward(tmp_path) -> str:
+    """reward=: beside the task's own check, one that differs within every group of a random model's replies
+    (distinct characters): the task's reward alone often leaves a random tiny model's groups all 0, nothing to
+    learn from."""
+    (tmp_path / "spread.py").write_text("def distinct(completions, **kwargs):\n"
+                                        "    return [len(set(c[-1]['content'])) / 8 for c in completions]\n")
+    return f"reward=[partial, {tmp_path / 'spread.py'}:distinct]"
+
+
 def test_tiny_run_learns_in_every_parameter_and_writes_its_files(tmp_path):
     out = tmp_path / "tiny"
-    assert main(["train", "--config", TINY, f"out_dir={out}"]) == 0
+    assert main(["train", "--config", TINY, f"out_dir={out}", _spread_reward(tmp_path)]) == 0
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in rows)
-    assert any(r["grad_norm"] > 0 for r in rows)
+    assert all(r["grad_norm"] > 0.01 for r in rows)
     assert all(r["rho"] > 1 for r in rows)  # the update ran on packed groups
     initial, _ = load_model("tiny", seed=0)
     final = _weights(out, 3)
@@ -196,3 +205,51 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path):
     assert a == b
     w_plain, w_ckpt = _weights(plain, 3), _weights(checkpointed, 3)
     assert w_plain.keys() == w_ckpt.keys() and all(torch.equal(w_plain[k], w_ckpt[k]) for k in w_plain)
+
+
+def test_the_optimizer_is_adamw_fused_where_it_can_be():
+    """build.adamw: torch's fused AdamW kernel for plain tensors (TRL's adamw_torch_fused), the same update as the
+    foreach kernel to fp64 rounding; foreach for what the fused kernel does not take."""
+    from hetrl.trainer.build import adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    twin = copy.deepcopy(model)
+    fused = adamw(list(model.parameters()), lr=1e-2, weight_decay=0.01)
+    assert fused.param_groups[0]["fused"] is True
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
+    for step in range(5):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        for m, opt in ((model, fused), (twin, plain)):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert not adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-3, 0.0).param_groups[0]["fused"]
+
+
+def test_old_logprobs_from_the_rollout_give_the_recomputed_run(tmp_path, monkeypatch):
+    """old_logprobs=rollout (auto on an fp32/fp64 local run) takes the later mini-batches' old log-probs from the
+    rollout's own logits: no learner pass, and the same run as recomputing them (fp64, to 1e-9)."""
+    calls = []
+    original = Learner.logprobs
+    monkeypatch.setattr(Learner, "logprobs", lambda self, gs: calls.append(len(gs)) or original(self, gs))
+    runs = {}
+    for how in ("rollout", "recompute"):
+        out = tmp_path / how
+        calls.clear()
+        assert main(["train", "--config", TINY, f"out_dir={out}", "eval_size=8", "dtype=float64",
+                     f"old_logprobs={how}", _spread_reward(tmp_path)]) == 0
+        runs[how] = (_rows(out), _weights(out, 3), list(calls))
+    (a, wa, calls_a), (b, wb, calls_b) = runs["rollout"], runs["recompute"]
+    assert calls_a == [] and calls_b == [2, 2, 2]       # 4 groups in 2 mini-batches: the second's 2, each step
+    assert all(r["grad_norm"] > 0.01 for r in a)       # the ratio against the old log-probs mattered
+    for ra, rb in zip(a, b):
+        for k, v in ra.items():
+            if k not in TIMING_KEYS and isinstance(v, float):
+                assert v == pytest.approx(rb[k], rel=1e-8, abs=1e-10), k
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=0, atol=1e-9), k
+    assert main(["train", "--config", TINY, "old_logprobs=rollout", "executor=ray",
+                 "emulate_cluster=examples/clusters/cpu-2x2.yaml", f"out_dir={tmp_path / 'x'}"]) == 2
