@@ -457,6 +457,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
     work = work or pathlib.Path(tempfile.mkdtemp(prefix="hetrl-bench-train-"))
     torch.set_num_threads(os.cpu_count() or 1)
     mach = params = None
+    code = revision()      # the code this invocation runs (read now: the tree may change while it runs)
     for case_name in cases:
         case = CASES[case_name]
         n = steps or (2 if case.few_shot_tokens else 16)
@@ -480,7 +481,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
                 rec = {"case": case_name, "system": system, "seed": seed, "steps_asked": n, "overrides": list(overrides),
                        "machine": mach,
                        "matmul_params": params, "wall_s": time.perf_counter() - t0,
-                       "date": time.strftime("%Y-%m-%d"), "revision": revision(), **got}
+                       "date": time.strftime("%Y-%m-%d"), "revision": code, **got}
                 with open(store, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 records.append(rec)

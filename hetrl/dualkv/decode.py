@@ -37,7 +37,9 @@ class SharedPrefixCache:
     Use through `decoding(model, cache)`; call `advance()` after each forward."""
 
     def __init__(self, prefill_cache, prompt_mask: torch.Tensor, group_of_row: torch.Tensor, max_new: int):
-        layers = prefill_cache.layers
+        layers = getattr(prefill_cache, "layers", None)
+        if not layers or any(not isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+            raise Unsupported(f"{type(prefill_cache).__name__} does not hold plain per-layer keys and values")
         self.prompt_k = [layer.keys for layer in layers]          # [G, H_kv, P, d]
         self.prompt_v = [layer.values for layer in layers]
         self.prompt_mask = prompt_mask.bool()                      # [G, P] (left padding is False)

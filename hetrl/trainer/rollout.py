@@ -99,8 +99,8 @@ class RolloutWorker:
                 t1 = time.perf_counter()
                 self.phase_seconds["prefill_s"] += t1 - t0
                 groups = torch.arange(len(prompts), device=device).repeat_interleave(n)
-                cache = SharedPrefixCache(prefill, mask[:, :-1], groups, max(1, max_new_tokens))
                 try:
+                    cache = SharedPrefixCache(prefill, mask[:, :-1], groups, max(1, max_new_tokens))
                     with decoding(self.model, cache):
                         rows, lps = self._decode(last, None, cache, max_new_tokens, warp, scored)
                 except Unsupported as e:   # raised by the first layer's attention, before anything is sampled
