@@ -428,14 +428,15 @@ def read_records(out: pathlib.Path) -> list[dict]:
 
 
 def revision() -> str | None:
-    """The git commit the code runs from (with `+dirty` when the work tree differs), or None outside git."""
+    """The git commit the code runs from (with `+dirty` when the package's files differ from it; results
+    written meanwhile do not count), or None outside git."""
     import subprocess
 
     root = pathlib.Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "hetrl"], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
