@@ -330,6 +330,9 @@ def summarise(records: list[dict]) -> dict:
             row["of_fp32_peak"] = statistics.mean(p["effective_gflops"] / p["peaks"]["fp32"] for p in per_run)
             row["of_bf16_peak"] = statistics.mean(p["effective_gflops"] / p["peaks"]["bf16"] for p in per_run)
             row["step_s_runs"] = [p["step_s"] for p in per_run]
+            # the step in units of the machine's speed at the time: seconds x the fp32 matmul peak measured at the
+            # start of the run's invocation (GFLOP of peak matmul per step), for ratios across invocations
+            row["step_peak_gflop"] = statistics.mean(p["step_s"] * p["peaks"]["fp32"] for p in per_run)
             accs = [p["acc_after"] for p in per_run if p["acc_after"] is not None]
             if accs and CASES.get(case, Case(case, ())).accuracy:
                 row["accuracy_after"] = {"mean": statistics.mean(accs), "min": min(accs), "max": max(accs),
@@ -339,6 +342,7 @@ def summarise(records: list[dict]) -> dict:
         if "trl" in table[case]:
             for system, row in table[case].items():
                 row["step_time_vs_stock_trl"] = row["step_s"] / table[case]["trl"]["step_s"]
+                row["peak_normalised_vs_stock_trl"] = row["step_peak_gflop"] / table[case]["trl"]["step_peak_gflop"]
     return table
 
 
@@ -389,8 +393,12 @@ def markdown(table: dict, records: list[dict]) -> str:
         rows = table.get(case, {})
         if "hetrl" in rows and "trl" in rows:
             ratio = rows["hetrl"]["step_time_vs_stock_trl"]
+            norm = rows["hetrl"]["peak_normalised_vs_stock_trl"]
             lines.append(f"- `{case}`: hetrl's step is {ratio:.3f} of stock TRL's (1/{1 / ratio:.1f}); the target is "
-                         f"<= 1/{target}: {'met' if ratio <= 1 / target else 'NOT met'}.")
+                         f"<= 1/{target}: {'met' if ratio <= 1 / target else 'NOT met'}. Each step time scaled by "
+                         f"the matmul peak measured at the start of its invocation (this VM's speed varies between "
+                         f"invocations), the ratio is {norm:.3f} (1/{1 / norm:.1f}): "
+                         f"{'met' if norm <= 1 / target else 'NOT met'} that way.")
         accs = {s: r["accuracy_after"] for s, r in rows.items() if "accuracy_after" in r}
         if "hetrl" in accs and "trl" in accs:
             h, t = accs["hetrl"], accs["trl"]
