@@ -34,18 +34,13 @@ from hetrl.bench.machine import cpu
 from hetrl.bench.train_vs_trl import CASES, job
 from hetrl.data import prompt_ids
 from hetrl.models import load_model
-from hetrl.trainer.rollout import RolloutWorker
+from hetrl.trainer.rollout import RolloutWorker, left_padded
 
 N, TEMPERATURE = 8, 0.7
 
 
 def _padded(worker, prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), worker.pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    return ids, mask
+    return left_padded(prompts, worker.pad)
 
 
 def _cut(worker, rows):

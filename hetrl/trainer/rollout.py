@@ -80,13 +80,9 @@ class RolloutWorker:
         return out
 
     def _generate_batch(self, prompts, n, max_new_tokens, temperature, top_p, greedy, logprobs):
-        width = max(len(p) for p in prompts)
         device = self.model.get_input_embeddings().weight.device
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = left_padded(prompts, self.pad)
+        width = ids.shape[1]
         ids, mask = ids.to(device), mask.to(device)
         warp = None if greedy else warpers(temperature, top_p)
         scored = temperature if logprobs else None
@@ -192,6 +188,17 @@ class RolloutWorker:
         cache = self._prefill(ids, mask)
         cache.batch_repeat_interleave(n)
         return cache
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids, attention mask) [len(prompts), longest], left-padded with `pad` (generate's layout)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
 
 
 def warpers(temperature: float, top_p: float) -> "Warp":

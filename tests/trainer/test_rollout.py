@@ -8,18 +8,13 @@ import torch
 
 from hetrl.data import prompt_ids
 from hetrl.models import load_model
-from hetrl.trainer.rollout import RolloutWorker, sample, warpers
+from hetrl.trainer.rollout import RolloutWorker, left_padded, sample, warpers
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 30], [40], [11, 12, 13, 14], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 
 
 def _padded(worker, prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), worker.pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    return ids, mask
+    return left_padded(prompts, worker.pad)
 
 
 def _both(model, tokenizer, prompts, n, sampling):
