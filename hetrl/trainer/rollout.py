@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                    TopPLogitsWarper)
 
+from hetrl.dualkv.api import _token_logprobs as token_logprobs
 from hetrl.dualkv.decode import SharedPrefixCache, Unsupported, decoding
 from hetrl.trainer.learner import amp
 
@@ -142,11 +143,9 @@ class RolloutWorker:
             finished = token == self.eos
             for r, t in zip(alive, token.tolist()):
                 rows[r].append(t)
-            if scored is not None:
-                dtype = torch.promote_types(raw.dtype, torch.float32)
-                z = raw.to(dtype)
-                z = z / scored if scored != 1.0 else z
-                lp = z.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+            if scored is not None:   # the learner's own log-softmax gather (hetrl.dualkv), on these logits
+                lp = token_logprobs(raw, torch.arange(raw.shape[0], device=raw.device), token, scored, False)
+                dtype = lp.dtype
                 for r, v in zip(alive, lp.tolist()):
                     lps[r].append(v)
             keep = (~finished).nonzero().squeeze(-1)
