@@ -81,6 +81,29 @@ def replicas(plan: Plan, cluster: ClusterSpec, *, single_node: bool) -> list[Rep
     return out
 
 
+def actor_threads(replicas: list[Replica], cluster: ClusterSpec, mode: str, cpus_per_node: int, *,
+                  single_node: bool) -> dict[str, int]:
+    """Torch threads of each actor: the CPU cores of the plan devices it was given, so that a plan is run as
+    written (a replica on `cpu:1` computes on one core, not on every core of the machine). A Ray node's cores
+    are split evenly over the plan devices it hosts (all of the cluster's when `single_node`, i.e. emulated;
+    else its own node's); a replica on k devices gets k devices' cores. Roles that compute at the same time on
+    one device split its cores: in async mode rollout and learner replicas sharing a device; in sync mode the
+    phases take turns, so each role in its phase has the device's cores."""
+    devices_on = (lambda node: len(cluster.gpus)) if single_node else (lambda node: cluster.node(node).count)
+    busy: Counter = Counter()
+    if mode == "async":
+        for r in replicas:
+            if r.role in ("rollout", "learner"):
+                busy.update(r.gpus)
+    out = {}
+    for r in replicas:
+        node = r.gpus[0].rsplit(":", 1)[0]
+        cores = cpus_per_node * len(r.gpus) / devices_on(node)
+        sharing = max((busy[g] for g in r.gpus), default=0) if r.role in ("rollout", "learner") else 0
+        out[r.name] = max(1, int(cores // max(1, sharing)))
+    return out
+
+
 def _floor4(x: float) -> float:
     """Ray keeps fractional resources to 1e-4; round down so that shares of one GPU never add above 1."""
     return math.floor(x * 10_000) / 10_000

@@ -42,7 +42,8 @@ from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import CriticStats, UpdateStats
 from hetrl.trainer.checkpoint import resume_command
-from hetrl.trainer.placement import ROLES, ExecutorFailure, Replica, node_resources, plan_for_run, replicas
+from hetrl.trainer.placement import (ROLES, ExecutorFailure, Replica, actor_threads, node_resources, plan_for_run,
+                                     replicas)
 
 log = logging.getLogger(__name__)
 ROLLOUT_RESTARTS = 3
@@ -111,7 +112,7 @@ def _setup(cfg: RunConfig, threads: int, lora: bool = True):
 def _whereabouts() -> dict:
     ctx = ray.get_runtime_context()
     return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "resources": ctx.get_assigned_resources(),
-            "actor_id": ctx.get_actor_id()}
+            "actor_id": ctx.get_actor_id(), "torch_threads": torch.get_num_threads()}
 
 
 # ------------------------------------------------------------------------------------------ actors (thin)
@@ -627,24 +628,20 @@ class RayEngine:
         by_role = collections.defaultdict(list)
         for r in self.replicas:
             by_role[r.role].append(r)
-        # torch threads per actor: the cores of a node shared by the actors busy at the same time (sync: one
-        # role at a time; async: generation and training together)
+        # torch threads per actor: the cores of the plan devices it was given (placement.actor_threads)
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(1, len(ray.nodes())))
-        together = len(by_role["rollout"]) + len(by_role["learner"]) if cfg.mode == "async" else None
-
-        def threads(role):
-            return max(1, cpus // (together or len(by_role[role])))
+        threads = actor_threads(self.replicas, self.cluster, cfg.mode, cpus, single_node=emulated)
 
         # Ray GPUs are requested on a real cluster that has them; a cluster of CPU machines (or raylets started for
         # a test) places actors by their hetrl-node resources alone
         real = not emulated and ray.cluster_resources().get("GPU", 0) > 0
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
-            cfg, threads("rollout"), cfg.mode == "async") for r in by_role["rollout"]]
-        learners = [_remote(LearnerActor, r, real).remote(cfg, threads("learner"), r.rank, len(by_role["learner"]),
+            cfg, threads[r.name], cfg.mode == "async") for r in by_role["rollout"]]
+        learners = [_remote(LearnerActor, r, real).remote(cfg, threads[r.name], r.rank, len(by_role["learner"]),
                                                           r.zero, r.offload, r.recompute) for r in by_role["learner"]]
-        references = [_remote(ReferenceActor, r, real).remote(cfg, threads("reference"))
+        references = [_remote(ReferenceActor, r, real).remote(cfg, threads[r.name])
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
-        critics = [_remote(CriticActor, r, real).remote(cfg, threads("critic"), r.rank, len(by_role["critic"]),
+        critics = [_remote(CriticActor, r, real).remote(cfg, threads[r.name], r.rank, len(by_role["critic"]),
                                                         r.recompute) for r in by_role["critic"]]
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references, "critic": critics}
         ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started

@@ -3,6 +3,7 @@
 async within the staleness bound, a killed rollout actor loses no sample, a dead learner or critic stops the
 run with how to resume, and the resumed run takes the step the uninterrupted one took."""
 
+import dataclasses
 import ipaddress
 import json
 import math
@@ -26,7 +27,8 @@ from hetrl.trainer import build  # noqa: E402
 from hetrl.trainer.build import Policy  # noqa: E402
 from hetrl.schema import InputError  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
-from hetrl.trainer.placement import model_spec_from_hf, node_resources, replicas, run_workload  # noqa: E402
+from hetrl.trainer.placement import (actor_threads, model_spec_from_hf, node_resources, replicas,  # noqa: E402
+                                     run_workload)
 from hetrl.trainer.metrics import TIMING_KEYS  # noqa: E402
 from hetrl.trainer.ray_executor import (CriticActor, CriticGroup, LearnerActor, LearnerFailed,  # noqa: E402
                                         LearnerGroup, RayEngine, RolloutActor, RolloutPool, assign_groups,
@@ -88,6 +90,42 @@ def test_replicas_follow_the_plan_groups_and_share_colocated_gpus():
             if r.role == "learner"] == [False, False]
 
 
+def test_actor_threads_are_the_cores_of_the_plan_devices():
+    """A replica computes on the cores of the devices its plan gave it: the 2-core machine's `split` plan runs
+    generation on one core and training on the other (it used to give each phase both cores), `colocated`
+    runs one core per data-parallel rank, a replica over both cores gets both; async splits a device's cores
+    between the rollout and the learner on it; a real node's cores are split over its own devices."""
+    model, _ = load_model("tiny")
+    cfg = load_config(TINY, [])
+    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0))
+    local = load_cluster(str(ROOT / "examples" / "clusters" / "cpu-local.yaml"))
+    tasks = ["actor_gen", "actor_infer", "ref_infer", "actor_train"]
+    one, two, wide = {"tp": 1, "pp": 1, "dp": 1}, {"tp": 1, "pp": 1, "dp": 2}, {"tp": 2, "pp": 1, "dp": 1}
+    split = {"groups": [{"tasks": ["actor_gen"], "gpus": ["cpu:0"], "parallelism": {"actor_gen": one}},
+                        {"tasks": tasks[1:], "gpus": ["cpu:1"], "parallelism": {t: one for t in tasks[1:]}}]}
+    colocated = {"groups": [{"tasks": tasks, "gpus": ["cpu:0", "cpu:1"], "parallelism": {t: two for t in tasks}}]}
+    spanning = {"groups": [{"tasks": tasks, "gpus": ["cpu:0", "cpu:1"], "parallelism": {t: wide for t in tasks}}]}
+
+    def threads(plan, cluster, mode, cpus, single_node=True):
+        reps = replicas(plan_from_dict(plan, cluster, dataclasses.replace(w, mode=mode)), cluster,
+                        single_node=single_node)
+        return actor_threads(reps, cluster, mode, cpus, single_node=single_node)
+
+    assert threads(split, local, "sync", 2) == {"hetrl-rollout-0": 1, "hetrl-learner-0": 1, "hetrl-reference-0": 1}
+    assert set(threads(colocated, local, "sync", 2).values()) == {1}
+    assert threads(spanning, local, "sync", 2) == {"hetrl-rollout-0": 2, "hetrl-learner-0": 2,
+                                                   "hetrl-reference-0": 2}
+    assert threads(spanning, local, "async", 8) == {"hetrl-rollout-0": 4, "hetrl-learner-0": 4,   # 8 cores, 2 busy
+                                                    "hetrl-reference-0": 8}
+    assert threads(split, local, "async", 8) == {"hetrl-rollout-0": 4, "hetrl-learner-0": 4, "hetrl-reference-0": 4}
+    two_nodes = load_cluster(CLUSTER)    # node-a: 2 devices, node-b: 2 devices
+    assert threads(PLAN, two_nodes, "sync", 8, single_node=False) == {
+        "hetrl-rollout-0": 4, "hetrl-rollout-1": 4, "hetrl-reference-0": 8, "hetrl-learner-0": 4, "hetrl-learner-1": 4}
+    assert threads(PLAN, two_nodes, "sync", 8) == {           # emulated: one machine's 8 cores over 4 devices
+        "hetrl-rollout-0": 2, "hetrl-rollout-1": 2, "hetrl-reference-0": 4, "hetrl-learner-0": 2, "hetrl-learner-1": 2}
+    assert set(threads(PLAN, two_nodes, "sync", 2).values()) == {1}   # fewer cores than devices: at least one
+
+
 def test_groups_go_whole_to_ranks_balanced_by_tokens():
     assert assign_groups([10, 50, 30, 30], 2) == [[0, 1], [2, 3]]   # 60 tokens each
     assert assign_groups([5], 3) == [[0], [], []]
@@ -122,6 +160,7 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
             node = {"rollout": "node-a", "learner": "node-b", "reference": "node-b"}[p["role"]]
             assert set(p["resources"]) == {f"hetrl-node:{node}"}
             assert all(g.startswith(node) for g in p["gpus"])
+            assert p["torch_threads"] == 1                # 2 cores over 4 emulated devices: one thread each
         # the plan's actor_train has the default recompute: true, so the learners recompute activations
         assert ray.get([a.checkpointing.remote() for a in engine.actors["learner"]]) == [True, True]
     finally:
