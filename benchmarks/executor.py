@@ -156,17 +156,102 @@ def measure_gloo(nbytes: int = 256 << 20) -> dict:
     return {"gloo_allreduce_bytes": nbytes, "gloo_allreduce_s": seconds, "intra_node_gbps": nbytes / seconds * 8 / 1e9}
 
 
+# The pass the device description is measured on: one data-parallel rank's share of the default job's
+# update (4 groups of a 40-token prompt and 8 responses of 16 tokens), forward + backward through DualKV, as
+# the learners run it (no activation recompute in this pass).
+PASS_GROUPS, PASS_PROMPT, PASS_N, PASS_RESPONSE = 4, 40, 8, 16
+
+
+def _pass_worker(model_name: str, rounds: int, start, out) -> None:
+    torch.set_num_threads(1)
+    from hetrl.dualkv.api import shared_prompt_logprobs
+    from hetrl.dualkv.packing import pack_groups
+
+    model, _ = load_model(model_name)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    batch = pack_groups([(torch.randint(10, 40000, (PASS_PROMPT,), generator=g).tolist(),
+                          [torch.randint(10, 40000, (PASS_RESPONSE,), generator=g).tolist() for _ in range(PASS_N)])
+                         for _ in range(PASS_GROUPS)])
+
+    def once():
+        shared_prompt_logprobs(model, batch).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    once()
+    start.wait()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t)
+    out.put(statistics.median(times))
+
+
+def _passes_at_once(model_name: str, processes: int, rounds: int) -> list[float]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_pass_worker, args=(model_name, rounds, start, out)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    time.sleep(2.0)
+    start.set()   # the workers that are still loading begin once loaded; the first pass of each is untimed
+    seconds = [out.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join()
+    return seconds
+
+
+def measure_passes(core: dict, model_name: str = "smollm2-135m", rounds: int = 5) -> dict:
+    """The device description measured on the model's own pass instead of a 2048^3 matmul: `pass_mfu`, the
+    fraction of one core's matmul peak that a one-thread forward + backward reaches, counted as the cost model
+    counts that pass's FLOPs (its compute term on a device of that peak at mfu 1); and
+    `pass_concurrent_devices`, how many cores' worth the machine gives when every core runs that pass at once
+    (one process per core). Timed separately from the training runs it then predicts."""
+    from hetrl.planner.cost import task_costs
+    from hetrl.planner.plan import Group, Parallelism
+
+    model, _ = load_model(model_name)
+    spec = model_spec_from_hf(model.config, model_name)
+    del model
+    probe = cluster_from_dict({"name": "probe", "gpu_types": [{
+        "name": "core", "dense_bf16_flops": core["fp32_matmul_flops"], "memory_bytes": 1e12, "hbm_bytes_per_s": 1e12,
+        "mfu": 1.0, "source": "this benchmark's one-core matmul peak"}],
+        "nodes": [{"name": "n", "region": "r", "gpu": "core", "count": 1, "intra_node": "pcie"}]})
+    from hetrl.planner.spec import WorkloadSpec
+    w = WorkloadSpec(algorithm="grpo", mode="sync", actor=spec, reference=None, reward=None, critic=None,
+                     prompts_per_step=PASS_GROUPS, responses_per_prompt=PASS_N,
+                     prompt_tokens=TokenLengths(PASS_PROMPT, float(PASS_PROMPT)),
+                     response_tokens=TokenLengths(PASS_RESPONSE, float(PASS_RESPONSE)), dualkv=True,
+                     optimizer_steps=1)
+    group = Group(("actor_train",), (0,), (("actor_train", Parallelism(1, 1, 1, recompute=False)),))
+    at_peak = task_costs(probe, w, group)["actor_train"].terms["compute"]
+    cores = os.cpu_count()
+    alone = _passes_at_once(model_name, 1, rounds)[0]
+    together = _passes_at_once(model_name, cores, rounds)
+    return {"pass_s_one_process": alone, "pass_s_all_cores": together, "pass_s_at_peak": at_peak,
+            "pass_mfu": min(1.0, at_peak / alone),
+            "pass_concurrent_devices": max(1.0, min(float(cores), round(cores * alone / statistics.mean(together), 2)))}
+
+
 def cpu_cluster(core: dict) -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count()
     return {"name": "cpu-local", "gpu_types": [{
         "name": "cpu-core", "dense_bf16_flops": core["fp32_matmul_flops"], "memory_bytes": ram // cores,
         "hbm_bytes_per_s": core["copy_bytes_per_s"],
-        "source": "measured in this run: one core's fp32 matmul and copy bandwidth; RAM / cores"}],
+        **({"mfu": round(core["pass_mfu"], 3)} if "pass_mfu" in core else {}),
+        "source": "measured in this run: one core's fp32 matmul and copy bandwidth; RAM / cores"
+                  + ("; mfu: the model's forward + backward on one core" if "pass_mfu" in core else "")}],
         "nodes": [{"name": "cpu", "region": "local", "gpu": "cpu-core", "count": cores, "intra_node": "pcie",
                    "network_gbps": 10,
-                   # measured in this run (absent: the cost model's defaults, cores independent, PCIe between them)
-                   **{k: core[k] for k in ("concurrent_devices", "intra_node_gbps") if k in core}}]}
+                   # measured in this run (absent: the cost model's defaults, cores independent, PCIe between them);
+                   # the model's own pass where measured, else the matmul and copy probes
+                   **({"concurrent_devices": core["pass_concurrent_devices"]} if "pass_concurrent_devices" in core
+                      else {k: core[k] for k in ("concurrent_devices",) if k in core}),
+                   **{k: core[k] for k in ("intra_node_gbps",) if k in core}}]}
 
 
 def fixed_plans(tasks: list[str]) -> dict[str, dict]:
@@ -251,7 +336,15 @@ def markdown(result: dict) -> str:
         + (f"; with every core busy they deliver {result['core']['concurrent_devices']:g} cores' worth of matmul "
            f"(`concurrent_devices`), and two processes all-reduce through gloo at "
            f"{result['core']['intra_node_gbps']:.1f} Gbit/s (`intra_node_gbps`)" if "concurrent_devices" in
-           result["core"] else "")
+           result["core"] and "pass_mfu" not in result["core"] else "")
+        + (f"; measured on the model's own pass (a one-thread forward + backward of {PASS_GROUPS} groups of a "
+           f"{PASS_PROMPT}-token prompt and {PASS_N} x {PASS_RESPONSE} response tokens, before the runs): it reaches "
+           f"{result['core']['pass_mfu']:.2f} of that peak as the cost model counts its FLOPs (`mfu`; the GPU "
+           f"constants are 0.45 / 0.50) and, one process per core at once, the cores deliver "
+           f"{result['core']['pass_concurrent_devices']:g} cores' worth (`concurrent_devices`; the matmul and "
+           f"copy probes: {min(result['core']['all_cores_fp32_matmul_flops'] / result['core']['fp32_matmul_flops'], result['core']['copy_bytes_per_s_all_cores'] / result['core']['copy_bytes_per_s_one_process']):.2f}); "
+           f"two processes all-reduce through gloo at {result['core']['intra_node_gbps']:.1f} Gbit/s "
+           "(`intra_node_gbps`)" if "pass_mfu" in result["core"] else "")
         + ". `predicted s` is the planner's cost model for that plan on that cluster, not a measurement; "
         "`independent cores` is its prediction with the cores described as independent devices joined by PCIe "
         "(the model's defaults, before the device description could say otherwise).",
@@ -304,6 +397,7 @@ def main(argv=None) -> int:
 
     core = measure_core()
     core |= measure_pool(core) | measure_gloo()
+    core |= measure_passes(core)
     print(json.dumps(core), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)

@@ -3,7 +3,8 @@
 Numbers are datasheet peaks without sparsity (several public tables quote sparse figures as "BF16";
 those are halved here). GPUs without bf16 (V100, T4) list their fp16 tensor peak and are flagged,
 so a bf16 workload on them is planned at fp16 speed and said so. Efficiency below peak is the cost
-model's business (cost.py), not the catalog's.
+model's business (cost.py), not the catalog's; a type described in a cluster YAML (e.g. a measured CPU core)
+may state its own measured `mfu`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class GPUType:
     nvlink_bytes_per_s: float = rule(0.0, ge=0)   # per-GPU NVLink bandwidth, one direction; 0 when it has none
     has_bf16: bool = True
     source: str = ""                        # where the numbers come from (a datasheet, a measurement)
+    # Fraction of dense_bf16_flops a model pass reaches on this device, where it was measured (a CPU core
+    # running the model's own forward + backward); absent: the cost model's MFU_TRAIN / MFU_INFER / MFU_DECODE,
+    # which are GPU figures (Megatron-style runs on A100/H100)
+    mfu: float | None = rule(None, gt=0, le=1)
 
     def __post_init__(self):
         check(self)

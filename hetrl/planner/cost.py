@@ -152,6 +152,13 @@ def _flops(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
     return cluster.gpus[i].type.dense_bf16_flops * share[i]
 
 
+def _achieved(cluster: ClusterSpec, i: int, share: dict[int, float], mfu: float) -> float:
+    """FLOP/s a pass reaches on GPU i: its peak (pooled) times its type's measured `mfu`, else times the
+    model's constant `mfu` for that kind of pass."""
+    own = cluster.gpus[i].type.mfu
+    return _flops(cluster, i, share) * (mfu if own is None else own)
+
+
 def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
     return cluster.gpus[i].type.hbm_bytes_per_s * share[i]
 
@@ -159,7 +166,7 @@ def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
 def _replica_speeds(cluster, shards, mfu) -> list[float]:
     """FLOP/s of each DP replica: its pipeline runs at the pace of its slowest stage."""
     share = pooled(cluster, [i for stages in shards for ids in stages for i in ids])
-    return [len(stages) * min(len(ids) * min(_flops(cluster, i, share) for i in ids) * mfu
+    return [len(stages) * min(len(ids) * min(_achieved(cluster, i, share, mfu) for i in ids)
                               for ids in stages) for stages in shards]
 
 
@@ -279,12 +286,13 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         waves = math.ceil(batch / fits)
         wave = batch / waves
         hbm = min(_hbm(cluster, i, pool) for i in ids) * HBM_EFF
-        flops = min(_flops(cluster, i, pool) for i in ids)
+        prefill_flops = min(_achieved(cluster, i, pool, MFU_INFER) for i in ids)
+        decode_flops = min(_achieved(cluster, i, pool, MFU_DECODE) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
-        prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * flops * MFU_INFER)
+        prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * prefill_flops)
         weights_read = waves * r_max * model.params * BYTES / par.tp / hbm
         kv_read = batch * r * (p + r / 2) * model.kv_bytes_per_token / par.tp / hbm
-        decode_compute = 2 * model.active_params * batch * r / (par.tp * flops * MFU_DECODE)
+        decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
         tp_comm = 0.0
         if par.tp > 1:
             tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * BYTES, par.tp,

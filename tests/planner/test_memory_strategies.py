@@ -9,8 +9,8 @@ import pathlib
 import pytest
 
 from hetrl.planner import estimate, load_cluster, load_workload, plan, plan_from_dict
-from hetrl.planner.cost import (CPU_ADAM_BYTES_PER_PARAM, HOST_BYTES_PER_S_PER_GPU, MEM_UTIL, _dense_pass,
-                                allreduce_s, group_memory, slowest_link, task_memory, weight_sync_s)
+from hetrl.planner.cost import (CPU_ADAM_BYTES_PER_PARAM, HOST_BYTES_PER_S_PER_GPU, MEM_UTIL, MFU_DECODE,
+                                MFU_INFER, MFU_TRAIN, _dense_pass, _generation, allreduce_s, group_memory, slowest_link, task_memory, weight_sync_s)
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import PCIE_BYTES_PER_S, cluster_from_dict, workload_from_dict
 
@@ -261,14 +261,39 @@ def test_published_setups_are_scored(cluster, workload, plan_file, capsys):
     assert r["plan"]["groups"][0]["swap"] is True
 
 
-def _cpu_cluster(concurrent):
+def _cpu_cluster(concurrent, mfu=None, hbm=1.6e10):
     node = {"name": "cpu", "region": "local", "gpu": "cpu-core", "count": 2, "intra_node": "pcie", "network_gbps": 10}
     if concurrent is not None:
         node["concurrent_devices"] = concurrent
     return cluster_from_dict({"name": "cpu", "gpu_types": [{"name": "cpu-core", "dense_bf16_flops": 1.5e11,
-                                                             "memory_bytes": 12e9, "hbm_bytes_per_s": 1.6e10,
-                                                             "source": "test"}],
+                                                             "memory_bytes": 12e9, "hbm_bytes_per_s": hbm,
+                                                             "source": "test", **({"mfu": mfu} if mfu else {})}],
                               "nodes": [node]})
+
+
+def test_a_device_type_with_a_measured_mfu_is_priced_at_it():
+    """A type that states the fraction of its peak a model pass reaches replaces the GPU constants in every
+    compute term (training, inference, prefill, compute-bound decode) and in nothing else."""
+    w = _workload(prompt_tokens={"max": 64}, response_tokens={"max": 16})
+    plain, measured = _cpu_cluster(None), _cpu_cluster(None, mfu=0.9)
+    group = Group(("actor_gen", "actor_train", "ref_infer"), (0, 1),
+                  tuple((t, Parallelism(1, 1, 2)) for t in ("actor_gen", "actor_train", "ref_infer")))
+    for task, train, mfu in (("actor_train", True, MFU_TRAIN), ("ref_infer", False, MFU_INFER)):
+        model = w.actor if train else w.reference
+        a, b = (_dense_pass(c, w, model, group, task, train).terms for c in (plain, measured))
+        assert b["compute"] == pytest.approx(a["compute"] * mfu / 0.9, rel=1e-12)
+        assert {k: v for k, v in b.items() if k != "compute"} == {k: v for k, v in a.items() if k != "compute"}
+    free = {0: 1e10, 1: 1e10}
+    a, b = (_generation(c, w, w.actor, group, free).terms for c in (plain, measured))
+    assert a["hbm"] == b["hbm"]                       # 4 rows: decode reads weights, the prefill is compute
+    assert b["compute"] == pytest.approx(a["compute"] * MFU_INFER / 0.9, rel=1e-12)
+    fast = [_cpu_cluster(None, mfu, hbm=1e16) for mfu in (None, 0.9)]     # memory so fast that decode is compute
+    a, b = (_generation(c, w, w.actor, group, free).terms for c in fast)
+    assert "hbm" not in a and "hbm" not in b
+    assert b["compute"] == pytest.approx(a["compute"] * MFU_DECODE / 0.9, rel=1e-12)   # MFU_INFER == MFU_DECODE
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="mfu"):
+            _cpu_cluster(None, mfu=bad if bad else -0.1)
 
 
 @pytest.mark.parametrize("concurrent", [1.0, 1.5])
