@@ -33,7 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks  # noqa: E402
-from hetrl.planner.spec import TokenLengths, cluster_from_dict  # noqa: E402
+from hetrl.planner.cost import task_costs  # noqa: E402
+from hetrl.planner.plan import Group, Parallelism  # noqa: E402
+from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.loop import train  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
@@ -210,9 +212,6 @@ def measure_passes(core: dict, model_name: str = "smollm2-135m", rounds: int = 5
     counts that pass's FLOPs (its compute term on a device of that peak at mfu 1); and
     `pass_concurrent_devices`, how many cores' worth the machine gives when every core runs that pass at once
     (one process per core). Timed separately from the training runs it then predicts."""
-    from hetrl.planner.cost import task_costs
-    from hetrl.planner.plan import Group, Parallelism
-
     model, _ = load_model(model_name)
     spec = model_spec_from_hf(model.config, model_name)
     del model
@@ -220,7 +219,6 @@ def measure_passes(core: dict, model_name: str = "smollm2-135m", rounds: int = 5
         "name": "core", "dense_bf16_flops": core["fp32_matmul_flops"], "memory_bytes": 1e12, "hbm_bytes_per_s": 1e12,
         "mfu": 1.0, "source": "this benchmark's one-core matmul peak"}],
         "nodes": [{"name": "n", "region": "r", "gpu": "core", "count": 1, "intra_node": "pcie"}]})
-    from hetrl.planner.spec import WorkloadSpec
     w = WorkloadSpec(algorithm="grpo", mode="sync", actor=spec, reference=None, reward=None, critic=None,
                      prompts_per_step=PASS_GROUPS, responses_per_prompt=PASS_N,
                      prompt_tokens=TokenLengths(PASS_PROMPT, float(PASS_PROMPT)),

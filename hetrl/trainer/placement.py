@@ -89,18 +89,14 @@ def actor_threads(replicas: list[Replica], cluster: ClusterSpec, mode: str, cpus
     else its own node's); a replica on k devices gets k devices' cores. Roles that compute at the same time on
     one device split its cores: in async mode rollout and learner replicas sharing a device; in sync mode the
     phases take turns, so each role in its phase has the device's cores."""
-    devices_on = (lambda node: len(cluster.gpus)) if single_node else (lambda node: cluster.node(node).count)
-    busy: Counter = Counter()
-    if mode == "async":
-        for r in replicas:
-            if r.role in ("rollout", "learner"):
-                busy.update(r.gpus)
+    node_of = {g.name: g.node for g in cluster.gpus}
+    together = ("rollout", "learner") if mode == "async" else ()
+    busy = Counter(g for r in replicas if r.role in together for g in r.gpus)
     out = {}
     for r in replicas:
-        node = r.gpus[0].rsplit(":", 1)[0]
-        cores = cpus_per_node * len(r.gpus) / devices_on(node)
-        sharing = max((busy[g] for g in r.gpus), default=0) if r.role in ("rollout", "learner") else 0
-        out[r.name] = max(1, int(cores // max(1, sharing)))
+        devices = len(cluster.gpus) if single_node else cluster.node(node_of[r.gpus[0]]).count
+        sharing = max(busy[g] for g in r.gpus) if r.role in together else 1
+        out[r.name] = max(1, int(cpus_per_node * len(r.gpus) / devices // sharing))
     return out
 
 

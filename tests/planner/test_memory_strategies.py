@@ -10,7 +10,8 @@ import pytest
 
 from hetrl.planner import estimate, load_cluster, load_workload, plan, plan_from_dict
 from hetrl.planner.cost import (CPU_ADAM_BYTES_PER_PARAM, HOST_BYTES_PER_S_PER_GPU, MEM_UTIL, MFU_DECODE,
-                                MFU_INFER, MFU_TRAIN, _dense_pass, _generation, allreduce_s, group_memory, slowest_link, task_memory, weight_sync_s)
+                                MFU_INFER, MFU_TRAIN, _dense_pass, _generation, allreduce_s, group_memory,
+                                slowest_link, task_memory, weight_sync_s)
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import PCIE_BYTES_PER_S, cluster_from_dict, workload_from_dict
 
@@ -267,7 +268,7 @@ def _cpu_cluster(concurrent, mfu=None, hbm=1.6e10):
         node["concurrent_devices"] = concurrent
     return cluster_from_dict({"name": "cpu", "gpu_types": [{"name": "cpu-core", "dense_bf16_flops": 1.5e11,
                                                              "memory_bytes": 12e9, "hbm_bytes_per_s": hbm,
-                                                             "source": "test", **({"mfu": mfu} if mfu else {})}],
+                                                             "source": "test", **({} if mfu is None else {"mfu": mfu})}],
                               "nodes": [node]})
 
 
@@ -291,9 +292,9 @@ def test_a_device_type_with_a_measured_mfu_is_priced_at_it():
     a, b = (_generation(c, w, w.actor, group, free).terms for c in fast)
     assert "hbm" not in a and "hbm" not in b
     assert b["compute"] == pytest.approx(a["compute"] * MFU_DECODE / 0.9, rel=1e-12)   # MFU_INFER == MFU_DECODE
-    for bad in (0, 1.5):
+    for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="mfu"):
-            _cpu_cluster(None, mfu=bad if bad else -0.1)
+            _cpu_cluster(None, mfu=bad)
 
 
 @pytest.mark.parametrize("concurrent", [1.0, 1.5])
