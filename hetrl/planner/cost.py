@@ -209,6 +209,11 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     par = group.par(task)
     shards = _shards(group, par)
     tokens, pairs = _tokens_and_pairs(w)
+    passes_over = w.old_logprob_share if task == "actor_infer" else 1.0   # of the samples this pass runs on
+    if passes_over == 0:
+        return TaskCost(0.0, {"compute": 0.0})
+    tokens, pairs = tokens * passes_over, pairs * passes_over
+    vb = precision_bytes(w)[0]   # bytes of a weight, gradient or activation value
     attn = 4 * model.layers * model.heads * model.head_dim * pairs
     if train:   # forward + backward (2x) + the recomputed forward
         flops = (8 * model.active_params * tokens + 4 * attn) if par.recompute else \
@@ -218,14 +223,14 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
     shares = _shares(group, speeds)
     compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
-    micro_batches = max(1, math.ceil(w.samples / par.dp / w.micro_batch_responses))
+    micro_batches = max(1, math.ceil(w.samples * passes_over / par.dp / w.micro_batch_responses))
     steps = w.optimizer_steps if train else 1   # the pipeline drains before every optimizer step
     bubble = compute * (par.pp - 1) * steps / micro_batches
     layers_per_stage = model.layers / par.pp
     tp_comm = pp_comm = 0.0
     for f, stages in zip(shares, shards):
         share = tokens * f
-        act_bytes = share * model.hidden * BYTES
+        act_bytes = share * model.hidden * vb
         per_layer = 4 if train else 2
         if par.tp > 1:
             tp_comm = max(tp_comm, max(allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
@@ -245,17 +250,17 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
         # its gradients (verl and FSDP2 do not skip the reduce while accumulating). Each is half an all-reduce of
         # the stage's weights, one message per layer; overlapped with compute as far as the link allows.
         halves = micro_batches * (3 if train else 1)
-        gather = max(halves / 2 * allreduce_s(BYTES * shard_params, par.dp, link, max(1, round(layers_per_stage)))
+        gather = max(halves / 2 * allreduce_s(vb * shard_params, par.dp, link, max(1, round(layers_per_stage)))
                      for link in dp_links)
         terms["dp_comm"] = _overlapped(gather, compute, layers_per_stage)
     elif train:   # gradients accumulate locally and are all-reduced (ZeRO-2: reduce-scattered) once per optimizer step
         dp_comm = 0.0
         for link in dp_links:
-            dp_comm = max(dp_comm, steps * allreduce_s(BYTES * shard_params, par.dp, link))
+            dp_comm = max(dp_comm, steps * allreduce_s(vb * shard_params, par.dp, link))
         terms["dp_comm"] = dp_comm
     offload = 0.0
     if par.offload == "params":   # each pass streams this rank's weight shard in from host memory
-        offload += _overlapped(passes * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
+        offload += _overlapped(passes * vb * shard_params / par.dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
     if train:
         share = pooled(cluster, group.gpus)
         slowest_hbm = min(_hbm(cluster, i, share) for i in group.gpus)
@@ -263,7 +268,7 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
             weights_written = shard_params / par.dp if par.zero == 3 else shard_params
             terms["optimizer"] = steps * (16 * shard_params / par.dp + 4 * weights_written) / (slowest_hbm * HBM_EFF)
         else:   # Adam on the host: gradients out and weights back over PCIe, the step at host memory speed
-            offload += steps * (2 * BYTES * shard_params / par.dp / PCIE_BYTES_PER_S
+            offload += steps * (2 * vb * shard_params / par.dp / PCIE_BYTES_PER_S
                                 + CPU_ADAM_BYTES_PER_PARAM * shard_params / par.dp / HOST_BYTES_PER_S_PER_GPU)
     if offload:
         terms["offload"] = offload
@@ -273,7 +278,11 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
 def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_bytes: dict[int, float]) -> TaskCost:
     par = group.par("actor_gen")
     shards = _shards(group, par)
-    kv_seq = (w.prompt_tokens.max + w.response_tokens.max) * model.kv_bytes_per_token / (par.tp * par.pp)
+    b = precision_bytes(w)[0]
+    kv_token = model.kv_bytes_per_token * b / 2 / (par.tp * par.pp)   # kv_bytes_per_token is 16-bit
+    # The N responses of a prompt hold its KV once (vLLM/SGLang prefix caching, hetrl's SharedPrefixCache: the
+    # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache.
+    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_token
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
@@ -290,14 +299,14 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         decode_flops = min(_achieved(cluster, i, pool, MFU_DECODE) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
         prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * prefill_flops)
-        weights_read = waves * r_max * model.params * BYTES / par.tp / hbm
-        kv_read = batch * r * (p + r / 2) * model.kv_bytes_per_token / par.tp / hbm
+        weights_read = waves * r_max * model.params * b / par.tp / hbm
+        kv_read = batch * r * (p + r / 2) * kv_token * par.pp / hbm
         decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
         tp_comm = 0.0
         if par.tp > 1:
-            tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * BYTES, par.tp,
+            tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * b, par.tp,
                                       slowest_link(cluster, s), 2 * model.layers * r_max * waves) for s in stages)
-        pp_comm = sum(r_max * waves * (lat + wave * model.hidden * BYTES / bw)
+        pp_comm = sum(r_max * waves * (lat + wave * model.hidden * b / bw)
                       for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
         terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
         if weights_read + kv_read >= decode_compute:
@@ -482,7 +491,7 @@ def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float
     par = train.par("actor_train") if "actor_train" in train.tasks else None
     if par is None or par.zero != 3 or par.dp == 1:
         return 0.0
-    shard = w.actor.params * BYTES / (par.tp * par.pp)
+    shard = w.actor.params * precision_bytes(w)[0] / (par.tp * par.pp)
     return max(allreduce_s(shard, par.dp, link) / 2 for link in _dp_links(cluster, _dp_groups(_shards(train, par), par)))
 
 
@@ -493,8 +502,8 @@ def weight_sync_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group, gen: Grou
     if colocated:
         share = pooled(cluster, gen.gpus)
         hbm = min(_hbm(cluster, i, share) for i in gen.gpus)
-        return gather + w.actor.params * BYTES / (hbm * HBM_EFF) / len(gen.gpus)
-    return gather + group_transfer_s(cluster, train, gen, w.actor.params * BYTES)
+        return gather + w.actor.params * precision_bytes(w)[0] / (hbm * HBM_EFF) / len(gen.gpus)
+    return gather + group_transfer_s(cluster, train, gen, w.actor.params * precision_bytes(w)[0])
 
 
 def aggregate(mode: str, groups: list[dict[str, float]], transfer: float, sync: float) -> tuple[float, list[str]]:

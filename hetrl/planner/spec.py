@@ -290,6 +290,11 @@ class WorkloadSpec:
     # optimizer steps per iteration: the batch is split into this many mini-batches (verl ppo_mini_batch_size,
     # NeMo-RL train_global_batch_size, OpenRLHF train_batch_size), each one gradient sync and one Adam step
     optimizer_steps: int = rule(1, ge=1)
+    # share of the samples the actor_infer pass (the sampling policy's log-probs for the importance ratio) runs
+    # on: 1 recomputes them for every mini-batch (verl, NeMo-RL, OpenRLHF); (k-1)/k when the first of k
+    # mini-batches takes its update forward's own, detached (hetrl sync on Ray, TRL); 0 when they come with the
+    # samples from the rollout (hetrl async, hetrl's local fp32 rollout)
+    old_logprob_share: float = rule(1.0, ge=0, le=1)
 
     def __post_init__(self):
         check(self)
@@ -333,7 +338,8 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
-                 "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps")
+                 "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
+                 "old_logprob_share")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

@@ -115,14 +115,46 @@ def model_spec_from_hf(config, name: str = "run") -> ModelSpec:
                      tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), name=name)
 
 
-def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str = "bf16") -> WorkloadSpec:
+def run_precision(cfg) -> str:
+    """The planner's precision of a run: bf16 where it runs bf16-mixed (asked for, or precision=auto on CUDA),
+    else fp32 (the CPU default)."""
+    if cfg.precision != "auto":
+        return "bf16" if cfg.precision == "bf16-mixed" else "fp32"
+    if cfg.device != "auto":
+        return "bf16" if cfg.device.startswith("cuda") else "fp32"
+    import torch   # only to resolve device=auto, as the run will
+
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+def old_logprob_share(cfg, precision: str) -> float:
+    """Share of the samples a run's learner recomputes old log-probs for (loop.update_policy): none in async
+    mode (they come with the samples) or where the local rollout's fp32 logits give them (old_logprobs); else
+    the mini-batches after the first, whose groups np.array_split puts after the first ceil(G/k)."""
+    groups, k = cfg.prompts_per_step, min(cfg.mini_batches, cfg.prompts_per_step)
+    if cfg.mode == "async" or k == 1:
+        return 0.0
+    if cfg.executor == "local" and cfg.old_logprobs != "recompute" and (cfg.old_logprobs == "rollout"
+                                                                       or precision == "fp32"):
+        return 0.0
+    return 1 - math.ceil(groups / k) / groups
+
+
+def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str | None = None) -> WorkloadSpec:
     """The planner workload of a `hetrl train` run: its model, batch and lengths; a reference model only when
-    the KL term needs one; a critic of the actor's size for PPO; rewards are verifiers (no reward model)."""
+    the KL term needs one; a critic of the actor's size for PPO; rewards are verifiers (no reward model); its
+    precision (run_precision unless given), its mini-batches as optimizer steps and the old log-prob passes its
+    learner runs (old_logprob_share)."""
+    precision = precision or run_precision(cfg)
+    # the cost model's mini-batches hold whole groups in equal numbers; a split that is not even is priced as one
+    # optimizer step (its per-step gradient sync and Adam step then counted once)
+    steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
     return WorkloadSpec(
         algorithm=cfg.algorithm, mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
         reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
-        response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision)
+        response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision,
+        optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision))
 
 
 def plan_for_run(cfg, model_config, prompt_len: int) -> tuple[ClusterSpec, Plan]:

@@ -325,3 +325,63 @@ def test_a_measured_intra_node_link_replaces_the_pcie_default():
          "nodes": [{"name": "cpu", "region": "local", "gpu": "cpu-core", "count": 2, "intra_node": "pcie",
                     "intra_node_gbps": 8}]}
     assert slowest_link(cluster_from_dict(d), (0, 1))[1] == 1e9
+
+
+def test_time_terms_move_values_at_the_workloads_precision(big):
+    """fp32 (hetrl train on a CPU) moves 4-byte weights, gradients and activations: the gradient all-reduce, ZeRO-3
+    gathers, weight sync and decode's weight reads take twice the bytes of bf16; compute is unchanged."""
+    cluster, bf16 = big
+    fp32 = workload_from_dict({**_as_dict(bf16), "precision": "fp32"})
+    for par in (Parallelism(1, 1, 8), Parallelism(1, 1, 8, zero=3)):
+        a = _dense_pass(cluster, bf16, bf16.actor, _group(cluster, par), "actor_train", True).terms
+        b = _dense_pass(cluster, fp32, fp32.actor, _group(cluster, par), "actor_train", True).terms
+        assert b["compute"] == a["compute"]
+        link = slowest_link(cluster, _group(cluster, par).gpus)
+        if par.zero == 1:
+            assert b["dp_comm"] == pytest.approx(allreduce_s(4 * bf16.actor.params, 8, link), rel=1e-12)
+            assert a["dp_comm"] == pytest.approx(allreduce_s(2 * bf16.actor.params, 8, link), rel=1e-12)
+    gen = Group(("actor_gen",), _group(cluster, Parallelism(1, 1, 1)).gpus[:1], (("actor_gen", Parallelism(1, 1, 1)),))
+    free = {i: 60e9 for i in gen.gpus}
+    a, b = (_generation(cluster, w, w.actor, gen, free).terms for w in (bf16, fp32))
+    assert b["hbm"] > a["hbm"]
+    train = Group(("actor_train",), gen.gpus, (("actor_train", Parallelism(1, 1, 1)),))
+    assert weight_sync_s(cluster, fp32, train, gen, True) == pytest.approx(
+        2 * weight_sync_s(cluster, bf16, train, gen, True), rel=1e-12)
+
+
+def test_generation_holds_a_prompts_kv_once_for_its_responses():
+    """The N responses of a prompt share its KV cache (prefix caching; hetrl's SharedPrefixCache), so a sequence
+    takes P/N + R tokens of cache: 2 prompts x 2 responses, P = R = 4, kv bytes per token 2 layers x 1 head x
+    4 dims x K,V x 2 B = 32; room for 6 tokens x 32 B per sequence -> exactly 1 wave with 4 x 6 x 32 B free,
+    2 waves with one byte less."""
+    w = _workload()
+    cluster = cluster_from_dict({"name": "one", "nodes": [{"name": "n", "region": "r", "gpu": "H100", "count": 1}]})
+    group = Group(("actor_gen",), (0,), (("actor_gen", Parallelism(1, 1, 1)),))
+    per_seq = (4 / 2 + 4) * 32
+    one = _generation(cluster, w, w.actor, group, {0: 4 * per_seq})
+    two = _generation(cluster, w, w.actor, group, {0: 4 * per_seq - 1})
+    hbm = cluster.gpus[0].type.hbm_bytes_per_s * 0.7
+    weights = 4 * PARAMS * 2 / hbm    # one wave: R_max decode steps, each reads the weights
+    kv = 4 * 4 * (4 + 2) * 32 / hbm    # every sequence reads its prompt's and its own KV at every step
+    assert one.terms["hbm"] == pytest.approx(weights + kv, rel=1e-12)
+    assert two.terms["hbm"] == pytest.approx(2 * weights + kv, rel=1e-12)
+    assert _generation(cluster, w, w.actor, group, {0: per_seq - 1}).seconds == math.inf
+
+
+def test_the_old_logprob_pass_runs_on_its_share_of_the_samples(big):
+    """old_logprob_share scales the actor_infer pass (its tokens and micro-batches); 0 (log-probs from the rollout)
+    costs nothing, 1 (the default) is today's pass; other tasks do not change."""
+    cluster, w = big
+    par = Parallelism(1, 1, 8)
+    for share in (0.0, 0.5, 1.0):
+        ws = workload_from_dict({**_as_dict(w), "old_logprob_share": share})
+        infer = _dense_pass(cluster, ws, ws.actor, _group(cluster, par, task="actor_infer"), "actor_infer", False)
+        full = _dense_pass(cluster, w, w.actor, _group(cluster, par, task="actor_infer"), "actor_infer", False)
+        assert infer.terms["compute"] == pytest.approx(share * full.terms["compute"], rel=1e-12)
+        ref = _dense_pass(cluster, ws, ws.reference, _group(cluster, par, task="ref_infer"), "ref_infer", False)
+        assert ref.seconds == _dense_pass(cluster, w, w.reference, _group(cluster, par, task="ref_infer"),
+                                          "ref_infer", False).seconds
+    assert _dense_pass(cluster, workload_from_dict({**_as_dict(w), "old_logprob_share": 0}), w.actor,
+                       _group(cluster, par, task="actor_infer"), "actor_infer", False).seconds == 0
+    with pytest.raises(ValueError, match="old_logprob_share"):
+        workload_from_dict({**_as_dict(w), "old_logprob_share": 1.5})

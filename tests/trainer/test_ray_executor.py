@@ -495,3 +495,27 @@ def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_
     model, tokenizer = load_model("tiny")
     with pytest.raises(InputError, match="zero: 3 .*LoRA"):
         RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+
+
+def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(tmp_path):
+    """run_workload prices what the run does: fp32 on a CPU (bf16 where bf16-mixed), its mini-batches as optimizer
+    steps, and the old log-prob pass only for the groups after the first mini-batch on Ray sync, none in async
+    mode or where the local fp32 rollout gives them (loop.update_policy)."""
+    spec = model_spec_from_hf(load_model("tiny", seed=0)[0].config, "tiny")
+    lengths = TokenLengths(8, 8.0)
+
+    def workload(*extra):
+        ray_run = [f"emulate_cluster={CLUSTER}"] if "executor=ray" in extra else []
+        return run_workload(load_config(TINY, [f"out_dir={tmp_path}", "precision=fp32", *ray_run, *extra]), spec,
+                            lengths)
+
+    w = workload("executor=ray", "prompts_per_step=8", "mini_batches=2")
+    assert (w.precision, w.optimizer_steps, w.old_logprob_share) == ("fp32", 2, 0.5)
+    assert workload("executor=ray", "prompts_per_step=6", "mini_batches=4").old_logprob_share == pytest.approx(4 / 6)
+    assert workload("executor=ray", "mode=async", "mini_batches=2").old_logprob_share == 0
+    assert workload("mini_batches=2").old_logprob_share == 0                       # local fp32: from the rollout
+    assert workload("mini_batches=2", "old_logprobs=recompute").old_logprob_share > 0
+    assert workload("mini_batches=1", "executor=ray").old_logprob_share == 0
+    mixed = workload("precision=bf16-mixed", "mini_batches=2")
+    assert (mixed.precision, mixed.old_logprob_share) == ("bf16", 0.5)   # bf16 rollout logits: recomputed
+    assert workload("prompts_per_step=6", "mini_batches=4").optimizer_steps == 1   # uneven: priced as one step
