@@ -64,6 +64,7 @@ class Estimate:
     breakdown: dict[str, float] = field(default_factory=dict)
     task_times_s: dict[str, float] = field(default_factory=dict)
     memory_bytes: dict[int, float] = field(default_factory=dict)   # GPU id -> peak bytes
+    task_terms: dict[str, dict[str, float]] = field(default_factory=dict)   # task -> its named terms
 
     def throughput(self, workload: WorkloadSpec) -> tuple[float, float]:
         """(samples/s, tokens/s); tokens are prompt + response of every sample."""
@@ -581,7 +582,8 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
         transfer, sync = max(0.0, transfer - busy), max(0.0, sync - busy)
     breakdown["transfer"] = transfer
     breakdown["weight_sync"] = sync
-    return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak)
+    return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak,
+                    {t: dict(c.terms) for t, c in costs.items()})
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
