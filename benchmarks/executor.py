@@ -13,7 +13,6 @@ stopped per run); step 1 is a warm-up; the table gives the median of the other s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -263,26 +262,50 @@ def fixed_plans(tasks: list[str]) -> dict[str, dict]:
     }
 
 
+def _overrides(config: str, name: str, mode: str, steps: int, work: pathlib.Path, cluster_path, plan_file=None):
+    out = [f"steps={steps}", "eval_size=4", "checkpoint_every=0", f"out_dir={work / f'{config}-{name}-{mode}'}"]
+    if name != "local":
+        out += ["executor=ray", f"mode={mode}", f"emulate_cluster={cluster_path}"]
+        out += [f"plan={plan_file}"] if plan_file else []
+    return out
+
+
+def _model_facts(config: str):
+    """(the run's model spec, its longest held-out prompt): what the run's planner workload is built from."""
+    base = load_config(CONFIGS[config], [])
+    model, tokenizer = load_model(base.model, seed=base.seed)
+    task = TaskSource(base.task, base.task_config, base.seed, base.eval_size, tokenizer, base.max_prompt_tokens,
+                      base.prompt_suffix)
+    return model_spec_from_hf(model.config, base.model), max(len(e.prompt_ids) for e in task.eval_examples)
+
+
+def _workload(config, name, mode, steps, work, cluster_path, spec, prompt_len) -> WorkloadSpec:
+    """The planner workload of exactly the run that is timed (its executor, mode, precision, mini-batches and
+    old log-prob passes: placement.run_workload)."""
+    cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path))
+    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)))
+
+
+def _predict(cluster, independent, workload, plan_dict) -> dict:
+    est = evaluate(cluster, workload, plan_from_dict(plan_dict, cluster, workload))
+    return {"iteration_time_s": est.iteration_time_s, "breakdown": est.breakdown, "task_times_s": est.task_times_s,
+            "independent_cores_s": evaluate(independent, workload, plan_from_dict(
+                plan_dict, independent, workload)).iteration_time_s}
+
+
 def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path, cluster, independent,
         plans=("local", "split", "colocated", "planner"), modes=("sync", "async")) -> list[dict]:
     """Each (plan, mode) trained and timed; `predicted` from the cost model on `cluster` (this machine as
     measured: cores sharing one pool, gloo between them) and on `independent` (the same cores as independent
     devices linked by PCIe, the model's defaults)."""
-    base = load_config(CONFIGS[config], [f"steps={steps}"])
-    model, tokenizer = load_model(base.model, seed=base.seed)
-    task = TaskSource(base.task, base.task_config, base.seed, base.eval_size, tokenizer, base.max_prompt_tokens,
-                      base.prompt_suffix)
-    prompt_len = max(len(e.prompt_ids) for e in task.eval_examples)
-    spec = model_spec_from_hf(model.config, base.model)
-    del model
+    spec, prompt_len = _model_facts(config)
     rows = []
     variants = [("local", "sync", None)] * ("local" in plans) + [(p, m, p) for p in ("split", "colocated", "planner")
                                                                 if p in plans for m in modes]
     for name, mode, plan_name in variants:
-        workload = dataclasses.replace(run_workload(base, spec, TokenLengths(prompt_len, float(prompt_len))), mode=mode)
-        overrides = [f"steps={steps}", "eval_size=4", "checkpoint_every=0", f"out_dir={work / f'{config}-{name}-{mode}'}"]
-        predicted = None
+        predicted, plan_file = None, None
         if plan_name is not None:
+            workload = _workload(config, name, mode, steps, work, cluster_path, spec, prompt_len)
             if plan_name == "planner":
                 chosen = plan_search(cluster, workload, "hybrid", seed=0, time_limit_s=30).plan
                 plan_dict = chosen.to_dict(cluster)
@@ -290,12 +313,8 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
                 plan_dict = fixed_plans(list(workload_tasks(workload)))[plan_name]
             plan_file = work / f"{config}-{name}-{mode}.plan.json"
             plan_file.write_text(json.dumps(plan_dict))
-            est = evaluate(cluster, workload, plan_from_dict(plan_dict, cluster, workload))
-            predicted = {"iteration_time_s": est.iteration_time_s, "breakdown": est.breakdown,
-                         "independent_cores_s": evaluate(independent, workload, plan_from_dict(
-                             plan_dict, independent, workload)).iteration_time_s}
-            overrides += ["executor=ray", f"mode={mode}", f"emulate_cluster={cluster_path}", f"plan={plan_file}"]
-        cfg = load_config(CONFIGS[config], overrides)
+            predicted = _predict(cluster, independent, workload, plan_dict)
+        cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path, plan_file))
         t0 = time.perf_counter()
         train(cfg)
         wall = time.perf_counter() - t0
@@ -308,8 +327,7 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
             "config": config, "plan": name, "mode": mode, "steps": steps, "wall_s": wall,
             "rollout_workers": sum(a["role"] == "rollout" for a in actors) or 1,
             "learners": sum(a["role"] == "learner" for a in actors) or 1,
-            "plan_groups": json.loads((work / f"{config}-{name}-{mode}.plan.json").read_text())["groups"]
-            if plan_name else None,
+            "plan_groups": json.loads(plan_file.read_text())["groups"] if plan_file else None,
             "step_s": step_s, "steps_per_s": 1 / step_s,
             "gen_wait_s": statistics.median(r["gen_s"] for r in timed),
             "update_s": statistics.median(r.get("logprob_s", 0) + r.get("update_s", 0) for r in timed),
@@ -319,6 +337,37 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
             "predicted": predicted})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "plan_groups"}), flush=True)
     return rows
+
+
+def repredict(path: pathlib.Path) -> dict:
+    """A results JSON's runs scored again by today's cost model, on the device description measured in that
+    invocation (its `core`): the measurements are kept, only `predicted` changes (the previous one is kept as
+    `predicted_before`)."""
+    result = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        cluster_path = work / "cpu-local.yaml"
+        cluster_path.write_text(yaml.safe_dump(cpu_cluster(result["core"])))
+        cluster = load_cluster(str(cluster_path))
+        independent = cluster_from_dict(cpu_cluster({k: result["core"][k] for k in ("fp32_matmul_flops",
+                                                                                     "copy_bytes_per_s")}))
+        facts = {}
+        for r in result["rows"]:
+            if not r.get("plan_groups"):
+                continue
+            facts.setdefault(r["config"], _model_facts(r["config"]))
+            workload = _workload(r["config"], r["plan"], r["mode"], r["steps"], work, cluster_path, *facts[r["config"]])
+            r["predicted_before"] = r.get("predicted_before", r["predicted"])
+            r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]})
+    result["repredicted"] = {"date": datetime.date.today().isoformat(), "revision": _revision()}
+    return result
+
+
+def _revision() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=ROOT).stdout.strip()
 
 
 def markdown(result: dict) -> str:
@@ -390,7 +439,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--plans", default="local,split,colocated,planner")
     ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--repredict", metavar="RESULTS.json",
+                    help="score a results file's runs again with today's cost model (no runs): writes "
+                         "RESULTS_repredicted.{json,md} beside it")
     args = ap.parse_args(argv)
+    if args.repredict:
+        path = pathlib.Path(args.repredict)
+        result = repredict(path)
+        out = path.with_name(path.stem + "_repredicted")
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        out.with_suffix(".md").write_text(markdown(result))
+        print(markdown(result))
+        return 0
     import ray
 
     core = measure_core()
