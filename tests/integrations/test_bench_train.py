@@ -73,3 +73,18 @@ def test_the_long_prompt_case_runs_on_trl(tmp_path):
     (rec,) = [json.loads(line) for line in open(out / "train_vs_trl.jsonl")]
     assert rec["case"] == "long" and rec["steps"][0]["rows"] == [0, 1]
     assert rec["steps"][0]["sample_tokens"] > 2 * 8 * 100     # each prompt carries the few-shot block
+
+
+def test_back_to_back_pairs_only_runs_of_one_invocation():
+    """A hetrl and a stock TRL run pair up when they share the case, the seed and the peaks measured at the start of
+    their invocation; a run of another invocation (another peak) or of another seed does not."""
+    def rec(system, seed, peak, steps):
+        return {"case": "default", "system": system, "seed": seed, "date": "d", "revision": "r",
+                "machine": {"matmul_gflops": {"fp32": peak, "bf16": 1.0}},
+                "steps": [{"step_s": s} for s in steps]}
+    records = [rec("hetrl", 0, 100.0, [99, 10, 12]), rec("trl", 0, 100.0, [99, 40, 44]),
+               rec("hetrl", 0, 150.0, [99, 8]), rec("trl", 1, 100.0, [99, 50])]
+    pairs = train_vs_trl.back_to_back(records)
+    assert len(pairs) == 1
+    assert (pairs[0]["hetrl_step_s"], pairs[0]["trl_step_s"]) == (11, 42)   # medians of steps 2..
+    assert pairs[0]["ratio"] == pytest.approx(11 / 42)
