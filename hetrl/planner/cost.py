@@ -13,7 +13,8 @@ aggregation). Formulas and constants are in docs/cost_model.md; in short:
   inference  2·N_active FLOPs per token + attention; TP 2 all-reduces per layer; PP one way.
   generation prefill once per prompt (prefix sharing) + decode for max-response-length steps: each
              step reads the weights and the KV cache (HBM) or is compute-bound, whichever is slower;
-             a batch that does not fit the KV memory runs in waves.
+             a batch that does not fit the KV memory runs in waves (a prompt's KV is held once for its N
+             responses). Every term that moves values uses the workload's precision (2 or 4 bytes).
 DualKV shrinks the token count of training and inference tasks from N(P+R) to P+NR per group
 and their attention pairs accordingly. Collectives use the slowest link of the GPU set.
 Memory is checked per GPU: resident weights of every model in the group, gradients and optimizer
@@ -279,11 +280,12 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
 def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_bytes: dict[int, float]) -> TaskCost:
     par = group.par("actor_gen")
     shards = _shards(group, par)
-    b = precision_bytes(w)[0]
-    kv_token = model.kv_bytes_per_token * b / 2 / (par.tp * par.pp)   # kv_bytes_per_token is 16-bit
+    vb = precision_bytes(w)[0]   # bytes of a weight, activation or KV value
+    kv_token = model.kv_bytes_per_token * vb / 2 / par.tp   # one token's K and V on a TP shard (all layers; 16-bit / 2)
     # The N responses of a prompt hold its KV once (vLLM/SGLang prefix caching, hetrl's SharedPrefixCache: the
-    # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache.
-    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_token
+    # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache, its
+    # layers spread over the PP stages.
+    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_token / par.pp
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
@@ -300,14 +302,14 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         decode_flops = min(_achieved(cluster, i, pool, MFU_DECODE) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
         prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * prefill_flops)
-        weights_read = waves * r_max * model.params * b / par.tp / hbm
-        kv_read = batch * r * (p + r / 2) * kv_token * par.pp / hbm
+        weights_read = waves * r_max * model.params * vb / par.tp / hbm
+        kv_read = batch * r * (p + r / 2) * kv_token / hbm
         decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
         tp_comm = 0.0
         if par.tp > 1:
-            tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * b, par.tp,
+            tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * vb, par.tp,
                                       slowest_link(cluster, s), 2 * model.layers * r_max * waves) for s in stages)
-        pp_comm = sum(r_max * waves * (lat + wave * model.hidden * b / bw)
+        pp_comm = sum(r_max * waves * (lat + wave * model.hidden * vb / bw)
                       for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
         terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
         if weights_read + kv_read >= decode_compute:
