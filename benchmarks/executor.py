@@ -30,6 +30,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hetrl.bench.train_vs_trl import revision  # noqa: E402
 from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks  # noqa: E402
 from hetrl.planner.cost import task_costs  # noqa: E402
@@ -359,15 +360,9 @@ def repredict(path: pathlib.Path) -> dict:
             workload = _workload(r["config"], r["plan"], r["mode"], r["steps"], work, cluster_path, *facts[r["config"]])
             r["predicted_before"] = r.get("predicted_before", r["predicted"])
             r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]})
-    result["repredicted"] = {"date": datetime.date.today().isoformat(), "revision": _revision()}
+    result["repredicted"] = {"date": datetime.date.today().isoformat(), "revision": revision()}
     return result
 
-
-def _revision() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=ROOT).stdout.strip()
 
 
 def markdown(result: dict) -> str:
