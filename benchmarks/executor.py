@@ -356,7 +356,8 @@ def repredict(path: pathlib.Path) -> dict:
         for r in result["rows"]:
             if not r.get("plan_groups"):
                 continue
-            facts.setdefault(r["config"], _model_facts(r["config"]))
+            if r["config"] not in facts:   # loads the model and task: once per config
+                facts[r["config"]] = _model_facts(r["config"])
             workload = _workload(r["config"], r["plan"], r["mode"], r["steps"], work, cluster_path, *facts[r["config"]])
             r["predicted_before"] = r.get("predicted_before", r["predicted"])
             r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]})
