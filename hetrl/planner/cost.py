@@ -13,8 +13,8 @@ aggregation). Formulas and constants are in docs/cost_model.md; in short:
   inference  2·N_active FLOPs per token + attention; TP 2 all-reduces per layer; PP one way.
   generation prefill once per prompt (prefix sharing) + decode for max-response-length steps: each
              step reads the weights and the KV cache (HBM) or is compute-bound, whichever is slower;
-             a batch that does not fit the KV memory runs in waves (a prompt's KV is held once for its N
-             responses). Every term that moves values uses the workload's precision (2 or 4 bytes).
+             continuous batching over paged KV (a prompt's KV held once for its N responses): more steps
+             only when the KV memory binds. Every term that moves values uses the workload's precision (2 or 4 bytes).
 DualKV shrinks the token count of training and inference tasks from N(P+R) to P+NR per group
 and their attention pairs accordingly. Collectives use the slowest link of the GPU set.
 Memory is checked per GPU: resident weights of every model in the group, gradients and optimizer
@@ -285,31 +285,36 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     # The N responses of a prompt hold its KV once (vLLM/SGLang prefix caching, hetrl's SharedPrefixCache: the
     # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache, its
     # layers spread over the PP stages.
-    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_token / par.pp
+    kv_stage = kv_token / par.pp    # a token's K and V on one pipeline stage's TP shard
+    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_stage
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
         batch = w.samples * share
-        fits = min(free_bytes[i] for i in ids) // kv_seq
-        if fits < 1:
+        free = min(free_bytes[i] for i in ids)
+        if free < kv_seq:
             return TaskCost(math.inf, {"infeasible": math.inf})
-        waves = math.ceil(batch / fits)
-        wave = batch / waves
         hbm = min(_hbm(cluster, i, pool) for i in ids) * HBM_EFF
         prefill_flops = min(_achieved(cluster, i, pool, MFU_INFER) for i in ids)
         decode_flops = min(_achieved(cluster, i, pool, MFU_DECODE) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
-        prefill = 2 * model.active_params * (batch / w.responses_per_prompt) * p / (par.tp * prefill_flops)
-        weights_read = waves * r_max * model.params * vb / par.tp / hbm
+        n = w.responses_per_prompt
+        prefill = 2 * model.active_params * (batch / n) * p / (par.tp * prefill_flops)
+        # Continuous batching over paged KV (vLLM, SGLang): a sequence holds P/N + the tokens it has made so
+        # far, and a finished one's blocks go to a waiting one at once. The decode lasts R_max steps (the
+        # longest response) or, when the KV memory binds, as many steps as the cache needs to hold every
+        # sequence's tokens for its lifetime: batch x R x (P/N + R/2) token-steps over the free tokens.
+        steps = max(r_max, batch * r * (p / n + r / 2) / (free / kv_stage))
+        weights_read = steps * model.params * vb / par.tp / hbm
         kv_read = batch * r * (p + r / 2) * kv_token / hbm
         decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
         tp_comm = 0.0
-        if par.tp > 1:
-            tp_comm = max(allreduce_s(2 * model.layers * r_max * waves * wave * model.hidden * vb, par.tp,
-                                      slowest_link(cluster, s), 2 * model.layers * r_max * waves) for s in stages)
-        pp_comm = sum(r_max * waves * (lat + wave * model.hidden * vb / bw)
+        if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
+            tp_comm = max(allreduce_s(2 * model.layers * batch * r * model.hidden * vb, par.tp,
+                                      slowest_link(cluster, s), 2 * model.layers * steps) for s in stages)
+        pp_comm = sum(steps * lat + batch * r * model.hidden * vb / bw
                       for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
         terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
         if weights_read + kv_read >= decode_compute:

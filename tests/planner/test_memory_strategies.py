@@ -341,7 +341,7 @@ def test_time_terms_move_values_at_the_workloads_precision(big):
             assert b["dp_comm"] == pytest.approx(allreduce_s(4 * bf16.actor.params, 8, link), rel=1e-12)
             assert a["dp_comm"] == pytest.approx(allreduce_s(2 * bf16.actor.params, 8, link), rel=1e-12)
     gen = Group(("actor_gen",), _group(cluster, Parallelism(1, 1, 1)).gpus[:1], (("actor_gen", Parallelism(1, 1, 1)),))
-    free = {i: 60e9 for i in gen.gpus}
+    free = {i: 10e9 for i in gen.gpus}   # a decode bound by reads in both precisions
     a, b = (_generation(cluster, w, w.actor, gen, free).terms for w in (bf16, fp32))
     assert b["hbm"] > a["hbm"]
     train = Group(("actor_train",), gen.gpus, (("actor_train", Parallelism(1, 1, 1)),))
@@ -350,22 +350,24 @@ def test_time_terms_move_values_at_the_workloads_precision(big):
 
 
 def test_generation_holds_a_prompts_kv_once_for_its_responses():
-    """The N responses of a prompt share its KV cache (prefix caching; hetrl's SharedPrefixCache), so a sequence
-    takes P/N + R tokens of cache: 2 prompts x 2 responses, P = R = 4, kv bytes per token 2 layers x 1 head x
-    4 dims x K,V x 2 B = 32; room for 6 tokens x 32 B per sequence -> exactly 1 wave with 4 x 6 x 32 B free,
-    2 waves with one byte less."""
+    """The N responses of a prompt share its KV cache (prefix caching; hetrl's SharedPrefixCache) and the cache is
+    paged under continuous batching (vLLM, SGLang): a sequence holds P/N + the tokens it has made so far. 2 prompts x
+    2 responses, P = R = 4, KV bytes per token 2 layers x 1 head x 4 dims x K,V x 2 B = 32. Over its life a sequence
+    holds R x (P/N + R/2) = 4 x (2 + 2) = 16 token-steps, the batch 64. With room for 24 tokens the decode lasts the
+    longest response (R_max = 4 steps: 64 / 24 < 4); with room for 8 the cache binds: 64 / 8 = 8 steps, each reading
+    the weights; with less than one whole sequence (P/N + R_max = 6 tokens) it cannot run."""
     w = _workload()
     cluster = cluster_from_dict({"name": "one", "nodes": [{"name": "n", "region": "r", "gpu": "H100", "count": 1}]})
     group = Group(("actor_gen",), (0,), (("actor_gen", Parallelism(1, 1, 1)),))
-    per_seq = (4 / 2 + 4) * 32
-    one = _generation(cluster, w, w.actor, group, {0: 4 * per_seq})
-    two = _generation(cluster, w, w.actor, group, {0: 4 * per_seq - 1})
+    roomy = _generation(cluster, w, w.actor, group, {0: 24 * 32})
+    tight = _generation(cluster, w, w.actor, group, {0: 8 * 32})
     hbm = cluster.gpus[0].type.hbm_bytes_per_s * 0.7
-    weights = 4 * PARAMS * 2 / hbm    # one wave: R_max decode steps, each reads the weights
+    step = PARAMS * 2 / hbm            # one decode step reads the weights once for every running sequence
     kv = 4 * 4 * (4 + 2) * 32 / hbm    # every sequence reads its prompt's and its own KV at every step
-    assert one.terms["hbm"] == pytest.approx(weights + kv, rel=1e-12)
-    assert two.terms["hbm"] == pytest.approx(2 * weights + kv, rel=1e-12)
-    assert _generation(cluster, w, w.actor, group, {0: per_seq - 1}).seconds == math.inf
+    assert roomy.terms["hbm"] == pytest.approx(4 * step + kv, rel=1e-12)
+    assert tight.terms["hbm"] == pytest.approx(8 * step + kv, rel=1e-12)
+    assert _generation(cluster, w, w.actor, group, {0: 6 * 32}).terms["hbm"] == pytest.approx(64 / 6 * step + kv)
+    assert _generation(cluster, w, w.actor, group, {0: 6 * 32 - 1}).seconds == math.inf
 
 
 def test_the_old_logprob_pass_runs_on_its_share_of_the_samples(big):
