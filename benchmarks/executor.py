@@ -8,6 +8,11 @@ Plans: `split` puts generation on core 0 and log-probs, reference and training o
 1 learner); `colocated` runs every task on both cores (2 rollout workers, 2 data-parallel learners, 2
 references); `planner` is what the hybrid search picks. Each run is a full `train()` (Ray started and
 stopped per run); step 1 is a warm-up; the table gives the median of the other steps.
+
+Before the runs the cores are measured into the device description the predictions use: one core's matmul
+peak and copy bandwidth, the model's own forward + backward (`mfu`, `concurrent_devices`), gloo between two
+processes (`intra_node_gbps`), the rollout's decode step at 8-64 rows (`decode_mfu_by_rows`) and two processes
+per core against one (`timeshare_efficiency`); `--no-device-probes` leaves out the last two.
 """
 
 from __future__ import annotations
@@ -164,7 +169,7 @@ def measure_gloo(nbytes: int = 256 << 20) -> dict:
 PASS_GROUPS, PASS_PROMPT, PASS_N, PASS_RESPONSE = 4, 40, 8, 16
 
 
-def _pass_worker(model_name: str, rounds: int, start, out) -> None:
+def _pass_worker(model_name: str, rounds: int, ready, start, out) -> None:
     torch.set_num_threads(1)
     from hetrl.dualkv.api import shared_prompt_logprobs
     from hetrl.dualkv.packing import pack_groups
@@ -181,6 +186,7 @@ def _pass_worker(model_name: str, rounds: int, start, out) -> None:
         model.zero_grad(set_to_none=True)
 
     once()
+    ready.put(True)
     start.wait()
     times = []
     for _ in range(rounds):
@@ -194,12 +200,13 @@ def _passes_at_once(model_name: str, processes: int, rounds: int) -> list[float]
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_pass_worker, args=(model_name, rounds, start, out)) for _ in range(processes)]
+    ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_pass_worker, args=(model_name, rounds, ready, start, out)) for _ in range(processes)]
     for p in procs:
         p.start()
-    time.sleep(2.0)
-    start.set()   # the workers that are still loading begin once loaded; the first pass of each is untimed
+    for _ in procs:   # every worker loaded and past its untimed first pass: all time the same contention
+        ready.get(timeout=900)
+    start.set()
     seconds = [out.get(timeout=900) for _ in procs]
     for p in procs:
         p.join()
@@ -234,6 +241,53 @@ def measure_passes(core: dict, model_name: str = "smollm2-135m", rounds: int = 5
             "pass_concurrent_devices": max(1.0, min(float(cores), round(cores * alone / statistics.mean(together), 2)))}
 
 
+DECODE_GROUPS = (1, 2, 4, 8)   # prompts of PASS_PROMPT tokens, PASS_N rows each: decode steps of 8 to 64 rows
+
+
+def measure_decode(core: dict, model_name: str = "smollm2-135m", rounds: int = 3) -> dict:
+    """`decode_mfu_by_rows`: the fraction of one core's matmul peak a decode step reaches at 8-64 rows, counted as
+    the cost model counts decode FLOPs (2 x active params per row and token), on the rollout's own decode (hetrl's
+    RolloutWorker, one thread, the prompt's KV held once; no row stops early: PASS_RESPONSE tokens each). Small-row
+    steps run below the pass `mfu` on a CPU (the projection matmuls are too thin to reach the core's peak)."""
+    from hetrl.trainer.rollout import RolloutWorker
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tokenizer = load_model(model_name)
+        active = model_spec_from_hf(model.config, model_name).active_params
+        g = torch.Generator().manual_seed(0)
+        out, seconds = [], {}
+        for groups in DECODE_GROUPS:
+            rows = groups * PASS_N
+            worker = RolloutWorker(model, tokenizer, batch_size=rows)
+            worker.eos = -1   # no token ends a row: every row decodes PASS_RESPONSE steps
+            prompts = [torch.randint(10, 40000, (PASS_PROMPT,), generator=g).tolist() for _ in range(groups)]
+            times = []
+            for k in range(rounds + 1):   # the first is a warm-up
+                worker.phase_seconds["decode_s"] = 0.0
+                worker.generate(prompts, PASS_N, PASS_RESPONSE, temperature=0.7)
+                if k:
+                    times.append(worker.phase_seconds["decode_s"])
+            seconds[rows] = statistics.median(times)
+            out.append([rows, round(min(1.0, 2 * active * rows * PASS_RESPONSE
+                                        / (core["fp32_matmul_flops"] * seconds[rows])), 4)])
+    finally:
+        torch.set_num_threads(threads)
+    return {"decode_s_by_rows": seconds, "decode_mfu_by_rows": out}
+
+
+def measure_timeshare(core: dict, model_name: str = "smollm2-135m", rounds: int = 3) -> dict:
+    """`timeshare_efficiency`: two one-thread processes per core running the model's pass at once, against one per
+    core (`pass_s_all_cores`): the throughput the cores keep when each is time-shared by two processes, as a
+    rollout and a learner share each core in async mode."""
+    cores = os.cpu_count()
+    doubled = _passes_at_once(model_name, 2 * cores, rounds)
+    return {"pass_s_two_per_core": doubled,
+            "timeshare_efficiency": round(min(1.0, 2 * statistics.mean(core["pass_s_all_cores"])
+                                              / statistics.mean(doubled)), 3)}
+
+
 def cpu_cluster(core: dict) -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count()
@@ -241,8 +295,13 @@ def cpu_cluster(core: dict) -> dict:
         "name": "cpu-core", "dense_bf16_flops": core["fp32_matmul_flops"], "memory_bytes": ram // cores,
         "hbm_bytes_per_s": core["copy_bytes_per_s"],
         **({"mfu": round(core["pass_mfu"], 3)} if "pass_mfu" in core else {}),
+        **{k: core[k] for k in ("decode_mfu_by_rows", "timeshare_efficiency") if k in core},
         "source": "measured in this run: one core's fp32 matmul and copy bandwidth; RAM / cores"
-                  + ("; mfu: the model's forward + backward on one core" if "pass_mfu" in core else "")}],
+                  + ("; mfu: the model's forward + backward on one core" if "pass_mfu" in core else "")
+                  + ("; decode_mfu_by_rows: the rollout's decode step on one core" if "decode_mfu_by_rows" in core
+                     else "")
+                  + ("; timeshare_efficiency: two processes per core against one" if "timeshare_efficiency" in core
+                     else "")}],
         "nodes": [{"name": "cpu", "region": "local", "gpu": "cpu-core", "count": cores, "intra_node": "pcie",
                    "network_gbps": 10,
                    # measured in this run (absent: the cost model's defaults, cores independent, PCIe between them);
@@ -287,15 +346,27 @@ def _workload(config, name, mode, steps, work, cluster_path, spec, prompt_len) -
     return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)))
 
 
-def _predict(cluster, independent, workload, plan_dict) -> dict:
+NEW_PROBES = ("decode_mfu_by_rows", "timeshare_efficiency")
+
+
+def _without_new_probes(core: dict):
+    """The cluster as described before the decode-by-rows and time-sharing probes (None when neither was run)."""
+    if not any(k in core for k in NEW_PROBES):
+        return None
+    return cluster_from_dict(cpu_cluster({k: v for k, v in core.items() if k not in NEW_PROBES}))
+
+
+def _predict(cluster, independent, workload, plan_dict, before=None) -> dict:
     est = evaluate(cluster, workload, plan_from_dict(plan_dict, cluster, workload))
     return {"iteration_time_s": est.iteration_time_s, "breakdown": est.breakdown, "task_times_s": est.task_times_s,
             "independent_cores_s": evaluate(independent, workload, plan_from_dict(
-                plan_dict, independent, workload)).iteration_time_s}
+                plan_dict, independent, workload)).iteration_time_s,
+            **({"without_new_probes_s": evaluate(before, workload, plan_from_dict(
+                plan_dict, before, workload)).iteration_time_s} if before is not None else {})}
 
 
 def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path, cluster, independent,
-        plans=("local", "split", "colocated", "planner"), modes=("sync", "async")) -> list[dict]:
+        plans=("local", "split", "colocated", "planner"), modes=("sync", "async"), before=None) -> list[dict]:
     """Each (plan, mode) trained and timed; `predicted` from the cost model on `cluster` (this machine as
     measured: cores sharing one pool, gloo between them) and on `independent` (the same cores as independent
     devices linked by PCIe, the model's defaults)."""
@@ -314,7 +385,7 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
                 plan_dict = fixed_plans(list(workload_tasks(workload)))[plan_name]
             plan_file = work / f"{config}-{name}-{mode}.plan.json"
             plan_file.write_text(json.dumps(plan_dict))
-            predicted = _predict(cluster, independent, workload, plan_dict)
+            predicted = _predict(cluster, independent, workload, plan_dict, before)
         cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path, plan_file))
         t0 = time.perf_counter()
         train(cfg)
@@ -360,7 +431,8 @@ def repredict(path: pathlib.Path) -> dict:
                 facts[r["config"]] = _model_facts(r["config"])
             workload = _workload(r["config"], r["plan"], r["mode"], r["steps"], work, cluster_path, *facts[r["config"]])
             r["predicted_before"] = r.get("predicted_before", r["predicted"])
-            r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]})
+            r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]},
+                                      _without_new_probes(result["core"]))
     result["repredicted"] = {"date": datetime.date.today().isoformat(), "revision": revision()}
     return result
 
@@ -368,6 +440,7 @@ def repredict(path: pathlib.Path) -> dict:
 
 def markdown(result: dict) -> str:
     m = result["machine"]
+    probes = any("without_new_probes_s" in (r["predicted"] or {}) for r in result["rows"])
     lines = [
         "# Executor: steps/s of `hetrl train executor=ray` on one CPU machine",
         "",
@@ -388,13 +461,21 @@ def markdown(result: dict) -> str:
            f"copy probes: {min(result['core']['all_cores_fp32_matmul_flops'] / result['core']['fp32_matmul_flops'], result['core']['copy_bytes_per_s_all_cores'] / result['core']['copy_bytes_per_s_one_process']):.2f}); "
            f"two processes all-reduce through gloo at {result['core']['intra_node_gbps']:.1f} Gbit/s "
            "(`intra_node_gbps`)" if "pass_mfu" in result["core"] else "")
+        + ("; a decode step on one core (the rollout's own, one thread) reaches "
+           + ", ".join(f"{m:.2f} at {r} rows" for r, m in result["core"]["decode_mfu_by_rows"])
+           + " of the matmul peak (`decode_mfu_by_rows`), and two processes per core keep "
+           f"{result['core']['timeshare_efficiency']:.2f} of the throughput of one (`timeshare_efficiency`)"
+           if all(k in result["core"] for k in NEW_PROBES) else "")
         + ". `predicted s` is the planner's cost model for that plan on that cluster, not a measurement; "
         "`independent cores` is its prediction with the cores described as independent devices joined by PCIe "
-        "(the model's defaults, before the device description could say otherwise).",
+        "(the model's defaults, before the device description could say otherwise)"
+        + ("; `without decode/timeshare` is its prediction on the cores as described before those two probes"
+           if probes else "") + ".",
         "",
         "| config | plan | mode | rollout workers | learners | step s (measured) | steps/s | gen wait s | "
-        "update s | weight sync s | predicted s | measured / predicted | predicted s, independent cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "update s | weight sync s | predicted s | measured / predicted | predicted s, independent cores |"
+        + (" predicted s, without decode/timeshare |" if probes else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if probes else "")]
     for r in result["rows"]:
         p = r["predicted"]["iteration_time_s"] if r["predicted"] else None
         lines.append(
@@ -402,7 +483,8 @@ def markdown(result: dict) -> str:
             f"{r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['gen_wait_s']:.3f} | {r['update_s']:.3f} | "
             f"{r['weight_sync_s']:.4f} | {'' if p is None else f'{p:.4f}'} | "
             f"{'' if p is None else format(r['step_s'] / p, '.1f') + 'x'} | "
-            f"{'' if p is None or 'independent_cores_s' not in r['predicted'] else format(r['predicted']['independent_cores_s'], '.4f')} |")
+            f"{'' if p is None or 'independent_cores_s' not in r['predicted'] else format(r['predicted']['independent_cores_s'], '.4f')} |"
+            + (f" {'' if p is None else format(r['predicted']['without_new_probes_s'], '.4f')} |" if probes else ""))
     lines += ["", "Plans: `split` = generation on cpu:0, log-probs/reference/training on cpu:1; `colocated` = every "
               "task on both cores, data-parallel 2; `planner` = the hybrid search's choice for this cluster; "
               "`local` = no Ray, one process.", ""]
@@ -415,11 +497,14 @@ def markdown(result: dict) -> str:
                 continue
             order = {k: " < ".join(r["plan"] for r in sorted(rows, key=key)) for k, key in (
                 ("measured", lambda r: r["step_s"]), ("predicted", lambda r: r["predicted"]["iteration_time_s"]),
-                ("independent cores", lambda r: r["predicted"].get("independent_cores_s", math.inf)))}
+                ("independent cores", lambda r: r["predicted"].get("independent_cores_s", math.inf)),
+                ("without", lambda r: r["predicted"].get("without_new_probes_s", math.inf)))}
             lines.append(f"- {config}, {mode}: measured {order['measured']}; predicted {order['predicted']} "
                          f"({'agrees' if order['predicted'] == order['measured'] else 'DISAGREES'}); independent "
                          f"cores {order['independent cores']} "
-                         f"({'agrees' if order['independent cores'] == order['measured'] else 'disagrees'})")
+                         f"({'agrees' if order['independent cores'] == order['measured'] else 'disagrees'})"
+                         + (f"; without decode/timeshare {order['without']} "
+                            f"({'agrees' if order['without'] == order['measured'] else 'disagrees'})" if probes else ""))
     lines.append("")
     for r in result["rows"]:
         if r["plan"] == "planner":
@@ -435,6 +520,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--plans", default="local,split,colocated,planner")
     ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--no-device-probes", dest="device_probes", action="store_false",
+                    help="describe the cores without the decode-by-rows and time-sharing probes (the model's "
+                         "defaults for those: the pass mfu for every decode, no time-sharing loss)")
     ap.add_argument("--repredict", metavar="RESULTS.json",
                     help="score a results file's runs again with today's cost model (no runs): writes "
                          "RESULTS_repredicted.{json,md} beside it")
@@ -452,6 +540,8 @@ def main(argv=None) -> int:
     core = measure_core()
     core |= measure_pool(core) | measure_gloo()
     core |= measure_passes(core)
+    if args.device_probes:
+        core |= measure_decode(core) | measure_timeshare(core)
     print(json.dumps(core), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
@@ -462,7 +552,7 @@ def main(argv=None) -> int:
             cpu_cluster({k: core[k] for k in ("fp32_matmul_flops", "copy_bytes_per_s")}))
         rows = [r for c in args.configs.split(",")
                 for r in run(c, args.steps, work, cluster_path, cluster, independent, args.plans.split(","),
-                             args.modes.split(","))]
+                             args.modes.split(","), _without_new_probes(core))]
     result = {"date": datetime.date.today().isoformat(), "steps": args.steps, "core": core,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                           "ray": ray.__version__},

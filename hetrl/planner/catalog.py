@@ -30,9 +30,26 @@ class GPUType:
     # running the model's own forward + backward); absent: the cost model's MFU_TRAIN / MFU_INFER / MFU_DECODE,
     # which are GPU figures (Megatron-style runs on A100/H100)
     mfu: float | None = rule(None, gt=0, le=1)
+    # Fraction of dense_bf16_flops one decode step reaches at a given number of rows (sequences), as the cost
+    # model counts decode FLOPs (2 x active params per row), measured on the model's own decode step where small
+    # batches run below the device's pass `mfu` (a CPU core: small-row matmuls); pairs [rows, mfu], rows rising.
+    # Between and beyond the measured rows: linear in log(rows), clamped to the ends. Absent: `mfu` or MFU_DECODE
+    decode_mfu_by_rows: tuple[tuple[int, float], ...] | None = None
+    # Throughput a device keeps when two processes compute on it at the same time (a rollout and a learner
+    # colocated in async mode time-share it), against the same work done one after the other; 1 = no loss.
+    # Measured on CPU cores (caches and memory bandwidth shared, context switches); absent: 1
+    timeshare_efficiency: float | None = rule(None, gt=0, le=1)
 
     def __post_init__(self):
         check(self)
+        if self.decode_mfu_by_rows is not None:
+            rows = [r for r, _ in self.decode_mfu_by_rows]
+            if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
+                raise ValueError(f"GPU type {self.name}: decode_mfu_by_rows needs [rows, mfu] pairs with rows >= 1 "
+                                 f"and rising, got {self.decode_mfu_by_rows}")
+            if not all(0 < m <= 1 for _, m in self.decode_mfu_by_rows):
+                raise ValueError(f"GPU type {self.name}: decode_mfu_by_rows: every mfu must be in (0, 1], got "
+                                 f"{self.decode_mfu_by_rows}")
         if not self.source.strip():
             raise ValueError(f"GPU type {self.name}: source is empty; say where its numbers come from "
                              "(a datasheet, or how they were measured)")

@@ -161,6 +161,24 @@ def _achieved(cluster: ClusterSpec, i: int, share: dict[int, float], mfu: float)
     return _flops(cluster, i, share) * (mfu if own is None else own)
 
 
+def _decode_achieved(cluster: ClusterSpec, i: int, share: dict[int, float], rows: float) -> float:
+    """FLOP/s a decode step of `rows` sequences reaches on GPU i: its type's measured `decode_mfu_by_rows`
+    (linear in log(rows) between the measured rows, clamped to the ends), else `_achieved` at MFU_DECODE."""
+    table = cluster.gpus[i].type.decode_mfu_by_rows
+    if table is None:
+        return _achieved(cluster, i, share, MFU_DECODE)
+    x = math.log(max(rows, 1.0))
+    pts = [(math.log(r), m) for r, m in table]
+    if x <= pts[0][0]:
+        mfu = pts[0][1]
+    elif x >= pts[-1][0]:
+        mfu = pts[-1][1]
+    else:
+        (x0, m0), (x1, m1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= x <= b[0])
+        mfu = m0 + (m1 - m0) * (x - x0) / (x1 - x0)
+    return _flops(cluster, i, share) * mfu
+
+
 def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
     return cluster.gpus[i].type.hbm_bytes_per_s * share[i]
 
@@ -298,7 +316,6 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
             return TaskCost(math.inf, {"infeasible": math.inf})
         hbm = min(_hbm(cluster, i, pool) for i in ids) * HBM_EFF
         prefill_flops = min(_achieved(cluster, i, pool, MFU_INFER) for i in ids)
-        decode_flops = min(_achieved(cluster, i, pool, MFU_DECODE) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
         n = w.responses_per_prompt
         prefill = 2 * model.active_params * (batch / n) * p / (par.tp * prefill_flops)
@@ -307,6 +324,8 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         # longest response) or, when the KV memory binds, as many steps as the cache needs to hold every
         # sequence's tokens for its lifetime: batch x R x (P/N + R/2) token-steps over the free tokens.
         steps = max(r_max, batch * r * (p / n + r / 2) / (free / kv_stage))
+        rows = batch * r / steps   # sequences a decode step runs, on average
+        decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
         weights_read = steps * model.params * vb / par.tp / hbm
         kv_read = batch * r * (p + r / 2) * kv_token / hbm
         decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
@@ -558,7 +577,20 @@ def task_costs(cluster: ClusterSpec, w: WorkloadSpec, group: Group, kv_free: dic
     if group.swap:
         t = _swap_task(group)
         costs[t] = TaskCost(costs[t].seconds + swap_s, {**costs[t].terms, "swap": swap_s})
+    eff = timeshare_efficiency(cluster, w, group)
+    if eff < 1:   # generation and the rest compute on the same devices at once: each task slowed by the sharing
+        costs = {t: TaskCost(c.seconds / eff, {**c.terms, "timeshare": c.seconds * (1 / eff - 1)})
+                 for t, c in costs.items()}
     return costs
+
+
+def timeshare_efficiency(cluster: ClusterSpec, w: WorkloadSpec, group: Group) -> float:
+    """The throughput `group`'s devices keep while its tasks run at the same time: in async mode a group that
+    generates and also does other work runs the rollout beside them (the slowest device's
+    `timeshare_efficiency`); 1 otherwise (sync phases take turns)."""
+    if w.mode != "async" or "actor_gen" not in group.tasks or len(group.tasks) < 2:
+        return 1.0
+    return min(cluster.gpus[i].type.timeshare_efficiency or 1.0 for i in group.gpus)
 
 
 def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
@@ -594,4 +626,5 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
-           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link", "task_costs", "task_memory", "weight_sync_s"]
+           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link", "task_costs", "task_memory",
+           "timeshare_efficiency", "weight_sync_s"]

@@ -11,7 +11,7 @@ import pytest
 from hetrl.planner import estimate, load_cluster, load_workload, plan, plan_from_dict
 from hetrl.planner.cost import (CPU_ADAM_BYTES_PER_PARAM, HOST_BYTES_PER_S_PER_GPU, MEM_UTIL, MFU_DECODE,
                                 MFU_INFER, MFU_TRAIN, _dense_pass, _generation, allreduce_s, group_memory,
-                                slowest_link, task_memory, weight_sync_s)
+                                slowest_link, task_costs, task_memory, timeshare_efficiency, weight_sync_s)
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import PCIE_BYTES_PER_S, cluster_from_dict, workload_from_dict
 
@@ -262,14 +262,68 @@ def test_published_setups_are_scored(cluster, workload, plan_file, capsys):
     assert r["plan"]["groups"][0]["swap"] is True
 
 
-def _cpu_cluster(concurrent, mfu=None, hbm=1.6e10):
+def _cpu_cluster(concurrent, mfu=None, hbm=1.6e10, **device):
     node = {"name": "cpu", "region": "local", "gpu": "cpu-core", "count": 2, "intra_node": "pcie", "network_gbps": 10}
     if concurrent is not None:
         node["concurrent_devices"] = concurrent
     return cluster_from_dict({"name": "cpu", "gpu_types": [{"name": "cpu-core", "dense_bf16_flops": 1.5e11,
                                                              "memory_bytes": 12e9, "hbm_bytes_per_s": hbm,
-                                                             "source": "test", **({} if mfu is None else {"mfu": mfu})}],
+                                                             "source": "test", **({} if mfu is None else {"mfu": mfu}),
+                                                             **device}],
                               "nodes": [node]})
+
+
+def test_a_measured_decode_rate_by_rows_prices_the_decode_at_its_rows():
+    """decode_mfu_by_rows: 8 prompts x 2 responses of 4 tokens decode 4 steps of 16 rows; 16 lies halfway (in
+    log rows) between 8 and 32, so [[8, 0.2], [32, 0.4]] prices the decode at 0.3 of the peak, as a flat 0.3 does;
+    below and above the measured rows the ends hold; prefill keeps MFU_INFER; without the table MFU_DECODE."""
+    w = _workload(prompts_per_step=8)
+    group = Group(("actor_gen",), (0,), (("actor_gen", Parallelism(1, 1, 1)),))
+    free = {0: 1e9}
+    peak, active = 1.5e11, w.actor.active_params
+
+    def decode(**device):   # a fast memory, so the decode is compute-bound; prefill at the type's mfu or MFU_INFER
+        prefill = 2 * active * 8 * 4 / (peak * device.get("mfu", MFU_INFER))
+        return _generation(_cpu_cluster(None, hbm=1e15, **device), w, w.actor, group, free).terms["compute"] - prefill
+
+    tokens = 2 * active * 16 * 4
+    assert decode(decode_mfu_by_rows=[[8, 0.2], [32, 0.4]]) == pytest.approx(tokens / (peak * 0.3), rel=1e-12)
+    assert decode(decode_mfu_by_rows=[[1, 0.3]]) == pytest.approx(tokens / (peak * 0.3), rel=1e-12)
+    assert decode(decode_mfu_by_rows=[[32, 0.4], [64, 0.5]]) == pytest.approx(tokens / (peak * 0.4), rel=1e-12)
+    assert decode(decode_mfu_by_rows=[[2, 0.1], [4, 0.2]]) == pytest.approx(tokens / (peak * 0.2), rel=1e-12)
+    assert decode() == pytest.approx(tokens / (peak * MFU_DECODE), rel=1e-12)
+    assert decode(mfu=0.9) == pytest.approx(tokens / (peak * 0.9), rel=1e-12)
+
+
+@pytest.mark.parametrize("bad, why", [([[8, 0.2], [8, 0.3]], "rising"), ([[0, 0.2]], "rows >= 1"), ([], "rising"),
+                                      ([[8, 1.5]], r"\(0, 1\]"), ([[8]], "list of 2"), ("fast", "must be a list")])
+def test_a_bad_decode_table_is_refused_with_what_it_takes(bad, why):
+    with pytest.raises(ValueError, match=why):
+        _cpu_cluster(None, decode_mfu_by_rows=bad)
+    with pytest.raises(ValueError, match="timeshare_efficiency"):
+        _cpu_cluster(None, timeshare_efficiency=1.2)
+
+
+def test_async_generation_beside_training_on_the_same_devices_pays_the_time_sharing():
+    """timeshare_efficiency 0.8: in async mode a group that generates and trains on the same cores runs both at
+    once, so each of its tasks takes 1/0.8 of its time (the `timeshare` term); sync phases take turns (no
+    term), and generation alone on its devices shares nothing."""
+    cluster, plain = _cpu_cluster(None, timeshare_efficiency=0.8), _cpu_cluster(None)
+    tasks = ("actor_gen", "actor_train", "ref_infer")
+    both = Group(tasks, (0, 1), tuple((t, Parallelism(1, 1, 2)) for t in tasks))
+    for mode in ("async", "sync"):
+        w = _workload(mode=mode)
+        got, base = task_costs(cluster, w, both), task_costs(plain, w, both)
+        for t in tasks:
+            if mode == "async":
+                assert got[t].seconds == pytest.approx(base[t].seconds / 0.8, rel=1e-12)
+                assert got[t].terms["timeshare"] == pytest.approx(base[t].seconds * 0.25, rel=1e-12)
+            else:
+                assert got[t].seconds == base[t].seconds and "timeshare" not in got[t].terms
+    alone = Group(("actor_gen",), (0,), (("actor_gen", Parallelism(1, 1, 1)),))
+    w = _workload(mode="async")
+    assert task_costs(cluster, w, alone)["actor_gen"].seconds == task_costs(plain, w, alone)["actor_gen"].seconds
+    assert timeshare_efficiency(cluster, w, both) == 0.8 and timeshare_efficiency(cluster, w, alone) == 1.0
 
 
 def test_a_device_type_with_a_measured_mfu_is_priced_at_it():
