@@ -499,7 +499,10 @@ def markdown(result: dict) -> str:
                 ("measured", lambda r: r["step_s"]), ("predicted", lambda r: r["predicted"]["iteration_time_s"]),
                 ("independent cores", lambda r: r["predicted"].get("independent_cores_s", math.inf)),
                 ("without", lambda r: r["predicted"].get("without_new_probes_s", math.inf)))}
-            lines.append(f"- {config}, {mode}: measured {order['measured']}; predicted {order['predicted']} "
+            gap = {k: max(vals) / min(vals) - 1 for k, vals in (
+                ("measured", [r["step_s"] for r in rows]), ("predicted", [r["predicted"]["iteration_time_s"] for r in rows]))}
+            lines.append(f"- {config}, {mode}: measured {order['measured']} (by {gap['measured']:.1%}); predicted "
+                         f"{order['predicted']} (by {gap['predicted']:.1%}) "
                          f"({'agrees' if order['predicted'] == order['measured'] else 'DISAGREES'}); independent "
                          f"cores {order['independent cores']} "
                          f"({'agrees' if order['independent cores'] == order['measured'] else 'disagrees'})"
