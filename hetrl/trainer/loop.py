@@ -37,7 +37,7 @@ from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
 from hetrl.data.rewards import nested
 from hetrl.models import load_model
 from hetrl.schema import InputError
-from hetrl.trainer import build, checkpoint, files, memory
+from hetrl.trainer import allocator, build, checkpoint, files, memory
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
@@ -436,7 +436,10 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
         files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
         try:
-            return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs)
+            # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
+            on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
+            with allocator.freed_memory_kept(on_cpu):
+                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs)
         finally:
             if metrics.tracker is not None:
                 metrics.tracker.close()

@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from hetrl.schema import InputError
-from hetrl.trainer import build, checkpoint, files
+from hetrl.trainer import allocator, build, checkpoint, files
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import CriticStats, UpdateStats
@@ -88,6 +88,8 @@ def _start(threads: int) -> None:
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(threads)
+    if not torch.cuda.is_available():   # an actor computing on CPU cores: its large tensors reuse freed memory
+        allocator.keep_freed_memory()
 
 
 def _on_device(cfg: RunConfig, model):
