@@ -66,7 +66,7 @@ KNOBS = [
     "rows in one forward (per_device_train_batch_size = samples / mini_batches).",
     "random streams: the same seed does not draw the same samples in both systems (different generate batches).",
     "allocator: hetrl train keeps freed memory in the process while it runs (glibc mallopt: no mmap'd chunks, "
-    "hetrl.trainer.allocator; from 3f0c2a1 on, runs with a recorded revision after it); TRL runs with glibc's "
+    "hetrl.trainer.allocator; from 923dd2e on); TRL runs with glibc's "
     "defaults (hetrl's run, earlier in the same process, puts them back when it ends).",
 ]
 
