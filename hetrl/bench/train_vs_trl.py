@@ -318,7 +318,9 @@ def back_to_back(records: list[dict]) -> list[dict]:
             out.append({"case": case, "seed": seed, "revision": pair["hetrl"].get("revision") or "unrecorded",
                         "date": pair["hetrl"]["date"], "hetrl_step_s": step["hetrl"], "trl_step_s": step["trl"],
                         "ratio": step["hetrl"] / step["trl"],
-                        "fp32_peak_gflops": pair["hetrl"]["machine"]["matmul_gflops"]["fp32"]})
+                        "fp32_peak_gflops": pair["hetrl"]["machine"]["matmul_gflops"]["fp32"],
+                        "bf16_peak_gflops": pair["hetrl"]["machine"]["matmul_gflops"]["bf16"],
+                        "flags": pair["hetrl"]["machine"].get("flags", [])})
     return out
 
 
@@ -371,10 +373,12 @@ def summarise(records: list[dict]) -> dict:
 
 def markdown(table: dict, records: list[dict]) -> str:
     m = records[0]["machine"]
+    hosts = list(dict.fromkeys(f"{r['machine']['model']} ({', '.join(r['machine']['flags'])})" for r in records))
     fp32 = [r["machine"]["matmul_gflops"]["fp32"] for r in records]
     bf16 = [r["machine"]["matmul_gflops"]["bf16"] for r in records]
     lines = ["# `hetrl train` against TRL 1.16's GRPOTrainer, whole steps", "",
-             f"`hetrl bench train` on {m['model']} ({', '.join(m['flags'])}), {m['cores']} cores, torch "
+             f"`hetrl bench train` on {' and on '.join(hosts)} (the VM's host changed between invocations; each "
+             f"record keeps its own), {m['cores']} cores, torch "
              f"{m['torch']} with {m['torch_threads']} threads; 1024^3 matmul peaks measured at the start of each "
              f"invocation: fp32 {min(fp32):.1f}-{max(fp32):.1f} GFLOP/s, bf16 {min(bf16):.1f}-{max(bf16):.1f} "
              "GFLOP/s (this VM's throughput varies between invocations; each run is compared with its own). Runs one "
@@ -439,8 +443,8 @@ def markdown(table: dict, records: list[dict]) -> str:
         target = {"default": 4, "long": 6}
         for p in pairs:
             t = target.get(p["case"])
-            lines.append(f"- `{p['case']}` seed {p['seed']} ({p['revision']}, fp32 peak {p['fp32_peak_gflops']:.0f} "
-                         f"GFLOP/s): hetrl {p['hetrl_step_s']:.1f} s, stock TRL {p['trl_step_s']:.1f} s: "
+            lines.append(f"- `{p['case']}` seed {p['seed']} ({p['revision']}, {', '.join(p.get('flags', []))}; peaks "
+                         f"fp32 {p['fp32_peak_gflops']:.0f}, bf16 {p.get('bf16_peak_gflops', 0):.0f} GFLOP/s): hetrl {p['hetrl_step_s']:.1f} s, stock TRL {p['trl_step_s']:.1f} s: "
                          f"{p['ratio']:.3f} (1/{1 / p['ratio']:.1f})"
                          + (f"; the target <= 1/{t}: {'met' if p['ratio'] <= 1 / t else 'NOT met'}" if t else "") + ".")
     lines += ["", "## What differs between the two systems", ""] + [f"- {k}" for k in KNOBS] + [""]
