@@ -7,7 +7,8 @@ keep such memory, but only through LD_PRELOAD, which a running Python process ca
 `mallopt` can, at run time: no mmap'd chunks (everything from the heap) and a 1 GiB trim threshold, so a freed
 block is reused by the next allocation of its size. Measured on the `long` case's update pass (SmolLM2-135M,
 a 505-token prompt and 8 responses, forward + backward, 2 threads, 6 passes in each of 3 alternating
-processes): median 5.45 s against 6.2 s with glibc's defaults, and steadier; peak RSS +420 MB (2.9 -> 3.4 GB).
+processes; benchmarks/results/allocator.md): median 6.21 s against 7.30 s with glibc's defaults (1.18x), and
+steadier; peak RSS +331 MB (2.97 -> 3.30 GB).
 
 `HETRL_MALLOC=system` keeps glibc's defaults. Elsewhere than Linux with glibc this does nothing.
 """
