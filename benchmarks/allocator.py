@@ -21,27 +21,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 WORKER = r"""
 import json, resource, sys, time
+sys.path.insert(0, "benchmarks")
 import torch
 from hetrl.trainer import allocator
 kept = allocator.keep_freed_memory() if sys.argv[1] == "kept" else False
-from hetrl.dualkv.api import shared_prompt_logprobs
-from hetrl.dualkv.packing import pack_groups
 from hetrl.models import load_model
+from long_case_profile import long_group, update_pass
 model, _ = load_model("smollm2-135m")
 model.train()
-g = torch.Generator().manual_seed(0)
-batch = pack_groups([(torch.randint(10, 40000, (505,), generator=g).tolist(),
-                      [torch.randint(10, 40000, (int(torch.randint(30, 65, (1,), generator=g)),), generator=g).tolist()
-                       for _ in range(8)])])
-def once():
-    logp, entropy = shared_prompt_logprobs(model, batch, return_entropy=True)
-    (logp.sum() + 0.0 * entropy.sum()).backward()
-    model.zero_grad(set_to_none=True)
-once()
+batch = long_group()
+update_pass(model, batch)
 times = []
 for _ in range(int(sys.argv[2])):
     t = time.perf_counter()
-    once()
+    update_pass(model, batch)
     times.append(time.perf_counter() - t)
 print(json.dumps({"setting": sys.argv[1], "applied": kept, "threads": torch.get_num_threads(), "pass_s": times,
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

@@ -87,18 +87,28 @@ def projections(config) -> list[dict]:
     return out
 
 
-def update(model, rounds: int) -> dict:
-    """One long group (a 505-token prompt and 8 responses of 30-64 tokens): forward + backward through DualKV."""
-    model.train()
+def long_group():
+    """One long group: a 505-token prompt and 8 responses of 30-64 tokens (random ids, seed 0), packed."""
     g = torch.Generator().manual_seed(0)
-    batch = pack_groups([(torch.randint(10, 40000, (505,), generator=g).tolist(),
-                          [torch.randint(10, 40000, (int(torch.randint(30, 65, (1,), generator=g)),),
-                                         generator=g).tolist() for _ in range(8)])])
+    return pack_groups([(torch.randint(10, 40000, (505,), generator=g).tolist(),
+                         [torch.randint(10, 40000, (int(torch.randint(30, 65, (1,), generator=g)),),
+                                        generator=g).tolist() for _ in range(8)])])
+
+
+def update_pass(model, batch) -> None:
+    """The update's forward + backward through DualKV (entropy kept in the graph as the loss does)."""
+    logp, entropy = shared_prompt_logprobs(model, batch, return_entropy=True)
+    (logp.sum() + 0.0 * entropy.sum()).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def update(model, rounds: int) -> dict:
+    """One long group (long_group): forward + backward through DualKV."""
+    model.train()
+    batch = long_group()
 
     def once():
-        logp, entropy = shared_prompt_logprobs(model, batch, return_entropy=True)
-        (logp.sum() + 0.0 * entropy.sum()).backward()
-        model.zero_grad(set_to_none=True)
+        update_pass(model, batch)
 
     once()
     times = []
