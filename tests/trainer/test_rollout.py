@@ -193,7 +193,10 @@ def test_shared_prefill_on_smollm2():
     for sampling in (dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0)):
         plain, shared = _both(model, tokenizer, prompts, 4, sampling)
         assert torch.equal(plain.sequences, shared.sequences)
-        assert max((a - b).abs().max().item() for a, b in zip(plain.logits, shared.logits)) <= 1e-4
+        # fp32 through 30 layers by different GEMM shapes (G prompt rows vs G x N): rounding, relative to the logits'
+        # scale (~40 here; AVX512 kernels gave 2.5e-6 of it, AVX2 ones under 1e-4 / 40); exactness is the fp64 tests'
+        scale = max(a.abs().max().item() for a in plain.logits)
+        assert max((a - b).abs().max().item() for a, b in zip(plain.logits, shared.logits)) <= 1e-5 * scale
     worker = RolloutWorker(model, tokenizer)
     assert [g[0].tokens for g in worker.generate(prompts, 1, 24, greedy=True)] == _hf_greedy(model, worker, prompts, 24)
 
