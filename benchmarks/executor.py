@@ -423,6 +423,7 @@ def repredict(path: pathlib.Path) -> dict:
         cluster = load_cluster(str(cluster_path))
         independent = cluster_from_dict(cpu_cluster({k: result["core"][k] for k in ("fp32_matmul_flops",
                                                                                      "copy_bytes_per_s")}))
+        before = _without_new_probes(result["core"])
         facts = {}
         for r in result["rows"]:
             if not r.get("plan_groups"):
@@ -431,8 +432,7 @@ def repredict(path: pathlib.Path) -> dict:
                 facts[r["config"]] = _model_facts(r["config"])
             workload = _workload(r["config"], r["plan"], r["mode"], r["steps"], work, cluster_path, *facts[r["config"]])
             r["predicted_before"] = r.get("predicted_before", r["predicted"])
-            r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]},
-                                      _without_new_probes(result["core"]))
+            r["predicted"] = _predict(cluster, independent, workload, {"groups": r["plan_groups"]}, before)
     result["repredicted"] = {"date": datetime.date.today().isoformat(), "revision": revision()}
     return result
 

@@ -27,6 +27,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .plan import Group, Parallelism, Plan, check_structure
 from .spec import INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
 
@@ -167,16 +169,8 @@ def _decode_achieved(cluster: ClusterSpec, i: int, share: dict[int, float], rows
     table = cluster.gpus[i].type.decode_mfu_by_rows
     if table is None:
         return _achieved(cluster, i, share, MFU_DECODE)
-    x = math.log(max(rows, 1.0))
-    pts = [(math.log(r), m) for r, m in table]
-    if x <= pts[0][0]:
-        mfu = pts[0][1]
-    elif x >= pts[-1][0]:
-        mfu = pts[-1][1]
-    else:
-        (x0, m0), (x1, m1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= x <= b[0])
-        mfu = m0 + (m1 - m0) * (x - x0) / (x1 - x0)
-    return _flops(cluster, i, share) * mfu
+    mfu = np.interp(math.log(max(rows, 1.0)), [math.log(r) for r, _ in table], [m for _, m in table])
+    return _flops(cluster, i, share) * float(mfu)
 
 
 def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
