@@ -323,7 +323,9 @@ def fixed_plans(tasks: list[str]) -> dict[str, dict]:
 
 
 def _overrides(config: str, name: str, mode: str, steps: int, work: pathlib.Path, cluster_path, plan_file=None):
-    out = [f"steps={steps}", "eval_size=4", "checkpoint_every=0", f"out_dir={work / f'{config}-{name}-{mode}'}"]
+    # fp32, as the cores are measured (precision=auto would be bf16-mixed on a CPU with bf16 instructions)
+    out = [f"steps={steps}", "eval_size=4", "checkpoint_every=0", "precision=fp32",
+           f"out_dir={work / f'{config}-{name}-{mode}'}"]
     if name != "local":
         out += ["executor=ray", f"mode={mode}", f"emulate_cluster={cluster_path}"]
         out += [f"plan={plan_file}"] if plan_file else []

@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     from hetrl.trainer.ray_executor import allreduce_grads
     from hetrl.models import load_model
 
-    cfg = load_config(str(ROOT / "examples" / "runs" / "default.yaml"), ["dtype=float32", "kl_coef=0"])
+    cfg = load_config(str(ROOT / "examples" / "runs" / "default.yaml"), ["dtype=float32", "precision=fp32", "kl_coef=0"])
     model, _ = load_model(cfg.model, torch.float32, seed=0)
     pol = build.Policy(model)
     if zero == 3:

@@ -22,7 +22,7 @@ from hetrl.trainer.config import load_config
 def main() -> None:
     torch.manual_seed(0)
     random.seed(0)
-    cfg = load_config("examples/runs/ppo.yaml", [])
+    cfg = load_config("examples/runs/ppo.yaml", ["precision=fp32"])   # as profiled (auto: bf16-mixed on bf16 CPUs)
     model, _ = load_model("smollm2-135m")
     critic = build.critic(cfg, copy.deepcopy(model))
     pol = build.policy(cfg, model)

@@ -111,7 +111,7 @@ def main() -> None:
     from hetrl.models import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = load_config("examples/runs/default.yaml", [])
+    cfg = load_config("examples/runs/default.yaml", ["precision=fp32"])   # TRL runs fp32 here too
     model, tokenizer = load_model(cfg.model)
     model_dir = tempfile.mkdtemp()
     model.save_pretrained(model_dir)

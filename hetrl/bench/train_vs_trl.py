@@ -71,6 +71,11 @@ KNOBS = [
 ]
 
 
+# Both systems at fp32 unless --set precision=... says otherwise: precision=auto would be bf16-mixed on a CPU with bf16
+# instructions and fp32 on one without, and the committed comparisons are fp32 on both sides.
+BENCH_PRECISION = "precision=fp32"
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -95,8 +100,8 @@ def job(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, .
     config key=value, e.g. model=tiny for a smoke test)."""
     from hetrl.trainer.config import load_config
 
-    cfg = load_config(None, [*case.overrides, *overrides, f"seed={seed}", f"steps={steps}", f"out_dir={out_dir}",
-                             "checkpoint_every=0"])
+    cfg = load_config(None, [BENCH_PRECISION, *case.overrides, *overrides, f"seed={seed}", f"steps={steps}",
+                             f"out_dir={out_dir}", "checkpoint_every=0"])
     if not case.few_shot_tokens:
         return cfg, None, None
     from hetrl.data import TaskSource, prompt_ids
@@ -152,12 +157,14 @@ def trl_args(cfg, seed: int, out_dir: str):
     """GRPOConfig with every knob hetrl's run has set to hetrl's value (KNOBS lists what cannot be)."""
     from trl import GRPOConfig
 
+    from hetrl.trainer.learner import mixed
+
     n, per_step = cfg.responses_per_prompt, cfg.prompts_per_step * cfg.responses_per_prompt
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     return GRPOConfig(
         output_dir=out_dir, seed=seed, data_seed=seed, use_cpu=not cuda,
-        # fp32 weights; bf16 autocast where hetrl's precision runs bf16-mixed (auto: on CUDA), fp32 on a CPU
-        bf16=cfg.precision == "bf16-mixed" or (cfg.precision == "auto" and cuda),
+        # fp32 weights; bf16 autocast where hetrl's precision runs bf16-mixed (learner.resolve_precision)
+        bf16=mixed(cfg.precision, "cuda" if cuda else "cpu"),
         model_init_kwargs={"dtype": torch.float32},
         max_steps=cfg.steps * cfg.mini_batches, per_device_train_batch_size=per_step // cfg.mini_batches,
         steps_per_generation=cfg.mini_batches, gradient_accumulation_steps=1, num_iterations=1,
@@ -384,7 +391,8 @@ def markdown(table: dict, records: list[dict]) -> str:
              "GFLOP/s (this VM's throughput varies between invocations; each run is compared with its own). Runs one "
              "after the other; raw per-step numbers in train_vs_trl.jsonl. Step times: each run's median over its "
              "steps after the first, then the mean over seeds. One step = one rollout batch (prompts x N samples) "
-             "and its optimizer steps (2 on both systems).", "",
+             "and its optimizer steps (2 on both systems). Both systems at fp32 (hetrl precision=fp32, TRL bf16=False) "
+             "unless a record's overrides say otherwise.", "",
              "`effective GFLOP/s` counts the model FLOPs of the standard per-sample computation (12 x matmul "
              "weights per sample token: a rollout forward, two log-prob forwards, a forward + backward) over the "
              "step time: the same work for every system, so a system that skips repeated prompt work is credited "

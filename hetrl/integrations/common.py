@@ -251,7 +251,7 @@ def workload_dict(w: WorkloadSpec, original: dict) -> dict:
     """The workload YAML of `w`, keeping the user's model entries (presets stay presets)."""
     out = dict(original)
     for f in ("algorithm", "mode", "prompts_per_step", "responses_per_prompt", "dualkv", "precision",
-              "micro_batch_responses", "optimizer_steps", "old_logprob_share"):
+              "micro_batch_responses", "optimizer_steps", "old_logprob_share", "rollout_logprob_pass"):
         out[f] = getattr(w, f)
     out["prompt_tokens"] = {"max": w.prompt_tokens.max, "mean": w.prompt_tokens.mean}
     out["response_tokens"] = {"max": w.response_tokens.max, "mean": w.response_tokens.mean}

@@ -566,6 +566,9 @@ def task_costs(cluster: ClusterSpec, w: WorkloadSpec, group: Group, kv_free: dic
         model = w.model(ROLE_OF[task])
         if task == "actor_gen":
             costs[task] = _generation(cluster, w, model, group, kv_free)
+            if w.rollout_logprob_pass:   # one inference pass over every sample, on the generation devices
+                score = _dense_pass(cluster, w, model, group, task, False).seconds
+                costs[task] = TaskCost(costs[task].seconds + score, {**costs[task].terms, "behaviour_logprobs": score})
         else:
             costs[task] = _dense_pass(cluster, w, model, group, task, task in TRAIN_TASKS)
     if group.swap:

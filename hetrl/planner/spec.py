@@ -295,6 +295,10 @@ class WorkloadSpec:
     # mini-batches takes its update forward's own, detached (hetrl sync on Ray, TRL); 0 when they come with the
     # samples from the rollout (hetrl async, hetrl's local fp32 rollout)
     old_logprob_share: float = rule(1.0, ge=0, le=1)
+    # the rollout scores its samples' behaviour log-probs in a forward pass of its own, on the generation devices
+    # (hetrl async on Ray where its sampling logits are bf16, or old_logprobs=recompute); false where they come
+    # with the tokens (vLLM and SGLang return them; hetrl's fp32 rollout reads them off its sampling logits)
+    rollout_logprob_pass: bool = False
 
     def __post_init__(self):
         check(self)
@@ -339,7 +343,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
-                 "old_logprob_share")
+                 "old_logprob_share", "rollout_logprob_pass")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

@@ -110,7 +110,7 @@ class RunConfig:
     device: str = "auto"                  # auto (CUDA when present, else CPU) | cpu | cuda | cuda:N (local executor)
     # bf16-mixed: fp32 weights and optimizer, bf16 autocast around the rollout, log-prob, value and update passes
     # (log-softmax in fp32). Pays off where bf16 matmuls are fast (GPUs; CPUs with AVX512-BF16 or AMX), README.
-    # auto: bf16-mixed on CUDA (and TF32 for what stays fp32), fp32 on the CPU
+    # auto: bf16-mixed on CUDA (and TF32 for what stays fp32) and on CPUs with bf16 instructions, else fp32
     precision: str = rule("auto", choices=PRECISIONS)
     impl: str = rule("auto", choices=("auto", "sdpa", "flex", "reference"))  # DualKV attention
     micro_batch_tokens: int = rule(2048, ge=1)   # packed tokens per forward/backward
@@ -298,3 +298,11 @@ def config_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     now = cfg.to_dict()
     return {k: (saved.get(k), now[k]) for k in FIELDS
             if k not in RESUMABLE_CHANGES and k in saved and saved.get(k) != now[k]}
+
+
+def logits_give_old_logprobs(old_logprobs: str, mixed_precision: bool) -> bool:
+    """Whether a sample's old (behaviour) log-probs are read off the very logits the rollout drew it from
+    (`old_logprobs`): "rollout" always; "auto" where those logits are fp32 (the rollout not under bf16 autocast),
+    where they equal a recomputing pass to fp32 rounding (tests/trainer/test_rollout.py); "recompute" never. The
+    one rule for the local loop, Ray's rollout workers and the planner's workload (placement.run_workload)."""
+    return old_logprobs == "rollout" or (old_logprobs == "auto" and not mixed_precision)

@@ -10,6 +10,8 @@ the concatenated micro-batch outputs. The mini-batch loss is a weighted sum of p
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,9 +57,49 @@ def _dummy_passes(n: int, sharded: bool) -> int:
 DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
+CPU_BF16_ENV = "HETRL_CPU_BF16"   # 1 / 0: say whether the CPU has fast bf16 instead of asking it
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where bf16-mixed pays off: on such a host
+    the bf16 matmul peak measured 2.4x the fp32 one (benchmarks/results/precision_cpu_avx512.md) and the default
+    job's step 0.90x of fp32's, its held-out accuracy kept over 3 seeds (precision_seeds.md); without them the bf16
+    matmul ran ~100x below fp32's and the update 20x slower (precision_cpu.md). HETRL_CPU_BF16=1 or 0 says it
+    instead (the test suite pins 0, so that precision=auto means fp32 on the CPU on every machine it runs on)."""
+    said = os.environ.get(CPU_BF16_ENV, "")
+    if said:
+        if said not in ("0", "1"):
+            raise ValueError(f"{CPU_BF16_ENV}={said!r}: use 1 (the CPU has fast bf16) or 0 (it has not), or unset "
+                             "it to ask the CPU")
+        return said == "1"
+    return _cpu_bf16_instructions()
+
+
+@functools.cache
+def _cpu_bf16_instructions() -> bool:
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):   # torch's own CPU capability checks
+        try:
+            if getattr(torch.cpu, probe)():
+                return True
+        except (AttributeError, RuntimeError):   # a torch without the probe: the instruction is not assumed
+            pass
+    return False
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """What a run's `precision` means on `device`: "bf16-mixed" or "fp32". precision=auto is bf16-mixed on CUDA
+    and on CPUs with bf16 instructions (cpu_has_fast_bf16), fp32 on other CPUs. The one rule every part of a run
+    (learner, rollout, reference, memory estimate, planner workload, the TRL bench) asks."""
+    if precision != "auto":
+        return precision
+    kind = torch.device(device).type
+    return "bf16-mixed" if kind == "cuda" or (kind == "cpu" and cpu_has_fast_bf16()) else "fp32"
+
+
 def mixed(precision: str, device: torch.device | str) -> bool:
-    """Whether `precision` runs bf16-mixed on `device`: asked for, or precision=auto on CUDA."""
-    return precision == "bf16-mixed" or (precision == "auto" and torch.device(device).type == "cuda")
+    """Whether `precision` runs bf16-mixed on `device` (resolve_precision)."""
+    return resolve_precision(precision, device) == "bf16-mixed"
+
 
 
 def amp(model, precision: str) -> contextlib.AbstractContextManager:

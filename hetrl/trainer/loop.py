@@ -42,7 +42,8 @@ from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.learner import mixed
-from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
+from hetrl.trainer.config import (PYTHON, RunConfig, config_changes, config_data, load_config,
+                                  logits_give_old_logprobs)
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.rollout import RolloutWorker, Sample
 
@@ -105,9 +106,9 @@ def rollout_logprobs(cfg: RunConfig, worker) -> bool:
     """Whether the (sync) update takes its old log-probs from the rollout's own logits (`old_logprobs`): auto
     does where those logits are fp32, i.e. a local RolloutWorker not under bf16 autocast (then the two agree to
     fp32 rounding, tests/trainer/test_rollout.py); Ray's workers are always recomputed."""
-    if cfg.old_logprobs == "recompute" or cfg.mode == "async" or not isinstance(worker, RolloutWorker):
+    if cfg.mode == "async" or not isinstance(worker, RolloutWorker):
         return False
-    return cfg.old_logprobs == "rollout" or not mixed(worker.precision, next(worker.model.parameters()).device)
+    return logits_give_old_logprobs(cfg.old_logprobs, mixed(worker.precision, next(worker.model.parameters()).device))
 
 
 def _reward_stats(scored: list[Scores]) -> dict:
@@ -445,6 +446,13 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
                 metrics.tracker.close()
 
 
+def run_precision_name(cfg: RunConfig) -> str:
+    """The precision the run computes in, precision=auto resolved (learner.resolve_precision): bf16-mixed or fp32."""
+    from hetrl.trainer.placement import run_precision
+
+    return "bf16-mixed" if run_precision(cfg) == "bf16" else "fp32"
+
+
 def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
@@ -455,7 +463,8 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
     source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
     rewards = build_rewards(cfg, source, reward_funcs)
     tqdm.write(f"prompts: {source.description}; rewards: "
-               + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights)))
+               + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights))
+               + f"; precision: {run_precision_name(cfg)}" + (" (auto)" if cfg.precision == "auto" else ""))
     first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
     prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
     limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else memory.available_bytes(device)
@@ -561,7 +570,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
                **paired_comparison(before, after), "steps": step,
                "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
                "eval_prompts_too_long": source.eval_too_long, "data": source.description,
-               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "checkpoint": str(final),
+               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "precision": run_precision_name(cfg),
+               "checkpoint": str(final),
                **({"merged_model": str(merged)} if merged else {}),
                "config": cfg.to_dict()}
     files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hetrl.planner import ClusterSpec, Plan, WorkloadSpec, load_cluster, load_plan, plan as plan_search
 from hetrl.planner.spec import ModelSpec, TokenLengths
+from hetrl.trainer.config import logits_give_old_logprobs
 
 class ExecutorFailure(RuntimeError):
     """The Ray executor lost what it cannot replace (a learner, or every rollout actor): the run stops with its
@@ -116,15 +117,14 @@ def model_spec_from_hf(config, name: str = "run") -> ModelSpec:
 
 
 def run_precision(cfg) -> str:
-    """The planner's precision of a run: bf16 where it runs bf16-mixed (asked for, or precision=auto on CUDA),
-    else fp32 (the CPU default)."""
-    if cfg.precision != "auto":
-        return "bf16" if cfg.precision == "bf16-mixed" else "fp32"
-    if cfg.device != "auto":
-        return "bf16" if cfg.device.startswith("cuda") else "fp32"
+    """The planner's precision of a run: bf16 where it runs bf16-mixed (learner.resolve_precision on the device the
+    run resolves to), else fp32."""
     import torch   # only to resolve device=auto, as the run will
 
-    return "bf16" if torch.cuda.is_available() else "fp32"
+    from hetrl.trainer.learner import mixed
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return "bf16" if mixed(cfg.precision, device) else "fp32"
 
 
 def old_logprob_share(cfg, precision: str) -> float:
@@ -134,8 +134,7 @@ def old_logprob_share(cfg, precision: str) -> float:
     groups, k = cfg.prompts_per_step, min(cfg.mini_batches, cfg.prompts_per_step)
     if cfg.mode == "async" or k == 1:
         return 0.0
-    if cfg.executor == "local" and cfg.old_logprobs != "recompute" and (cfg.old_logprobs == "rollout"
-                                                                       or precision == "fp32"):
+    if cfg.executor == "local" and logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"):
         return 0.0
     return 1 - math.ceil(groups / k) / groups
 
@@ -154,7 +153,8 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
         reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision,
-        optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision))
+        optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision),
+        rollout_logprob_pass=cfg.mode == "async" and not logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"))
 
 
 def plan_for_run(cfg, model_config, prompt_len: int) -> tuple[ClusterSpec, Plan]:

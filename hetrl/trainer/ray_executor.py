@@ -39,8 +39,8 @@ from tqdm import tqdm
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files
 from hetrl.trainer.build import DTYPES
-from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.config import RunConfig, logits_give_old_logprobs
+from hetrl.trainer.learner import CriticStats, UpdateStats, mixed
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.placement import (ROLES, ExecutorFailure, Replica, actor_threads, node_resources, plan_for_run,
                                      replicas)
@@ -111,6 +111,10 @@ def _setup(cfg: RunConfig, threads: int, lora: bool = True):
     return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _whereabouts() -> dict:
     ctx = ray.get_runtime_context()
     return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "resources": ctx.get_assigned_resources(),
@@ -122,9 +126,14 @@ def _whereabouts() -> dict:
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, threads: int, behaviour_logprobs: bool):
+        """`behaviour_logprobs` (async mode): every sample comes with its tokens' log-probs under the weights that
+        drew it, read off the sampling logits where those give them (learner.logits_give_old_logprobs: fp32
+        logits), else from a scoring pass through the learner's DualKV path (bf16 logits, or old_logprobs=recompute)."""
         self.policy, tokenizer = _setup(cfg, threads)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
-        self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs else None
+        from_logits = logits_give_old_logprobs(cfg.old_logprobs, mixed(cfg.precision, _device(self.policy.module)))
+        self.logits_logprobs = behaviour_logprobs and from_logits
+        self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs and not from_logits else None
         self.version = 0
 
     def whereabouts(self) -> dict:
@@ -139,6 +148,9 @@ class RolloutActor:
 
     def generate(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seed):
         torch.manual_seed(seed)
+        if self.logits_logprobs and not greedy:   # each sample's log-probs from the logits it was drawn from
+            out = self.worker.generate(prompts, n, max_new_tokens, temperature, top_p, greedy, logprobs=True)
+            return [[dataclasses.replace(s, version=self.version) for s in g] for g in out]
         out = self.worker.generate(prompts, n, max_new_tokens, temperature, top_p, greedy)
         if self.scorer is not None and not greedy:
             logp = self.scorer.logprobs([(p, [s.tokens for s in group]) for p, group in zip(prompts, out)])

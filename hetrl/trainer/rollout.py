@@ -47,7 +47,7 @@ class Sample:
 class RolloutWorker:
     def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32"):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.precision = precision   # bf16-mixed (or auto on CUDA): prefill and decoding under bf16 autocast
+        self.precision = precision   # bf16-mixed (or auto where it resolves so): prefill and decoding under bf16 autocast
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         # seconds spent so far in the shared prompt prefill and in decoding (generate from the prefilled cache,

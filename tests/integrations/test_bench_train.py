@@ -27,6 +27,19 @@ def test_trl_is_configured_as_the_hetrl_run(tmp_path):
     assert args.gradient_checkpointing is False and args.bf16 is False
 
 
+def test_both_systems_run_fp32_unless_the_bench_is_told(tmp_path, monkeypatch):
+    """precision=auto would be bf16-mixed on a CPU with bf16 instructions: the bench pins both systems to fp32 (the
+    committed comparisons are fp32 on both sides); --set precision=bf16-mixed reaches both."""
+    monkeypatch.setenv("HETRL_CPU_BF16", "1")
+    case = train_vs_trl.CASES["default"]
+    cfg = train_vs_trl.job(case, 0, 1, str(tmp_path / "a"), TINY)[0]
+    assert cfg.precision == "fp32" and train_vs_trl.trl_args(cfg, 0, str(tmp_path)).bf16 is False
+    cfg = train_vs_trl.job(case, 0, 1, str(tmp_path / "b"), (*TINY, "precision=bf16-mixed"))[0]
+    assert cfg.precision == "bf16-mixed" and train_vs_trl.trl_args(cfg, 0, str(tmp_path)).bf16 is True
+    cfg = train_vs_trl.job(case, 0, 1, str(tmp_path / "c"), (*TINY, "precision=auto"))[0]
+    assert train_vs_trl.trl_args(cfg, 0, str(tmp_path)).bf16 is True   # auto: as hetrl resolves it on this CPU
+
+
 def test_bench_train_runs_both_systems_on_the_same_prompts(tmp_path):
     out = tmp_path / "results"
     train_vs_trl.main(["default"], ["hetrl", "trl-dualkv", "trl"], [0], 2, out, tmp_path / "work", TINY)

@@ -326,6 +326,23 @@ def test_async_generation_beside_training_on_the_same_devices_pays_the_time_shar
     assert timeshare_efficiency(cluster, w, both) == 0.8 and timeshare_efficiency(cluster, w, alone) == 1.0
 
 
+def test_a_rollout_that_scores_its_own_samples_pays_one_inference_pass_over_them():
+    """rollout_logprob_pass (hetrl async on Ray where the sampling logits are bf16): the generation task also runs
+    a forward pass over every sample, the same pass a reference of the actor's size runs at the same parallelism
+    (the `behaviour_logprobs` term); off (the default), generation's seconds are as before, bit for bit."""
+    cluster = _cpu_cluster(None)
+    tasks = ("actor_gen", "actor_train", "ref_infer")
+    group = Group(tasks, (0, 1), tuple((t, Parallelism(1, 1, 2)) for t in tasks))
+    plain, scoring = _workload(mode="async"), _workload(mode="async", rollout_logprob_pass=True)
+    base, got = task_costs(cluster, plain, group), task_costs(cluster, scoring, group)
+    assert got["actor_gen"].terms["behaviour_logprobs"] == pytest.approx(base["ref_infer"].seconds, rel=1e-12)
+    assert got["actor_gen"].seconds == pytest.approx(base["actor_gen"].seconds + base["ref_infer"].seconds, rel=1e-12)
+    assert "behaviour_logprobs" not in base["actor_gen"].terms
+    assert {t: got[t].seconds for t in tasks[1:]} == {t: base[t].seconds for t in tasks[1:]}
+    with pytest.raises(ValueError, match="rollout_logprob_pass"):
+        _workload(rollout_logprob_pass="sometimes")
+
+
 def test_a_device_type_with_a_measured_mfu_is_priced_at_it():
     """A type that states the fraction of its peak a model pass reaches replaces the GPU constants in every
     compute term (training, inference, prefill, compute-bound decode) and in nothing else."""

@@ -90,13 +90,53 @@ def test_a_mixed_precision_run_completes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
 
 
-def test_auto_precision_is_fp32_on_the_cpu():
-    """precision=auto (the default) runs the CPU in fp32: the default CPU run is unchanged."""
+def test_auto_precision_is_fp32_on_a_cpu_without_bf16(monkeypatch):
+    """precision=auto (the default) runs a CPU without bf16 instructions in fp32 (conftest pins the suite there)."""
+    from hetrl.trainer.placement import run_precision
+
+    monkeypatch.setenv("HETRL_CPU_BF16", "0")
     cfg, pol, _ = _roles("auto")
     assert load_config(TINY, []).precision == "auto"
     seen = _linear_dtypes(pol.module)
     build.scorer(cfg, pol.module).logprobs(GROUPS)
     assert seen and set(seen) == {torch.float32}
+    assert run_precision(load_config(TINY, ["device=cpu"])) == "fp32"
+
+
+def test_auto_precision_is_bf16_mixed_on_a_cpu_with_bf16(monkeypatch):
+    """On a CPU with AVX512-BF16 or AMX, precision=auto is bf16-mixed everywhere the run asks: the learner's and
+    the reference's passes, the planner's workload, the run's summary and the TRL bench's GRPOConfig."""
+    from hetrl.trainer.loop import run_precision_name
+    from hetrl.trainer.placement import run_precision
+
+    monkeypatch.setenv("HETRL_CPU_BF16", "1")
+    cfg, pol, _ = _roles("auto")
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
+    seen = _linear_dtypes(pol.module)
+    logp = learner.logprobs(GROUPS)
+    assert seen and set(seen) == {torch.bfloat16} and logp.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in pol.trainable())
+    cpu = load_config(TINY, ["device=cpu"])
+    assert run_precision(cpu) == "bf16" and run_precision_name(cpu) == "bf16-mixed"
+    assert run_precision(load_config(TINY, ["device=cpu", "precision=fp32"])) == "fp32"   # asked for: kept
+
+
+def test_cpu_bf16_is_asked_of_the_cpu_unless_said(monkeypatch):
+    from hetrl.trainer import learner
+
+    monkeypatch.delenv("HETRL_CPU_BF16")
+    asked = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    assert learner.cpu_has_fast_bf16() is asked
+    assert learner.resolve_precision("auto", "cpu") == ("bf16-mixed" if asked else "fp32")
+    for said, has in (("1", True), ("0", False)):
+        monkeypatch.setenv("HETRL_CPU_BF16", said)
+        assert learner.cpu_has_fast_bf16() is has
+    assert learner.resolve_precision("fp32", "cpu") == "fp32"
+    assert learner.resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
+    assert learner.resolve_precision("auto", "cuda") == "bf16-mixed"
+    monkeypatch.setenv("HETRL_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="HETRL_CPU_BF16='yes': use 1"):
+        learner.cpu_has_fast_bf16()
 
 
 @pytest.mark.gpu

@@ -296,6 +296,24 @@ def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
     assert (pathlib.Path(summary["merged_model"]) / "config.json").is_file()
 
 
+def test_async_rollout_reads_behaviour_logprobs_off_its_fp32_logits(local_ray):
+    """Async mode: an fp32 rollout worker's samples carry the log-probs of the logits they were drawn from, no
+    scoring pass (it has no scorer); old_logprobs=recompute scores them through the learner's DualKV path. Same
+    seed, same tokens, log-probs equal to fp32 rounding (at the run's temperature, as the pool samples)."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    got = {}
+    for how in ("auto", "recompute"):
+        cfg = load_config(TINY, ["max_new_tokens=12", "precision=fp32", f"old_logprobs={how}"])
+        actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, 1, True)
+        got[how] = ray.get(actor.generate.remote(prompts, 4, 12, cfg.temperature, 1.0, False, 7))
+        assert ray.get(actor.__ray_call__.remote(lambda a: a.scorer is None)) is (how == "auto")
+        ray.kill(actor)
+    logits, scored = ([s for g in got[k] for s in g] for k in ("auto", "recompute"))
+    assert [s.tokens for s in logits] == [s.tokens for s in scored]
+    for a, b in zip(logits, scored):
+        assert a.logprobs.shape == (len(a.tokens),) and torch.allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
 def test_a_killed_rollout_actor_loses_no_sample(local_ray):
     cfg = load_config(TINY, ["max_new_tokens=24"])
     actors = [ray.remote(RolloutActor).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(cfg, 1, False)
@@ -518,4 +536,10 @@ def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(
     assert workload("mini_batches=1", "executor=ray").old_logprob_share == 0
     mixed = workload("precision=bf16-mixed", "mini_batches=2")
     assert (mixed.precision, mixed.old_logprob_share) == ("bf16", 0.5)   # bf16 rollout logits: recomputed
+    # async: the behaviour log-probs come with the samples, scored by the rollout only where its logits do not give
+    # them (RolloutActor)
+    assert not workload("executor=ray", "mode=async").rollout_logprob_pass
+    assert workload("executor=ray", "mode=async", "precision=bf16-mixed").rollout_logprob_pass
+    assert workload("executor=ray", "mode=async", "old_logprobs=recompute").rollout_logprob_pass
+    assert not workload("executor=ray", "old_logprobs=recompute").rollout_logprob_pass   # sync: the learner's
     assert workload("prompts_per_step=6", "mini_batches=4").optimizer_steps == 1   # uneven: priced as one step
