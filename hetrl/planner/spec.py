@@ -292,8 +292,8 @@ class WorkloadSpec:
     optimizer_steps: int = rule(1, ge=1)
     # share of the samples the actor_infer pass (the sampling policy's log-probs for the importance ratio) runs
     # on: 1 recomputes them for every mini-batch (verl, NeMo-RL, OpenRLHF); (k-1)/k when the first of k
-    # mini-batches takes its update forward's own, detached (hetrl sync on Ray, TRL); 0 when they come with the
-    # samples from the rollout (hetrl async, hetrl's local fp32 rollout)
+    # mini-batches takes its update forward's own, detached (TRL; hetrl sync with bf16 rollout logits); 0 when they
+    # come with the samples from the rollout (hetrl async, hetrl's fp32 rollouts)
     old_logprob_share: float = rule(1.0, ge=0, le=1)
     # the rollout scores its samples' behaviour log-probs in a forward pass of its own, on the generation devices
     # (hetrl async on Ray where its sampling logits are bf16, or old_logprobs=recompute); false where they come

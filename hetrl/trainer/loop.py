@@ -103,9 +103,10 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
 
 
 def rollout_logprobs(cfg: RunConfig, worker) -> bool:
-    """Whether the (sync) update takes its old log-probs from the rollout's own logits (`old_logprobs`): auto
-    does where those logits are fp32, i.e. a local RolloutWorker not under bf16 autocast (then the two agree to
-    fp32 rounding, tests/trainer/test_rollout.py); Ray's workers are always recomputed."""
+    """Whether the local RolloutWorker is asked for its samples' log-probs, which the (sync) update takes as old
+    log-probs (`old_logprobs`): auto does where those logits are fp32, i.e. not under bf16 autocast (then the two
+    agree to fp32 rounding, tests/trainer/test_rollout.py). Ray's rollout actors apply the same rule themselves
+    (RolloutActor)."""
     if cfg.mode == "async" or not isinstance(worker, RolloutWorker):
         return False
     return logits_give_old_logprobs(cfg.old_logprobs, mixed(worker.precision, next(worker.model.parameters()).device))

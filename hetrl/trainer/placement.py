@@ -129,12 +129,13 @@ def run_precision(cfg) -> str:
 
 def old_logprob_share(cfg, precision: str) -> float:
     """Share of the samples a run's learner recomputes old log-probs for (loop.update_policy): none in async
-    mode (they come with the samples) or where the local rollout's fp32 logits give them (old_logprobs); else
-    the mini-batches after the first, whose groups np.array_split puts after the first ceil(G/k)."""
+    mode (they come with the samples) or where the rollout's fp32 sampling logits give them (old_logprobs; local
+    and Ray rollouts alike); else the mini-batches after the first, whose groups np.array_split puts after the
+    first ceil(G/k)."""
     groups, k = cfg.prompts_per_step, min(cfg.mini_batches, cfg.prompts_per_step)
     if cfg.mode == "async" or k == 1:
         return 0.0
-    if cfg.executor == "local" and logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"):
+    if logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"):
         return 0.0
     return 1 - math.ceil(groups / k) / groups
 

@@ -126,13 +126,15 @@ def _whereabouts() -> dict:
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, threads: int, behaviour_logprobs: bool):
-        """`behaviour_logprobs` (async mode): every sample comes with its tokens' log-probs under the weights that
-        drew it, read off the sampling logits where those give them (learner.logits_give_old_logprobs: fp32
-        logits), else from a scoring pass through the learner's DualKV path (bf16 logits, or old_logprobs=recompute)."""
+        """Sampled continuations come with their tokens' log-probs under the weights that drew them wherever the
+        sampling logits give them (config.logits_give_old_logprobs: fp32 logits), at no cost: a sync step's later
+        mini-batches then take them as old log-probs, as the local loop does. `behaviour_logprobs` (async mode):
+        they must come with every sample, so where the logits do not give them (bf16 logits, or
+        old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them."""
         self.policy, tokenizer = _setup(cfg, threads)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
         from_logits = logits_give_old_logprobs(cfg.old_logprobs, mixed(cfg.precision, _device(self.policy.module)))
-        self.logits_logprobs = behaviour_logprobs and from_logits
+        self.logits_logprobs = from_logits
         self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs and not from_logits else None
         self.version = 0
 

@@ -297,9 +297,10 @@ def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
 
 
 def test_async_rollout_reads_behaviour_logprobs_off_its_fp32_logits(local_ray):
-    """Async mode: an fp32 rollout worker's samples carry the log-probs of the logits they were drawn from, no
-    scoring pass (it has no scorer); old_logprobs=recompute scores them through the learner's DualKV path. Same
-    seed, same tokens, log-probs equal to fp32 rounding (at the run's temperature, as the pool samples)."""
+    """An fp32 rollout worker's samples carry the log-probs of the logits they were drawn from, in both modes, with
+    no scoring pass (it has no scorer); in async mode old_logprobs=recompute scores them through the learner's
+    DualKV path. Same seed, same tokens, log-probs equal to fp32 rounding (at the run's temperature, as the pool
+    samples)."""
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     got = {}
     for how in ("auto", "recompute"):
@@ -308,8 +309,14 @@ def test_async_rollout_reads_behaviour_logprobs_off_its_fp32_logits(local_ray):
         got[how] = ray.get(actor.generate.remote(prompts, 4, 12, cfg.temperature, 1.0, False, 7))
         assert ray.get(actor.__ray_call__.remote(lambda a: a.scorer is None)) is (how == "auto")
         ray.kill(actor)
+    cfg = load_config(TINY, ["max_new_tokens=12", "precision=fp32"])   # sync: given where free, never scored
+    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, 1, False)
+    sync = [s for g in ray.get(actor.generate.remote(prompts, 4, 12, cfg.temperature, 1.0, False, 7)) for s in g]
+    assert ray.get(actor.__ray_call__.remote(lambda a: a.scorer is None))
+    ray.kill(actor)
     logits, scored = ([s for g in got[k] for s in g] for k in ("auto", "recompute"))
-    assert [s.tokens for s in logits] == [s.tokens for s in scored]
+    assert [s.tokens for s in logits] == [s.tokens for s in scored] == [s.tokens for s in sync]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(logits, sync))
     for a, b in zip(logits, scored):
         assert a.logprobs.shape == (len(a.tokens),) and torch.allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
@@ -517,7 +524,8 @@ def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_
 
 def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(tmp_path):
     """run_workload prices what the run does: fp32 on a CPU (bf16 where bf16-mixed), its mini-batches as optimizer
-    steps, and the old log-prob pass only for the groups after the first mini-batch on Ray sync, none in async
+    steps, and the old log-prob pass only for the groups after the first mini-batch (Ray or local) where the
+    rollout's logits do not give them (bf16-mixed, old_logprobs=recompute), none in async
     mode or where the local fp32 rollout gives them (loop.update_policy)."""
     spec = model_spec_from_hf(load_model("tiny", seed=0)[0].config, "tiny")
     lengths = TokenLengths(8, 8.0)
@@ -527,9 +535,11 @@ def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(
         return run_workload(load_config(TINY, [f"out_dir={tmp_path}", "precision=fp32", *ray_run, *extra]), spec,
                             lengths)
 
-    w = workload("executor=ray", "prompts_per_step=8", "mini_batches=2")
+    w = workload("executor=ray", "prompts_per_step=8", "mini_batches=2", "old_logprobs=recompute")
     assert (w.precision, w.optimizer_steps, w.old_logprob_share) == ("fp32", 2, 0.5)
-    assert workload("executor=ray", "prompts_per_step=6", "mini_batches=4").old_logprob_share == pytest.approx(4 / 6)
+    assert workload("executor=ray", "prompts_per_step=6", "mini_batches=4",
+                    "old_logprobs=recompute").old_logprob_share == pytest.approx(4 / 6)
+    assert workload("executor=ray", "mini_batches=2").old_logprob_share == 0   # Ray fp32 rollouts give them too
     assert workload("executor=ray", "mode=async", "mini_batches=2").old_logprob_share == 0
     assert workload("mini_batches=2").old_logprob_share == 0                       # local fp32: from the rollout
     assert workload("mini_batches=2", "old_logprobs=recompute").old_logprob_share > 0
