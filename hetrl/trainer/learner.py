@@ -101,7 +101,6 @@ def mixed(precision: str, device: torch.device | str) -> bool:
     return resolve_precision(precision, device) == "bf16-mixed"
 
 
-
 def amp(model, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast on `model`'s device where the run is bf16-mixed there (`mixed`): fp32 weights stay the master
     copy, a frozen bf16 copy (the reference) runs as it is; else nothing. The log-softmax runs in fp32 either way

@@ -41,9 +41,7 @@ from hetrl.trainer import allocator, build, checkpoint, files, memory
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
-from hetrl.trainer.learner import mixed
-from hetrl.trainer.config import (PYTHON, RunConfig, config_changes, config_data, load_config,
-                                  logits_give_old_logprobs)
+from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.rollout import RolloutWorker, Sample
 
@@ -107,9 +105,7 @@ def rollout_logprobs(cfg: RunConfig, worker) -> bool:
     log-probs (`old_logprobs`): auto does where those logits are fp32, i.e. not under bf16 autocast (then the two
     agree to fp32 rounding, tests/trainer/test_rollout.py). Ray's rollout actors apply the same rule themselves
     (RolloutActor)."""
-    if cfg.mode == "async" or not isinstance(worker, RolloutWorker):
-        return False
-    return logits_give_old_logprobs(cfg.old_logprobs, mixed(worker.precision, next(worker.model.parameters()).device))
+    return cfg.mode != "async" and isinstance(worker, RolloutWorker) and worker.gives_logprobs(cfg.old_logprobs)
 
 
 def _reward_stats(scored: list[Scores]) -> dict:

@@ -39,8 +39,8 @@ from tqdm import tqdm
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files
 from hetrl.trainer.build import DTYPES
-from hetrl.trainer.config import RunConfig, logits_give_old_logprobs
-from hetrl.trainer.learner import CriticStats, UpdateStats, mixed
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.learner import CriticStats, UpdateStats
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.placement import (ROLES, ExecutorFailure, Replica, actor_threads, node_resources, plan_for_run,
                                      replicas)
@@ -111,10 +111,6 @@ def _setup(cfg: RunConfig, threads: int, lora: bool = True):
     return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _whereabouts() -> dict:
     ctx = ray.get_runtime_context()
     return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "resources": ctx.get_assigned_resources(),
@@ -133,9 +129,8 @@ class RolloutActor:
         old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them."""
         self.policy, tokenizer = _setup(cfg, threads)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
-        from_logits = logits_give_old_logprobs(cfg.old_logprobs, mixed(cfg.precision, _device(self.policy.module)))
-        self.logits_logprobs = from_logits
-        self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs and not from_logits else None
+        self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
+        self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs and not self.logits_logprobs else None
         self.version = 0
 
     def whereabouts(self) -> dict:

@@ -28,7 +28,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 
 from hetrl.dualkv.api import _token_logprobs as token_logprobs
 from hetrl.dualkv.decode import SharedPrefixCache, Unsupported, decoding
-from hetrl.trainer.learner import amp
+from hetrl.trainer.config import logits_give_old_logprobs
+from hetrl.trainer.learner import amp, mixed
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ class RolloutWorker:
         # decode from a SharedPrefixCache (each prompt's cache read once per step by its n rows); switched off
         # for a model whose attention it does not support (then the prompt cache is repeated n times)
         self.shared_decode = True
+
+    def gives_logprobs(self, old_logprobs: str) -> bool:
+        """Whether this worker's samples carry their old log-probs off its sampling logits under the run's
+        `old_logprobs` (config.logits_give_old_logprobs: its logits are fp32, not under bf16 autocast)."""
+        return logits_give_old_logprobs(old_logprobs, mixed(self.precision, next(self.model.parameters()).device))
 
     def load_weights(self, state_dict: dict) -> None:
         """Weight sync from a learner that holds a separate copy of the policy."""
