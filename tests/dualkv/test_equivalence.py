@@ -153,3 +153,62 @@ def test_fp64_chunked_lm_head_equals_standard(family, monkeypatch):
     _assert_grads_close(_param_grads(model, got, weights), want_grads, rel=1e-8)
     with torch.no_grad():
         assert (shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7) - want).abs().max() <= 1e-9
+
+
+def _create_block_mask_reference(batch):
+    from torch.nn.attention.flex_attention import create_block_mask
+    g, s, n = batch.group_ids, batch.segment_ids, batch.num_tokens
+    return create_block_mask(lambda b, h, q, kv: (kv <= q) & (g[q] == g[kv]) & ((s[kv] == 0) | (s[kv] == s[q])),
+                             None, None, n, n, device="cpu")
+
+
+@pytest.mark.parametrize("chunk_pairs", [1 << 26, 128 * 256])    # one chunk, and a chunk per query tile
+def test_block_mask_is_create_block_masks_tile_for_tile(monkeypatch, chunk_pairs):
+    """The chunked tile classification (bounded memory) gives create_block_mask's mask: the same partial and
+    full tiles, and the same attention output through flex."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from hetrl.dualkv.impl import flex
+
+    monkeypatch.setattr(flex, "_CHUNK_PAIRS", chunk_pairs)
+    torch.manual_seed(0)
+    layouts = [
+        [([1] * 300, [[2] * 50, [], [3] * 130])],                       # a tail tile, an empty response
+        [([1] * 7, [[2] * 3]), ([1] * 129, [[2], [3] * 256, [4] * 5]), ([1] * 128, [[2] * 128] * 3)],  # aligned
+        [([1] * 128, [[2] * 128])],                                     # exactly two tiles
+    ]
+    for groups in layouts:
+        batch = pack_groups(groups)
+        want, got = _create_block_mask_reference(batch), flex.build_block_mask(batch)
+        assert torch.equal(got.to_dense(), want.to_dense())
+        assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
+        assert torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks)
+        n = batch.num_tokens
+        q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        a = flex_attention(q, k, v, block_mask=want, enable_gqa=True)
+        b = flex_attention(q, k, v, block_mask=got, enable_gqa=True)
+        assert torch.equal(a, b)
+
+
+def test_compiled_flex_keeps_one_kernel_across_many_packed_lengths():
+    """Every micro-batch packs to another length. A shape-specialised compile (dynamic=False) recompiles per
+    length and, past dynamo's recompile limit (8 by default), silently falls back to eager flex, which
+    materialises the full score matrix. The compiled kernel must serve more lengths than a tight limit allows
+    (dynamo told to fail instead of falling back). Forward on CPU: torch compiles flex there; the backward is
+    CUDA-only."""
+    import torch._dynamo
+
+    from hetrl.dualkv.impl import flex
+
+    torch._dynamo.reset()
+    flex._compiled_flex.cache_clear()
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for i, r in enumerate([17, 100, 211, 333, 450, 600]):
+            batch = pack_groups([([1] * (30 + i), [[2] * r, [3] * (r // 2)])])
+            n = batch.num_tokens
+            q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+            mask = flex.build_block_mask(batch)
+            got = flex._compiled_flex()(q, k, v, block_mask=mask, scale=0.3, enable_gqa=True)
+            want = flex.flex_attention(q, k, v, block_mask=mask, scale=0.3, enable_gqa=True)
+            assert (got - want).abs().max().item() <= 1e-5
+    torch._dynamo.reset()
