@@ -45,11 +45,19 @@ def _bench_dualkv(args) -> int:
     if args.layer:
         from hetrl.bench import dualkv_layer
 
-        result = dualkv_layer.run(args.layer, args.device, warmup=2, repeats=args.repeats)
+        only = [dualkv_layer.parse_case(c) for c in args.cases] if args.cases else None
+        rows_path = None
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            rows_path = os.path.join(args.out, f"dualkv_layer_{args.layer}_{args.device.split(':')[0]}.jsonl")
+        result = dualkv_layer.run(args.layer, args.device, warmup=2, repeats=args.repeats,
+                                  checkpointing=args.checkpointing, only=only, rows_path=rows_path)
         print(dualkv_layer.markdown(result))
         if args.out:
-            print(f"wrote {dualkv_layer.write(result, args.out)}.json and .md")
+            print(f"wrote {dualkv_layer.write(result, args.out)}.json and .md (rows as they finished: {rows_path})")
         return 0
+    if args.checkpointing:
+        raise ValueError("--checkpointing is for the layer benchmark (--layer paper|qwen3-8b|tiny)")
     if args.device != "cpu":
         raise ValueError("--device is for the layer benchmark (--layer paper|qwen3-8b|tiny); the model grid runs on CPU")
     from hetrl.bench import dualkv_grid
@@ -203,12 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     dk.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
     dk.add_argument("--out", help="directory for the results (e.g. benchmarks/results); each finished case is "
                     "appended to dualkv_cpu.jsonl at once, and cases already there are not measured again")
-    dk.add_argument("--cases", nargs="+", metavar="NxPxR", help="only these cases, e.g. 16x1024x64 "
-                    "smollm2-135m:8x256x64 (default: the whole grid, cheapest first)")
+    dk.add_argument("--cases", nargs="+", metavar="CASE", help="only these cases: NxPxR for the model grid, e.g. "
+                    "16x1024x64 smollm2-135m:8x256x64 (default: the whole grid, cheapest first); PxMB with --layer, "
+                    "e.g. 8Kx8 16384x8")
     dk.add_argument("--layer", choices=["paper", "qwen3-8b", "tiny"],
-                    help="one decoder layer, forward + backward, DualKV vs packed (varlen) in the DualKV paper's "
+                    help="one decoder layer, forward + backward, DualKV vs packed (varlen) and prefix-grouper in the "
+                         "DualKV paper's "
                          "Table 2 setup (P 5K-32K, mb 4-32, R ~ U(131, 2048)); tiny: small sizes for CPU")
     dk.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (the layer benchmark; bf16 on CUDA)")
+    dk.add_argument("--checkpointing", action="store_true",
+                    help="the layer benchmark also times DualKV with activation checkpointing (its peak memory on CUDA)")
     dk.set_defaults(func=_bench_dualkv)
     bt = bench_sub.add_parser("train", help="whole GRPO steps: hetrl train vs TRL's GRPOTrainer, stock and with DualKV")
     bt.add_argument("--case", nargs="+", default=["default"], metavar="CASE",

@@ -79,24 +79,95 @@ def test_memory_is_measured_per_variant_in_fresh_processes_side_by_side():
 
 
 def test_the_layer_benchmark_runs_at_tiny_sizes_on_cpu_and_writes_its_table(tmp_path):
-    """`hetrl bench dualkv --layer tiny`: the paper's Table 2 procedure at CPU sizes, both layouts through the
-    model's own code, their log-probs equal, FLOPs counted per layout, files written."""
+    """`hetrl bench dualkv --layer tiny`: the paper's Table 2 procedure at CPU sizes, every layout that runs on
+    CPU through the model's own code, their log-probs equal to DualKV's, FLOPs counted per layout, the cost
+    model's prediction beside, rows written as they finish, files written."""
     from hetrl.bench import dualkv_layer
     from hetrl.cli import main
 
-    assert main(["bench", "dualkv", "--layer", "tiny", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "dualkv", "--layer", "tiny", "--repeats", "1", "--checkpointing", "--out",
+                 str(tmp_path)]) == 0
     res = json.loads((tmp_path / "dualkv_layer_tiny_cpu.json").read_text())
     assert [(r["p"], r["mb"]) for r in res["rows"]] == [(64, 2), (64, 4), (128, 2), (128, 4)]
     for r in res["rows"]:
         assert all(8 <= x <= 32 for x in r["responses"]) and len(r["responses"]) == r["mb"]
-        assert r["max_abs_logprob_diff"] < 1e-4
-        d, k = r["layouts"]["dualkv"], r["layouts"]["packed"]
-        assert d["seconds"] > 0 and k["seconds"] > 0 and d["flops"] < k["flops"]
-    assert "| 128 | 4 |" in (tmp_path / "dualkv_layer_tiny_cpu.md").read_text()
+        lay = r["layouts"]
+        assert lay["dualkv_ckpt"]["max_abs_logprob_diff"] <= 1e-6       # the same pass, recomputed
+        for k in ("packed_sdpa", "prefix_grouper"):
+            assert lay[k]["max_abs_logprob_diff"] < 1e-4, k
+        assert "skipped" in lay["packed_varlen"] and "skipped" in lay["packed_flex"]    # CUDA-only kernels
+        assert r["packed"] == "packed_sdpa" and r["speedup"] > 0 and r["speedup_vs_prefix_grouper"] > 0
+        assert lay["dualkv"]["seconds"] > 0 and lay["dualkv"]["flops"] < lay["packed_sdpa"]["flops"]
+        assert lay["dualkv_ckpt"]["flops"] > lay["dualkv"]["flops"]
+        assert 0 < lay["dualkv"]["predicted_h100_s"] < lay["packed_sdpa"]["predicted_h100_s"]
+    text = (tmp_path / "dualkv_layer_tiny_cpu.md").read_text()
+    assert "| 128 | 4 |" in text and "predicted ms" in text and "packed_varlen (flash varlen is CUDA-only)" in text
+    assert len((tmp_path / "dualkv_layer_tiny_cpu.jsonl").read_text().splitlines()) == 4
     # the same lengths for the same seed; the full grid is the paper's
     assert dualkv_layer.cases("full")[0].responses == dualkv_layer.cases("full")[0].responses
     assert {(c.p, c.mb) for c in dualkv_layer.cases("full")} >= set(dualkv_layer.PAPER_MS)
     assert all(131 <= x <= 2048 for c in dualkv_layer.cases("full") for x in c.responses)
+
+
+def test_the_layer_benchmark_runs_the_cases_asked_in_that_order_and_refuses_others():
+    from hetrl.bench import dualkv_layer
+
+    res = dualkv_layer.run("tiny", repeats=1, only=[dualkv_layer.parse_case("128x4"), (64, 2)])
+    assert [(r["p"], r["mb"]) for r in res["rows"]] == [(128, 4), (64, 2)]
+    assert dualkv_layer.parse_case("8Kx8") == (8192, 8) and dualkv_layer.parse_case("16384x8") == (16384, 8)
+    with pytest.raises(ValueError, match="8192x8 not in the tiny grid"):
+        dualkv_layer.run("tiny", only=[(8192, 8)])
+    with pytest.raises(ValueError, match="PxMB"):
+        dualkv_layer.parse_case("8x8x8")
+
+
+def test_the_flex_document_mask_packed_layout_gives_the_same_logprobs_forward_on_cpu():
+    """packed_flex runs forward + backward on CUDA only; its forward (hetrl's flex path with a document-causal
+    mask) is checked here against the per-sequence SDPA layout."""
+    from hetrl.bench import dualkv_layer
+
+    model = dualkv_layer.build_layer("tiny", torch.device("cpu"), torch.float32)
+    case = dualkv_layer.cases("tiny")[3]
+    prompt, responses = dualkv_layer._group(case, torch.device("cpu"))
+    with torch.no_grad():
+        flex = dualkv_layer.layout_logprobs("packed_flex", model, prompt, responses, torch.device("cpu"))()
+        sdpa = dualkv_layer.layout_logprobs("packed_sdpa", model, prompt, responses, torch.device("cpu"))()
+    assert flex.shape == (sum(case.responses),) and (flex - sdpa).abs().max().item() < 1e-5
+
+
+def test_flash_varlen_is_called_causal_in_either_spelling_of_the_api():
+    from hetrl.bench.dualkv_layer import _varlen_kwargs
+
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
+        pass
+
+    def newer(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+              enable_gqa=False):
+        pass
+
+    assert _varlen_kwargs(older) == {"is_causal": True}
+    assert _varlen_kwargs(newer) == {"window_size": (-1, 0), "enable_gqa": True}
+
+
+def test_the_layer_prediction_is_the_cost_models_compute_term():
+    """What the planner would charge for the layer pass on an H100: its FLOPs (mean response length, DualKV or
+    not, checkpointing's extra forward) over the catalog's peak at the cost model's training MFU."""
+    from hetrl.bench import dualkv_layer
+    from hetrl.planner.cost import MFU_TRAIN
+    from hetrl.trainer.placement import model_spec_from_hf
+
+    model = dualkv_layer.build_layer("tiny", torch.device("cpu"), torch.float32)
+    spec = model_spec_from_hf(model.config)
+    case = dualkv_layer.LayerCase(100, 4, (10, 20, 30, 40))
+    at = 989e12 * MFU_TRAIN
+    attn = 4 * 1 * 4 * 16
+    dual_pairs, packed_pairs = 100 * 100 / 2 + 4 * (25 * 100 + 25 * 25 / 2), 4 * 125 * 125 / 2
+    assert dualkv_layer.predicted_seconds(model, case, "dualkv") == pytest.approx(
+        (6 * spec.active_params * 200 + 3 * attn * dual_pairs) / at)
+    assert dualkv_layer.predicted_seconds(model, case, "dualkv_ckpt") == pytest.approx(
+        (8 * spec.active_params * 200 + 4 * attn * dual_pairs) / at)
+    assert dualkv_layer.predicted_seconds(model, case, "packed_varlen") == pytest.approx(
+        (6 * spec.active_params * 500 + 3 * attn * packed_pairs) / at)
 
 
 def test_the_layer_flop_count_is_the_papers_rho_on_linear_layers():

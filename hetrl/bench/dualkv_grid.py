@@ -141,7 +141,8 @@ def _flash_like_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
     them). `attention_mask` is prefix-grouper's [b, Lk] key mask; its last Lq columns are the queries' own."""
     lq, lk = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
-    keys = attention_mask.bool() if attention_mask is not None else torch.ones(key.shape[0], lk, dtype=torch.bool)
+    keys = (attention_mask.bool() if attention_mask is not None
+            else torch.ones(key.shape[0], lk, dtype=torch.bool, device=key.device))
     if lq == lk and bool(keys.all()):            # no padding, square: SDPA's own causal kernel (what was timed)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
@@ -160,8 +161,10 @@ AttentionInterface.register("hetrl_bench_flash_like", _flash_like_sdpa)
 def _prefix_grouper(model, prompt, responses):
     """The prefix-grouper package through its own transformers integration (`register_attention`: ungroup
     the packed row, repeat the prompt's K/V per response, group the outputs back). Its default inner
-    attention is flash_attention_2 (CUDA only), and transformers' own `sdpa` rejects the [b, L] padding masks
-    it passes, so the inner attention here is `_flash_like_sdpa`: torch SDPA with flash-attn's causal rule."""
+    attention is flash_attention_2 (the flash-attn package, CUDA only), and transformers' own `sdpa` rejects the
+    [b, L] padding masks it passes, so the inner attention here is `_flash_like_sdpa`: torch SDPA with
+    flash-attn's causal rule. Responses may differ in length (right-padded, as the package pads them); the
+    log-probs come back response after response, [sum R]."""
     try:
         from prefix_grouper import PrefixGrouper
         from prefix_grouper.utils.register_transformers import register_attention
@@ -169,11 +172,15 @@ def _prefix_grouper(model, prompt, responses):
         raise RuntimeError(f"prefix-grouper is not installed ({e}); pip install prefix-grouper==0.0.1.post1") from None
     register_attention()
     AttentionMaskInterface.register("prefix_grouper_attention", lambda **_: None)
-    n, p, r = len(responses), prompt.numel(), responses[0].numel()
-    labels = torch.stack(responses)
-    pg = PrefixGrouper([[p] + [r] * n], device="cpu")
-    ids = pg.concat_input(prompt[None], torch.ones(1, p, dtype=torch.bool), labels, torch.ones(n, r, dtype=torch.bool))
-    pos = torch.cat([torch.arange(p)] + [torch.arange(p, p + r)] * n)[None]
+    device, p = prompt.device, prompt.numel()
+    lens = [x.numel() for x in responses]
+    labels = torch.zeros(len(lens), max(lens), dtype=torch.long, device=device)
+    real = torch.zeros(len(lens), max(lens), dtype=torch.bool, device=device)
+    for i, x in enumerate(responses):
+        labels[i, :lens[i]], real[i, :lens[i]] = x, True
+    pg = PrefixGrouper([[p] + lens], device=device)
+    ids = pg.concat_input(prompt[None], torch.ones(1, p, dtype=torch.bool, device=device), labels, real)
+    pos = torch.cat([torch.arange(p)] + [torch.arange(p, p + r) for r in lens])[None].to(device)
 
     def grouped():
         original = model.config._attn_implementation
@@ -183,8 +190,8 @@ def _prefix_grouper(model, prompt, responses):
                            prefix_grouper_attn_func="hetrl_bench_flash_like").logits
         finally:
             model.set_attn_implementation(original)
-        suffix = pg.split_output(logits, include_prefix_last=1)[2]
-        return _logp(suffix[:, :-1], labels).flatten()
+        suffix = pg.split_output(logits, include_prefix_last=1)[2]      # [n, 1 + max R, V]
+        return _logp(suffix[:, :-1], labels)[real]
     return grouped
 
 

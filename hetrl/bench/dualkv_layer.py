@@ -10,22 +10,35 @@ drawn by seed, bf16 on the GPU, forward + backward of one layer. Layers:
   tiny       hidden 64, 4 / 2 heads, head dim 16, intermediate 128, P in {64, 128}, R ~ U(8, 32): for CPU and tests
 
 Each is a transformers causal LM with one such layer and a 256-token vocabulary (embedding and head add ~0.5% of
-the layer's FLOPs at hidden 4096), so both layouts run through the model's own code, as in training:
+the layer's FLOPs at hidden 4096), so every layout runs through the model's own code, as in training:
 
-  dualkv   hetrl `shared_prompt_logprobs` (impl flex on CUDA, sdpa on CPU): the prompt once, each response
-           attending to it and to itself
-  packed   the responses each with their own copy of the prompt in one row, attention per sequence: SDPA per
-           segment (the stand-in for flash-attn varlen, which the paper's FA2 baseline is)
+  dualkv          hetrl `shared_prompt_logprobs` (impl flex on CUDA, sdpa on CPU): the prompt once, each response
+                  attending to it and to itself
+  dualkv_ckpt     the same with activation checkpointing on (`--checkpointing`): the memory it saves, the time
+                  the recompute costs
+  packed_*        the responses each with their own copy of the prompt in one row, causal attention per sequence
+                  (the paper's FA2 baseline is flash-attn varlen); three kernels, the fastest that runs is `packed`:
+    packed_varlen   torch's own flash varlen (`torch.nn.attention.varlen.varlen_attn`; CUDA)
+    packed_flex     flex with a document-causal block mask (compiled; CUDA: torch has no CPU flex backward)
+    packed_sdpa     SDPA per sequence (flash on CUDA; the CPU path)
+  prefix_grouper  the prefix-grouper package (the paper's Prefix-Grouper-style baseline) through its own
+                  transformers integration; its inner attention is SDPA with flash-attn's causal rule, since the
+                  flash-attn package is not installed (see dualkv_grid._prefix_grouper)
 
 Reported per (P, mb): median seconds over the timed rounds after warm-up (CUDA events on the GPU), peak memory
 (CUDA only: torch.cuda.max_memory_allocated), TFLOP/s counting only the FLOPs each layout executes (linear layers
 6 x params per token, attention 4 x heads x head dim per causal (query, key) pair forward and twice that backward),
-the largest log-prob difference between the layouts, and the paper's milliseconds where its Table 2 has them.
-Written by hand: no library times a shared-prompt layout against varlen (see ../shared/reference for the paper).
+each layout's largest log-prob difference from dualkv, the paper's milliseconds where its Table 2 has them, and
+the planner's cost model's prediction for the same pass on its H100 catalog entry (#20 item 7: what the planner
+would charge, to set against the measured seconds on an H100). A layout that fails (out of memory, or an API
+this torch lacks) gets its error in its cell; the others still run. Written by hand: no library times a
+shared-prompt layout against varlen (see ../shared/reference for the paper).
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import json
 import os
 import statistics
@@ -33,11 +46,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
 
 from hetrl.bench.dualkv import machine_info
-from hetrl.bench.dualkv_grid import _SEGMENTS  # the per-segment (varlen) attention registered there
+from hetrl.bench.dualkv_grid import _SEGMENTS, _prefix_grouper  # the per-segment SDPA attention registered there
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
+from hetrl.dualkv.impl import flex
 
 VOCAB = 256
 ATTN = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
@@ -84,50 +99,144 @@ def build_layer(name: str, device: torch.device, dtype: torch.dtype):
     return model_cls(config).to(device=device, dtype=dtype)
 
 
+PACKED = ("packed_varlen", "packed_flex", "packed_sdpa")
+LAYOUTS = ("dualkv", "dualkv_ckpt") + PACKED + ("prefix_grouper",)
+
+
 def executed_flops(model, case: LayerCase, layout: str) -> float:
     """Forward + backward FLOPs the layout executes: linear layers (6 per parameter and token) and causal attention
-    (4 per head dim, head and (query, key) pair forward, twice that backward)."""
+    (4 per head dim, head and (query, key) pair forward, twice that backward); with checkpointing, the forward
+    again (8 and 4 x). prefix_grouper runs the prompt through the linear layers once and each response's
+    attention over the prompt once, so it counts as dualkv (the padding of its shorter responses, which its
+    masked attention also computes, is not counted)."""
     c = model.config
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     p, rs = case.p, case.responses
-    if layout == "dualkv":
+    if layout in ("dualkv", "dualkv_ckpt", "prefix_grouper"):
         tokens, pairs = p + sum(rs), p * p / 2 + sum(r * p + r * r / 2 for r in rs)
     else:
         tokens, pairs = len(rs) * p + sum(rs), sum((p + r) ** 2 / 2 for r in rs)
-    return 6 * params * tokens + 3 * 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+    linear, attn = (8, 4) if layout == "dualkv_ckpt" else (6, 3)
+    return linear * params * tokens + attn * 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+
+
+def predicted_seconds(model, case: LayerCase, layout: str, gpu: str = "H100") -> float:
+    """The planner's cost model's seconds for this forward + backward on one `gpu` of its catalog: the compute
+    term of an actor_train pass over one prompt of P tokens and mb responses (their mean and longest length),
+    bf16, no optimizer step (the benchmark takes none). DualKV and prefix-grouper are priced as the cost model
+    prices DualKV, the packed layouts as it prices the standard layout."""
+    from hetrl.planner.plan import Group, Parallelism
+    from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict
+    from hetrl.planner.cost import task_costs
+    from hetrl.trainer.placement import model_spec_from_hf
+
+    cluster = cluster_from_dict({"name": "one", "nodes": [{"name": "n", "region": "r", "gpu": gpu, "count": 1}]})
+    rs = case.responses
+    w = WorkloadSpec(algorithm="grpo", mode="sync", actor=model_spec_from_hf(model.config, "layer"), reference=None,
+                     reward=None, critic=None, prompts_per_step=1, responses_per_prompt=case.mb,
+                     prompt_tokens=TokenLengths(case.p, float(case.p)),
+                     response_tokens=TokenLengths(max(rs), sum(rs) / len(rs)),
+                     dualkv=layout in ("dualkv", "dualkv_ckpt", "prefix_grouper"), micro_batch_responses=case.mb)
+    par = Parallelism(1, 1, 1, recompute=layout == "dualkv_ckpt")
+    return task_costs(cluster, w, Group(("actor_train",), (0,), (("actor_train", par),)))["actor_train"].terms["compute"]
 
 
 def _group(case: LayerCase, device):
     g = torch.Generator().manual_seed(case.p * 7 + case.mb)
     prompt = torch.randint(0, VOCAB, (case.p,), generator=g)
-    return prompt, [torch.randint(0, VOCAB, (r,), generator=g) for r in case.responses]
+    return prompt.to(device), [torch.randint(0, VOCAB, (r,), generator=g).to(device) for r in case.responses]
+
+
+# ------------------------------------------------------------------- the packed layout's kernels
+
+_DOC_MASK: contextvars.ContextVar = contextvars.ContextVar("hetrl_bench_doc_mask", default=None)
+
+
+def _flex_document(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention inside each packed sequence with flex and a document-causal block mask (hetrl's flex
+    path: compiled on CUDA, tile-classified mask)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return flex.attend(query, key, value, _DOC_MASK.get(), scale).transpose(1, 2).contiguous(), None
+
+
+def _varlen_kwargs(varlen_attn) -> dict:
+    """Causal (and GQA) as this torch's `varlen_attn` spells them: `is_causal` in some releases, a (-1, 0) window
+    in others; `enable_gqa` where it exists (flash takes fewer K/V heads natively)."""
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return kw | ({"enable_gqa": True} if "enable_gqa" in params else {})
+
+
+def _flash_varlen(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention inside each packed sequence with torch's flash varlen kernel: query [1, H, T, d] ->
+    [1, T, H, d]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    bounds = _SEGMENTS.get()
+    cu = torch.tensor([s for s, _ in bounds] + [bounds[-1][1]], dtype=torch.int32, device=query.device)
+    longest = max(e - s for s, e in bounds)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))    # [T, H, d]
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **_varlen_kwargs(varlen_attn))[None], None
+
+
+for _name, _fn in (("hetrl_bench_flex_document", _flex_document), ("hetrl_bench_flash_varlen", _flash_varlen)):
+    AttentionInterface.register(_name, _fn)
+    AttentionMaskInterface.register(_name, lambda **_: None)
+_PACKED_ATTN = {"packed_sdpa": "hetrl_bench_varlen", "packed_flex": "hetrl_bench_flex_document",
+                "packed_varlen": "hetrl_bench_flash_varlen"}
+
+
+def unavailable(layout: str, device) -> str | None:
+    """Why `layout` cannot run forward + backward on `device` (None: it can)."""
+    if layout == "packed_varlen":
+        if device.type != "cuda":
+            return "flash varlen is CUDA-only"
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if layout == "packed_flex" and device.type != "cuda":
+        return "torch has no flex backward on CPU"
+    if layout == "prefix_grouper":
+        try:
+            import prefix_grouper  # noqa: F401
+        except ImportError:
+            return "prefix-grouper is not installed"
+    return None
 
 
 def layout_logprobs(layout: str, model, prompt, responses, device):
     """-> a function computing the response tokens' log-probs [sum R] in `layout`, in the same order."""
-    if layout == "dualkv":
-        batch = pack_groups([(prompt.tolist(), [r.tolist() for r in responses])])
+    if layout in ("dualkv", "dualkv_ckpt"):
+        batch = pack_groups([(prompt.cpu().tolist(), [r.cpu().tolist() for r in responses])])
         impl = "flex" if device.type == "cuda" else "sdpa"
         return lambda: shared_prompt_logprobs(model, batch, impl=impl)
+    if layout == "prefix_grouper":
+        return _prefix_grouper(model, prompt, responses)
     p = prompt.numel()
-    ids = torch.cat([torch.cat([prompt, r]) for r in responses])[None].to(device)
+    ids = torch.cat([torch.cat([prompt, r]) for r in responses])[None]
     pos = torch.cat([torch.arange(p + r.numel()) for r in responses])[None].to(device)
     starts = [0]
     for r in responses:
         starts.append(starts[-1] + p + r.numel())
     bounds = list(zip(starts[:-1], starts[1:]))
     keep = torch.cat([torch.arange(s + p - 1, e - 1) for s, e in bounds]).to(device)
-    labels = torch.cat(responses).to(device)
+    labels = torch.cat(responses)
+    doc = torch.repeat_interleave(torch.arange(len(bounds)), torch.tensor([e - s for s, e in bounds])).to(device)
 
     def packed():
-        token = _SEGMENTS.set(bounds)
+        tokens = [_SEGMENTS.set(bounds)]
+        if layout == "packed_flex":      # built per call, as DualKV builds its own
+            tokens.append(_DOC_MASK.set(flex.block_mask_from_ids(doc, torch.zeros_like(doc))))
         original = model.config._attn_implementation
-        model.set_attn_implementation("hetrl_bench_varlen")
+        model.set_attn_implementation(_PACKED_ATTN[layout])
         try:
             logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, keep]
         finally:
             model.set_attn_implementation(original)
-            _SEGMENTS.reset(token)
+            _SEGMENTS.reset(tokens[0])
+            if len(tokens) > 1:
+                _DOC_MASK.reset(tokens[1])
         return torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
     return packed
 
@@ -151,20 +260,34 @@ def _timed(fn, device, warmup: int, repeats: int) -> list[float]:
     return out
 
 
-def measure(model, case: LayerCase, device, warmup: int, repeats: int) -> dict:
+def _error(e: BaseException) -> str:
+    if isinstance(e, torch.OutOfMemoryError):
+        return "out of memory"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:160]}"
+
+
+def measure(model, case: LayerCase, device, warmup: int, repeats: int, layouts=LAYOUTS) -> dict:
     prompt, responses = _group(case, device)
     row = {"p": case.p, "mb": case.mb, "responses": list(case.responses), "layouts": {}}
     weights = torch.randn(sum(case.responses), generator=torch.Generator().manual_seed(1)).to(device)
     values = {}
-    for layout in ("dualkv", "packed"):
-        fn = layout_logprobs(layout, model, prompt, responses, device)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            (fn() * weights).sum().backward()
-
-        entry = {"flops": executed_flops(model, case, layout)}
+    for layout in layouts:
+        entry = {"flops": executed_flops(model, case, layout), "predicted_h100_s": predicted_seconds(model, case, layout)}
+        row["layouts"][layout] = entry
+        why = unavailable(layout, device)
+        if why:
+            entry["skipped"] = why
+            continue
+        if layout == "dualkv_ckpt":
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         try:
+            fn = layout_logprobs(layout, model, prompt, responses, device)
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                (fn() * weights).sum().backward()
+
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -175,54 +298,124 @@ def measure(model, case: LayerCase, device, warmup: int, repeats: int) -> dict:
                 entry["peak_bytes"] = torch.cuda.max_memory_allocated(device)
             with torch.no_grad():
                 values[layout] = fn().float()
-        except torch.OutOfMemoryError:
-            entry["error"] = "out of memory"
-        row["layouts"][layout] = entry
-    if len(values) == 2:
-        row["max_abs_logprob_diff"] = (values["dualkv"] - values["packed"]).abs().max().item()
-    d, k = row["layouts"]["dualkv"].get("seconds"), row["layouts"]["packed"].get("seconds")
-    if d and k:
-        row["speedup"] = k / d
+        except Exception as e:          # one layout's failure (OOM, a missing API) is its cell, not the run's end
+            entry["error"] = _error(e)
+        finally:
+            model.zero_grad(set_to_none=True)
+            if layout == "dualkv_ckpt":
+                model.activation_checkpointing_disable()
+    if "dualkv" in values:
+        for layout, v in values.items():
+            if layout != "dualkv":
+                row["layouts"][layout]["max_abs_logprob_diff"] = (v - values["dualkv"]).abs().max().item()
+    timed = {k: e["seconds"] for k, e in row["layouts"].items() if "seconds" in e}
+    packed = [k for k in PACKED if k in timed]
+    if packed:
+        row["packed"] = min(packed, key=timed.get)
+    if "dualkv" in timed:
+        if packed:
+            row["speedup"] = timed[row["packed"]] / timed["dualkv"]
+        if "prefix_grouper" in timed:
+            row["speedup_vs_prefix_grouper"] = timed["prefix_grouper"] / timed["dualkv"]
     if (case.p, case.mb) in PAPER_MS:
         row["paper_ms"] = dict(zip(("fa2", "dualkv", "prefix_grouper"), PAPER_MS[case.p, case.mb]))
     return row
 
 
 def run(layer: str, device: str = "cpu", grid: str | None = None, warmup: int = 2, repeats: int = 5,
-        seed: int = 0) -> dict:
+        seed: int = 0, checkpointing: bool = False, only: list[tuple[int, int]] | None = None,
+        rows_path: str | None = None) -> dict:
+    """Every (P, mb) of the grid (or `only` those, in that order), each row appended to `rows_path` (JSON lines) as it finishes,
+    so a run cut short keeps what it measured."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but torch sees no CUDA GPU here; use --device cpu (with --layer tiny)")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_layer(layer, dev, dtype)
     grid = grid or ("tiny" if layer == "tiny" else "full")
-    rows = [measure(model, c, dev, warmup, repeats) for c in cases(grid, seed)]
+    grid_cases = {(c.p, c.mb): c for c in cases(grid, seed)}
+    if only is not None and not set(only) <= set(grid_cases):
+        raise ValueError(f"--cases: {', '.join(f'{p}x{mb}' for p, mb in only if (p, mb) not in grid_cases)} not in "
+                         f"the {grid} grid ({', '.join(f'{p}x{mb}' for p, mb in grid_cases)})")
+    todo = list(grid_cases.values()) if only is None else [grid_cases[k] for k in dict.fromkeys(only)]  # in given order
+    layouts = LAYOUTS if checkpointing else tuple(x for x in LAYOUTS if x != "dualkv_ckpt")
+    rows = []
+    for c in todo:
+        rows.append(measure(model, c, dev, warmup, repeats, layouts))
+        if rows_path:
+            with open(rows_path, "a") as f:
+                f.write(json.dumps({"layer": layer, "device": str(dev)} | rows[-1]) + "\n")
     return {"layer": layer, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "grid": grid,
             "warmup": warmup, "repeats": repeats, "seed": seed, "machine": machine_info(),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-            "rows": rows}
+            "layouts": list(layouts), "rows": rows}
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    """'8192x8' or '8Kx8' -> (P, mb)."""
+    try:
+        p, mb = text.lower().split("x")
+        return int(float(p[:-1]) * 1024) if p.endswith("k") else int(p), int(mb)
+    except ValueError:
+        raise ValueError(f"a layer case is PxMB, e.g. 8192x8 or 8Kx8; got {text!r}") from None
+
+
+def _ms(entry: dict) -> str:
+    if "seconds" in entry:
+        return f"{entry['seconds'] * 1e3:.2f}"
+    return entry.get("error") or "n/a"
 
 
 def markdown(res: dict) -> str:
-    def ms(entry):
-        return entry["error"] if "error" in entry else f"{entry['seconds'] * 1e3:.2f}"
+    from hetrl.planner.catalog import gpu
+    from hetrl.planner.cost import MFU_TRAIN
 
+    on_gpu = res["device"].startswith("cuda")
+    timed_layouts = [k for k in res.get("layouts", ("dualkv", "packed_sdpa"))
+                     if any("seconds" in r["layouts"].get(k, {}) for r in res["rows"])]
+    skipped = {k: e["skipped"] for r in res["rows"] for k, e in r["layouts"].items() if "skipped" in e}
+    gib = lambda e: f"{e['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in e else "-"
     lines = [f"# DualKV, one {res['layer']} layer, forward + backward ({res['device']}, {res['dtype']})", "",
              f"torch {res['torch']}{', ' + res['gpu'] if res['gpu'] else ''}; median of {res['repeats']} rounds after "
              f"{res['warmup']} warm-up; responses R ~ U{GRIDS[res['grid']][2]} by seed {res['seed']}. "
-             "`hetrl bench dualkv --layer " + res["layer"] + " --device " + res["device"] + "`.", "",
-             "| P | mb | dualkv ms | packed ms | speedup | dualkv TFLOP/s | packed TFLOP/s | dualkv peak | "
-             "packed peak | max logp diff | paper FA2 / DualKV ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`hetrl bench dualkv --layer " + res["layer"] + " --device " + res["device"] + "`. "
+             "`packed` is the fastest packed kernel that ran; speedup = packed / dualkv.", ""]
+    if skipped:
+        lines += ["Not run here: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".", ""]
+    head = ["P", "mb"] + [f"{k} ms" for k in timed_layouts] + ["packed", "speedup", "vs prefix-grouper",
+                                                                 "paper FA2 / DualKV / PG ms", "paper speedup"]
+    lines += ["## Time", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["rows"]:
-        d, k = r["layouts"]["dualkv"], r["layouts"]["packed"]
-        peak = lambda e: f"{e['peak_bytes'] / 2**30:.2f} GiB" if "peak_bytes" in e else "n/a"
         paper = r.get("paper_ms")
-        speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-        tflops = lambda e: f"{e['tflops']:.3g}" if "tflops" in e else "-"
-        diff = f"{r['max_abs_logprob_diff']:.1e}" if "max_abs_logprob_diff" in r else "-"
-        theirs = "/".join("OOM" if v is None else f"{v:g}" for v in (paper["fa2"], paper["dualkv"])) if paper else ""
-        lines.append(f"| {r['p']} | {r['mb']} | {ms(d)} | {ms(k)} | {speedup} | {tflops(d)} | {tflops(k)} | "
-                     f"{peak(d)} | {peak(k)} | {diff} | {theirs} |")
+        theirs = "/".join("-" if v is None else f"{v:g}" for v in paper.values()) if paper else ""
+        ratio = f"{paper['fa2'] / paper['dualkv']:.2f}x" if paper and paper["fa2"] else ""
+        cells = [str(r["p"]), str(r["mb"])] + [_ms(r["layouts"].get(k, {})) for k in timed_layouts]
+        cells += [r.get("packed", "-"), f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+                  f"{r['speedup_vs_prefix_grouper']:.2f}x" if "speedup_vs_prefix_grouper" in r else "-", theirs, ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## TFLOP/s (executed FLOPs), peak GiB, largest log-prob difference from dualkv", "",
+              "| P | mb | layout | TFLOP/s | peak GiB | max logp diff |", "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        for k in timed_layouts:
+            e = r["layouts"].get(k, {})
+            if "seconds" in e:
+                diff = f"{e['max_abs_logprob_diff']:.1e}" if "max_abs_logprob_diff" in e else "-"
+                lines.append(f"| {r['p']} | {r['mb']} | {k} | {e['tflops']:.3g} | {gib(e)} | {diff} |")
+    lines += ["", "## The cost model against the measurement" + ("" if on_gpu else " (predictions only: "
+              "the measurement here is not on an H100)"), "",
+              f"The planner's compute term for the same pass on its H100 catalog entry ({gpu('H100').dense_bf16_flops / 1e12:g} "
+              f"TFLOP/s bf16 dense at MFU_TRAIN = {MFU_TRAIN}), DualKV and prefix-grouper priced as DualKV, packed as "
+              "the standard layout.", "",
+              "| P | mb | layout | predicted ms | measured ms | error |", "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        for k in ("dualkv", "dualkv_ckpt", r.get("packed")):
+            e = r["layouts"].get(k) if k else None
+            if not e:
+                continue
+            pred = e["predicted_h100_s"] * 1e3
+            meas = e["seconds"] * 1e3 if on_gpu and "seconds" in e else None
+            err = f"{(pred - meas) / meas:+.0%}" if meas else "-"
+            lines.append(f"| {r['p']} | {r['mb']} | {k} | {pred:.3g} | {f'{meas:.3g}' if meas else '-'} | {err} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,15 +26,22 @@ _CHUNK_PAIRS = 1 << 26              # (query, key) pairs evaluated at once while
 
 
 def build_block_mask(batch: PackedBatch) -> BlockMask:
-    """The shared-prompt BlockMask, classified tile by tile in row chunks of bounded memory.
+    """The shared-prompt BlockMask of a packed batch (see `block_mask_from_ids`)."""
+    return block_mask_from_ids(batch.group_ids, batch.segment_ids)
+
+
+def block_mask_from_ids(group: torch.Tensor, seg: torch.Tensor) -> BlockMask:
+    """The shared-prompt BlockMask over a stream of T tokens: token t is in group `group[t]` and in segment
+    `seg[t]` of it (0: the prompt; i: response i). A query sees a key iff the key is not after it, in its group,
+    and in the prompt or its own segment. (One sequence per group with every segment 0 is plain document-causal
+    packing, the varlen layout.) Classified tile by tile in row chunks of bounded memory.
 
     `create_block_mask` evaluates the mask over all T x T pairs at once (about 11 bytes per pair measured on
     CPU: 2.9 GiB at T = 16K, ~50 GiB at the T = 67K of P = 32K with 32 responses), which would cost more memory
     than the attention it serves. Here each chunk of query rows is compared against every key in booleans only,
     reduced to its tiles (empty, partial or full, as create_block_mask classifies them), and the tiles are
     handed to the public `BlockMask.from_kv_blocks`. The mask is the same; tests compare both on CPU."""
-    group, seg = batch.group_ids, batch.segment_ids
-    n, device = batch.num_tokens, group.device
+    n, device = group.numel(), group.device
     blocks = -(-n // BLOCK)
     padded = blocks * BLOCK
     # padded tails: group -1 (never attended), so mask_mod may also be called on indices in [n, padded)
