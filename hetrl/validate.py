@@ -8,8 +8,6 @@ the same one-line error `hetrl plan` / `hetrl train` would.
 
 from __future__ import annotations
 
-import os
-
 from hetrl.schema import InputError, read_json, read_yaml
 
 
@@ -43,7 +41,7 @@ def validate_file(path: str, cluster: str | None = None, workload: str | None = 
 
 
 def _validate_run_config(path: str) -> str:
-    from hetrl.models import EMBEDDED, TINY
+    from hetrl.models import unknown_model
     from hetrl.planner import load_cluster
     from hetrl.planner.plan import plan_shape
     from hetrl.trainer.config import load_config
@@ -58,9 +56,9 @@ def _validate_run_config(path: str) -> str:
             plan_shape(read_json(cfg.plan, "plan JSON"), cfg.plan, {g.name: g.id for g in cluster.gpus}, cluster)
         else:
             plan_shape(read_json(cfg.plan, "plan JSON"), cfg.plan)
-    if cfg.model not in (EMBEDDED, TINY) and not os.path.isdir(cfg.model):
-        raise InputError(f"{path}: model {cfg.model!r} is neither {EMBEDDED}, {TINY} nor a local model directory",
-                         located=True)
+    why = unknown_model(cfg.model)
+    if why:
+        raise InputError(f"{path}: {why}", located=True)
     data = ""
     if cfg.data is not None:   # the rows (read, prompt column present) and the user's reward functions (import)
         from hetrl.data import load_rows

@@ -103,6 +103,8 @@ def test_the_layer_benchmark_runs_at_tiny_sizes_on_cpu_and_writes_its_table(tmp_
     text = (tmp_path / "dualkv_layer_tiny_cpu.md").read_text()
     assert "| 128 | 4 |" in text and "predicted ms" in text and "packed_varlen (flash varlen is CUDA-only)" in text
     assert len((tmp_path / "dualkv_layer_tiny_cpu.jsonl").read_text().splitlines()) == 4
+    again = dualkv_layer.from_rows(str(tmp_path / "dualkv_layer_tiny_cpu.jsonl"), repeats=1)   # a run cut short
+    assert again["rows"] == res["rows"] and dualkv_layer.markdown(again) == text
     # the same lengths for the same seed; the full grid is the paper's
     assert dualkv_layer.cases("full")[0].responses == dualkv_layer.cases("full")[0].responses
     assert {(c.p, c.mb) for c in dualkv_layer.cases("full")} >= set(dualkv_layer.PAPER_MS)

@@ -351,6 +351,25 @@ def run(layer: str, device: str = "cpu", grid: str | None = None, warmup: int = 
             "layouts": list(layouts), "rows": rows}
 
 
+def from_rows(rows_path: str, repeats: int, warmup: int = 2, seed: int = 0) -> dict:
+    """The result of a run from the rows it appended to `rows_path` (`run`'s rows_path), e.g. of a run cut short by
+    a time limit: what `run` returns, for `markdown` and `write`, with this process's machine facts."""
+    with open(rows_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{rows_path} holds no finished row")
+    layer, device = rows[0].pop("layer"), rows[0].pop("device")
+    for r in rows[1:]:
+        if (r.pop("layer"), r.pop("device")) != (layer, device):
+            raise ValueError(f"{rows_path} mixes layers or devices")
+    dev = torch.device(device)
+    layouts = list(dict.fromkeys(k for r in rows for k in r["layouts"]))
+    return {"layer": layer, "device": device, "dtype": "bfloat16" if dev.type == "cuda" else "float32",
+            "grid": "tiny" if layer == "tiny" else "full", "warmup": warmup, "repeats": repeats, "seed": seed,
+            "machine": machine_info(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "layouts": layouts, "rows": rows}
+
+
 def parse_case(text: str) -> tuple[int, int]:
     """'8192x8' or '8Kx8' -> (P, mb)."""
     try:

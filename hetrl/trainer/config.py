@@ -51,7 +51,7 @@ _PRESETS = {
 @dataclass(frozen=True)
 class RunConfig:
     # what to train
-    model: str = "smollm2-135m"           # "smollm2-135m" (embedded), "tiny" (config-built), or a local HF dir
+    model: str = "smollm2-135m"           # "smollm2-135m" (embedded), "tiny", "config:NAME" (random weights), a local HF dir
     dtype: str = rule("float32", choices=DTYPES)
     task: str | None = "basic_arithmetic"  # a reasoning-gym generator name (None when `data` is given)
     task_config: dict = field(default_factory=lambda: dict(DEFAULT_TASK_CONFIG))

@@ -122,3 +122,29 @@ def test_unknown_task_and_bad_options():
         TaskSource("arithmetics", {}, 0, 10, tiny_tokenizer())
     with pytest.raises(ValueError, match="bad task_config for 'basic_arithmetic'"):
         _task(options={"max_digitz": 2})
+
+
+def test_config_models_are_the_real_architectures_with_random_weights(tmp_path):
+    """`model=config:NAME`: the architecture as its config.json gives it (parameter counts: SmolLM2-135M's as the
+    embedded model has them, Qwen2.5-0.5B's published 0.49B), the tiny tokenizer's special tokens; an unknown
+    name is one line, from `hetrl validate` too."""
+    import torch
+
+    from hetrl.cli import main
+    from hetrl.models import config_model, load_model, tiny_tokenizer, unknown_model
+
+    tok = tiny_tokenizer()
+    with torch.device("meta"):
+        counts = {n: sum(p.numel() for p in config_model(n, tok).parameters()) for n in ("smollm2-135m", "qwen2.5-0.5b")}
+        qwen = config_model("qwen2.5-0.5b", tok)
+    assert counts == {"smollm2-135m": 134_515_008, "qwen2.5-0.5b": 494_032_768}
+    assert type(qwen).__name__ == "Qwen2ForCausalLM" and qwen.config.eos_token_id == tok.eos_token_id
+    assert unknown_model("config:smollm2-135m") is None and unknown_model("tiny") is None
+    assert "config:qwen2.5-0.5b" in unknown_model("config:nope")
+    with pytest.raises(ValueError, match="no such architecture"):
+        load_model("config:nope")
+    with pytest.raises(FileNotFoundError, match="nor a local Hugging Face model directory"):
+        load_model(str(tmp_path))                     # a directory without config.json
+    run = tmp_path / "run.yaml"
+    run.write_text("model: config:llama-9b\n")
+    assert main(["validate", str(run)]) == 2

@@ -1,0 +1,166 @@
+"""`hetrl train` per phase on one device (#20 item 8): rollout, log-probs and update seconds, tokens/s and MFU.
+
+    python benchmarks/train_split.py --device cuda --out benchmarks/results/gpu
+    python benchmarks/train_split.py --device cpu --out benchmarks/results        # the same jobs on the CPU
+
+Each model runs the default job (GRPO, 8 prompts x 8 samples of the default task, 16 new tokens, 2 mini-batches,
+precision auto) for `--steps` steps as `python -m hetrl train` in its own process, with a small held-out set
+(`eval_size`, only to finish the run) and no checkpoints. The models are real architectures with random weights
+(`config:NAME`: the embedded weights cannot reach a GPU machine, README "GPU"), so the numbers are speed only;
+random weights rarely sample EOS, so every response runs to max_new_tokens.
+
+Per phase, from metrics.jsonl, the median over the steps after the first (the first compiles and warms up):
+  rollout    gen_s; tokens/s = generated tokens / s; FLOPs = 2 x active params x (each prompt once + the
+             generated tokens): the prefill-once decode's linear layers
+  log-probs  logprob_s; tokens/s = packed tokens / s; FLOPs = 2 x active params x packed tokens x the passes the
+             run makes (the reference where kl_coef > 0, plus old_logprob_share of a pass: placement.run_workload)
+  update     update_s; tokens/s = packed tokens / s; FLOPs = 6 x active params x packed tokens (8 x with
+             gradient checkpointing)
+Attention FLOPs are left out (short sequences here). MFU = FLOP/s over the device's bf16 peak: the planner
+catalog's entry for a GPU it names (hetrl.planner.catalog), or this CPU's bf16 (fp32 for an fp32 run) matmul
+peak measured in the run (hetrl.bench.machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = ("config:smollm2-135m", "config:qwen2.5-0.5b")
+JOB = {"eval_size": 8, "checkpoint_every": 0}
+
+
+def run_job(model: str, device: str, steps: int, work: pathlib.Path, extra: list[str]) -> tuple[dict, list[dict]]:
+    out = work / model.replace(":", "_")
+    cmd = [sys.executable, "-m", "hetrl", "train", f"model={model}", f"device={device}", f"steps={steps}",
+           f"out_dir={out}"] + [f"{k}={v}" for k, v in JOB.items()] + extra
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads(json.dumps(summary.get("config", {})))
+    return {"command": " ".join(cmd[1:]), "wall_s": wall, "precision": summary.get("precision"),
+            "config": config}, rows
+
+
+def peak_flops(device: str, precision: str) -> tuple[float, str]:
+    import torch
+
+    from hetrl.bench.machine import matmul_gflops
+    from hetrl.planner.catalog import GPUS
+
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+        for key, g in GPUS.items():
+            if key.split("-")[0] in name:
+                return g.dense_bf16_flops, f"catalog {key} ({g.source})"
+        raise ValueError(f"{name} is not in the planner catalog; add it to compare MFU")
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    return matmul_gflops(dtype, 1024, 3.0) * 1e9, f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here"
+
+
+def phases(model: str, rows: list[dict], run: dict, peak: float) -> dict:
+    from hetrl.models import load_model
+    from hetrl.trainer.config import RunConfig
+    from hetrl.trainer.placement import model_spec_from_hf, old_logprob_share
+
+    import torch
+    with torch.device("meta"):
+        params = model_spec_from_hf(load_model(model)[0].config, model).active_params
+    cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
+    passes = (1.0 if cfg.kl_coef > 0 else 0.0) + old_logprob_share(cfg, "bf16" if run["precision"] == "bf16-mixed"
+                                                                      else "fp32")
+    timed = rows[1:] or rows
+    med = lambda key: statistics.median(r[key] for r in timed)
+    generated = med("response_len_mean") * cfg.prompts_per_step * cfg.responses_per_prompt
+    packed = med("packed_tokens")
+    prompt_once = packed - generated      # each group's prompt once (the packed stream's other tokens)
+    train_factor = 8 if cfg.gradient_checkpointing else 6
+    out = {"params_active": params, "logprob_passes": passes, "steps_timed": len(timed), "step_s": med("step_s")}
+    for name, seconds, tokens, flops in (
+            ("rollout", med("gen_s"), generated, 2 * params * (prompt_once + generated)),
+            ("logprobs", med("logprob_s"), packed, 2 * params * packed * passes),
+            ("update", med("update_s"), packed, train_factor * params * packed)):
+        out[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
+                     "mfu": flops / seconds / peak if seconds and flops else None}
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# `hetrl train` per phase on {res['device_name']}", "",
+             f"`python benchmarks/train_split.py --device {res['device']}` at {res['revision']}, {res['date']}. "
+             f"{res['machine']}; torch {res['torch']}. Peak for MFU: {res['peak_flops'] / 1e12:.3g} TFLOP/s "
+             f"({res['peak_source']}). Default job (GRPO, 8 x 8 samples, 16 new tokens), random-weight models of "
+             "real shapes (speed only); medians over the steps after the first.", "",
+             "| model | precision | step s | rollout s | tok/s | MFU | log-probs s | tok/s | MFU | update s | tok/s | "
+             "MFU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    pct = lambda v: "-" if v is None else f"{v:.1%}"
+    num = lambda v: "-" if v is None else f"{v:.0f}"
+    for m, r in res["runs"].items():
+        p = r["phases"]
+        cells = [m, r["precision"], f"{p['step_s']:.2f}"]
+        for ph in ("rollout", "logprobs", "update"):
+            cells += [f"{p[ph]['seconds']:.2f}", num(p[ph]["tokens_per_s"]), pct(p[ph]["mfu"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Commands:", ""] + [f"- `{r['command']}` ({r['wall_s']:.0f} s wall)" for r in res["runs"].values()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more overrides for every run")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--work", help="directory for the runs (default: a temporary one)")
+    args = ap.parse_args()
+
+    import torch
+
+    from hetrl.bench.machine import cpu
+    from hetrl.bench.train_vs_trl import revision
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA GPU here", file=sys.stderr)
+        return 2
+    work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="hetrl_split_"))
+    info = cpu()
+    res = {"device": args.device, "revision": revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "torch": torch.__version__, "machine": f"{info['model']}, {info['cores']} cores",
+           "device_name": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
+           else f"CPU ({info['model']}, {info['torch_threads']} threads)", "runs": {}}
+    os.makedirs(args.out, exist_ok=True)
+    name = f"train_split_{args.device.split(':')[0]}"
+    for model in args.models:
+        run, rows = run_job(model, args.device, args.steps, work, args.set)
+        if "peak_flops" not in res:       # measured after the first run, on an otherwise idle device
+            res["peak_flops"], res["peak_source"] = peak_flops(args.device, run["precision"])
+        run["phases"] = phases(model, rows, run, res["peak_flops"])
+        run["metrics"] = rows
+        res["runs"][model] = run
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"{model}: {run['phases']['step_s']:.2f} s/step", flush=True)
+    text = markdown(res)
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
