@@ -162,6 +162,14 @@ def rollout_worker(cfg: RunConfig, model, tokenizer) -> RolloutWorker:
     return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=cfg.precision)
 
 
+def bf16_weights_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A bf16 copy of a state dict's floating tensors, the rest copied as they are (what a rollout that samples
+    from bf16 weights loads after each update; learner.samples_in_bf16)."""
+    with torch.no_grad():
+        return {k: v.detach().to(torch.bfloat16, copy=True) if v.is_floating_point() else v.detach().clone()
+                for k, v in state.items()}
+
+
 def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
     """No-grad log-probs of `model` through the DualKV path, inside `context` (the adapter off for the reference)."""
     return Scorer(model, impl=cfg.impl, temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import time
 from typing import Protocol
 
 import torch
 
 from hetrl.trainer import build, checkpoint
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import UpdateStats
+from hetrl.trainer.learner import UpdateStats, samples_in_bf16
 from hetrl.trainer.rollout import Sample
 
 Groups = list[tuple[list[int], list[list[int]]]]
@@ -61,7 +62,8 @@ class Engine(Protocol):
 
 
 class LocalEngine:
-    """Every role in this process: the rollout worker and the learner share one policy (no weight sync)."""
+    """Every role in this process. The rollout worker samples from the policy itself, or, where the run is
+    bf16-mixed (learner.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer):
         self.tokenizer = tokenizer
@@ -71,10 +73,18 @@ class LocalEngine:
         self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer)
-        self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
+        self.bf16_rollout = samples_in_bf16(cfg, self.policy.module, self.policy.lora)
+        sampler = copy.deepcopy(self.policy.module).to(torch.bfloat16).eval().requires_grad_(False) \
+            if self.bf16_rollout else self.policy.module
+        self.worker = build.rollout_worker(cfg, sampler, tokenizer)
 
     def sync_weights(self, version: int) -> dict:
-        return {}
+        """The bf16 rollout's copy of the updated policy (applied before its next generate call); -> seconds."""
+        if not self.bf16_rollout:
+            return {}
+        t0 = time.perf_counter()
+        self.worker.queue_weights(build.bf16_weights_of(self.policy.module.state_dict()))
+        return {"weight_sync_s": time.perf_counter() - t0}
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
         staged = {checkpoint.CRITIC: checkpoint.stage(run_dir, checkpoint.CRITIC, self.critic.state())} \
@@ -87,6 +97,7 @@ class LocalEngine:
         state = checkpoint.load(path, self.policy.saved, self.optimizer)
         if critic is not None:
             self.critic.load_state(critic)
+        self.sync_weights(state["step"])       # a bf16 rollout samples from the loaded weights too
         return state
 
     def save_merged(self, run_dir: pathlib.Path) -> pathlib.Path:

@@ -101,6 +101,16 @@ def mixed(precision: str, device: torch.device | str) -> bool:
     return resolve_precision(precision, device) == "bf16-mixed"
 
 
+def samples_in_bf16(cfg, model, lora: bool) -> bool:
+    """Whether the rollout samples from bf16 weights of its own: where the run is bf16-mixed on the policy's device
+    and the policy is fully fine-tuned with fp32 weights. Decoding reads every weight once per token, so bf16
+    weights read half the bytes of the fp32 master and skip autocast's per-step casts; vLLM and SGLang sample from
+    bf16 weights the same way. Otherwise (fp32 runs; LoRA, which samples through its unmerged adapter) the rollout
+    samples from the policy itself."""
+    p = next(model.parameters())
+    return not lora and p.dtype == torch.float32 and mixed(cfg.precision, p.device)
+
+
 def amp(model, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast on `model`'s device where the run is bf16-mixed there (`mixed`): fp32 weights stay the master
     copy, a frozen bf16 copy (the reference) runs as it is; else nothing. The log-softmax runs in fp32 either way

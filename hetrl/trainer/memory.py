@@ -17,7 +17,7 @@ from hetrl.planner.cost import task_memory
 from hetrl.planner.plan import Parallelism
 from hetrl.planner.spec import TokenLengths
 
-from .learner import mixed
+from .learner import mixed, samples_in_bf16
 from .placement import model_spec_from_hf, run_workload
 
 GIB = 1024**3
@@ -64,6 +64,9 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
         # SDPA's math path on CPU materialises one layer's [heads, T, T] scores; CUDA's flex/flash kernels do not
         "attention_scores": spec.heads * t * t * b if next(model.parameters()).device.type == "cpu" else 0,
         "reference_model": int(ref.weights * ref_scale) if ref and not cfg.lora_rank else 0,
+        # the local rollout's own bf16 copy of the policy where it samples in bf16 (learner.samples_in_bf16)
+        "rollout_model": int(train.weights * scale / 2)
+        if cfg.executor == "local" and samples_in_bf16(cfg, model, bool(cfg.lora_rank)) else 0,
         "generation_kv_cache": gen_rows * gen_len * spec.kv_bytes_per_token * b // 2 + gen_rows * spec.vocab * 4,
     }
 

@@ -40,7 +40,7 @@ from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.learner import CriticStats, UpdateStats, samples_in_bf16
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.placement import (ROLES, ExecutorFailure, Replica, actor_threads, node_resources, plan_for_run,
                                      replicas)
@@ -56,9 +56,11 @@ class LearnerFailed(ExecutorFailure):
 # ------------------------------------------------------------------------------------------ weights over Ray
 
 
-def weights_to_numpy(pol: build.Policy) -> dict[str, np.ndarray]:
-    """What weight sync sends: the whole state dict, or with LoRA only the adapter's tensors."""
-    return state_to_numpy(pol.sync_state())
+def weights_to_numpy(pol: build.Policy, bf16: bool = False) -> dict[str, np.ndarray]:
+    """What weight sync sends: the whole state dict, or with LoRA only the adapter's tensors; `bf16`: in bf16
+    (for rollouts that sample from bf16 weights: half the bytes)."""
+    state = pol.sync_state()
+    return state_to_numpy(build.bf16_weights_of(state) if bf16 else state)
 
 
 def state_to_numpy(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -75,9 +77,10 @@ def load_numpy_weights(pol: build.Policy, weights: dict[str, np.ndarray]) -> Non
     if set(weights) != set(dtypes):
         raise ValueError(f"weight sync: {len(weights)} tensors arrived for {len(dtypes)} (LoRA on one side only?)")
     with torch.no_grad(), warnings.catch_warnings():
-        # object-store arrays are read-only; they are only read here (copied into the parameters)
+        # object-store arrays are read-only; they are only read here (copied into the parameters, in their dtype:
+        # bf16 arrives as its int16 bits, state_to_numpy)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        pol.load_sync_state({k: torch.from_numpy(a).view(torch.bfloat16) if dtypes[k] == torch.bfloat16
+        pol.load_sync_state({k: torch.from_numpy(a).view(torch.bfloat16) if a.dtype == np.int16
                              else torch.from_numpy(a) for k, a in weights.items()})
 
 
@@ -128,6 +131,8 @@ class RolloutActor:
         they must come with every sample, so where the logits do not give them (bf16 logits, or
         old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them."""
         self.policy, tokenizer = _setup(cfg, threads)
+        if samples_in_bf16(cfg, self.policy.module, self.policy.lora):   # it samples from bf16 weights
+            self.policy.module.to(torch.bfloat16)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
         self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
         self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs and not self.logits_logprobs else None
@@ -219,6 +224,8 @@ class LearnerActor(_DataParallel):
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in _setup)
             build.recompute(self.policy.module)
         self.cfg, self.rank, self.world = cfg, rank, world
+        # the rollouts sample from bf16 weights (learner.samples_in_bf16): send them bf16, half the bytes
+        self.bf16_rollouts = samples_in_bf16(cfg, self.policy.module, self.policy.lora)
         # ZeRO-2 (only gradients and optimizer states sharded) has no FSDP2 form; its memory lies between 1 and 3
         self.sharded = zero == 3 and world > 1
         self.optimizer = build.optimizer(cfg, self.policy)
@@ -254,8 +261,10 @@ class LearnerActor(_DataParallel):
             from hetrl.trainer import sharding
 
             state = sharding.full_state(self.policy.module)
-            return state_to_numpy(state) if self.rank == 0 else None
-        return weights_to_numpy(self.policy)
+            if self.rank != 0:
+                return None
+            return state_to_numpy(build.bf16_weights_of(state) if self.bf16_rollouts else state)
+        return weights_to_numpy(self.policy, self.bf16_rollouts)
 
     def save(self, run_dir: str, step: int, extra: dict, config: dict, staged: dict | None = None) -> str | None:
         """Rank 0 writes the checkpoint, with the files other actors `staged` (the critic's). Sharded learners

@@ -18,6 +18,7 @@ filter drops those).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +58,7 @@ class RolloutWorker:
         # decode from a SharedPrefixCache (each prompt's cache read once per step by its n rows); switched off
         # for a model whose attention it does not support (then the prompt cache is repeated n times)
         self.shared_decode = True
+        self._queued, self._queued_lock = None, threading.Lock()   # queue_weights
 
     def gives_logprobs(self, old_logprobs: str) -> bool:
         """Whether this worker's samples carry their old log-probs off its sampling logits under the run's
@@ -64,8 +66,21 @@ class RolloutWorker:
         return logits_give_old_logprobs(old_logprobs, mixed(self.precision, next(self.model.parameters()).device))
 
     def load_weights(self, state_dict: dict) -> None:
-        """Weight sync from a learner that holds a separate copy of the policy."""
+        """Weight sync from a learner that holds a separate copy of the policy (cast to this model's dtype)."""
         self.model.load_state_dict(state_dict)
+
+    def queue_weights(self, state_dict: dict) -> None:
+        """Weight sync applied at the start of the next generate call, never during one: a learner in this process
+        may hand a new version while a background thread samples (local async). `state_dict` must be a copy."""
+        with self._queued_lock:
+            self._queued = state_dict
+
+    def _apply_queued(self) -> None:
+        with self._queued_lock:
+            state, self._queued = self._queued, None
+        if state is not None:
+            with torch.no_grad():
+                self.load_weights(state)
 
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]:
@@ -74,6 +89,7 @@ class RolloutWorker:
         log-probs are of), from the very logits it was drawn from, in the logits' precision (fp32 at least)."""
         if logprobs and greedy:
             raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
+        self._apply_queued()
         per_call = max(1, self.batch_size // n)
         out: list[list[Sample]] = []
         was_training = self.model.training

@@ -88,6 +88,7 @@ def test_a_mixed_precision_run_completes(tmp_path):
                  f"out_dir={tmp_path / 'run'}"]) == 0
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(r["weight_sync_s"] >= 0 for r in rows)         # the rollout's bf16 copy refreshed every step
 
 
 def test_auto_precision_is_fp32_on_a_cpu_without_bf16(monkeypatch):
@@ -178,3 +179,38 @@ def test_a_mixed_run_holds_its_reference_in_bf16():
     assert torch.equal(out["fp32"][0], out["auto"][0])                     # auto is fp32 on the CPU
     assert (out["fp32"][0] - out["bf16-mixed"][0]).abs().max() < 0.1
     assert out["bf16-mixed"][1] * 2 == out["fp32"][1] > 0
+
+
+def test_a_mixed_local_run_samples_from_a_bf16_copy_refreshed_after_each_update():
+    """bf16-mixed with full fine-tuning: the rollout samples from a bf16 copy of the policy (a decode step reads
+    half the bytes, and no autocast casts per step), which each update's weight sync refreshes before the next
+    generate call, never during one; the memory estimate counts it. fp32 and LoRA runs sample from the policy."""
+    from hetrl.trainer import memory
+    from hetrl.trainer.engine import LocalEngine
+
+    cfg = load_config(TINY, ["precision=bf16-mixed", "kl_coef=0"])
+    model, tokenizer = load_model("tiny", seed=0)
+    terms = memory.estimate(cfg, model, 16)
+    assert terms["rollout_model"] * 2 == terms["weights"] > 0
+    engine = LocalEngine(cfg, model, tokenizer)
+    sampler, policy = engine.worker.model, engine.policy.module
+    assert sampler is not policy and {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    with torch.no_grad():
+        for p in policy.parameters():        # an update
+            p.add_(torch.randn_like(p) * 0.05)
+    before = {k: v.clone() for k, v in sampler.state_dict().items()}
+    assert engine.sync_weights(1)["weight_sync_s"] >= 0
+    assert all(torch.equal(v, before[k]) for k, v in sampler.state_dict().items())   # queued, not yet applied
+    torch.manual_seed(0)
+    engine.worker.generate([[5, 6, 7, 8]], 2, 3, temperature=1.0)
+    want = {k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()}
+    assert all(torch.equal(v, want[k]) for k, v in sampler.state_dict().items())
+    assert any(not torch.equal(v, before[k]) for k, v in sampler.state_dict().items())
+
+    for overrides in (["precision=fp32"], ["precision=bf16-mixed", "lora_rank=4"]):
+        cfg = load_config(TINY, overrides + ["kl_coef=0"])
+        model, tokenizer = load_model("tiny", seed=0)
+        assert memory.estimate(cfg, model, 16)["rollout_model"] == 0
+        engine = LocalEngine(cfg, model, tokenizer)
+        assert engine.worker.model is engine.policy.module and engine.sync_weights(1) == {}

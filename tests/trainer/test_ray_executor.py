@@ -32,7 +32,7 @@ from hetrl.trainer.placement import (actor_threads, model_spec_from_hf, node_res
 from hetrl.trainer.metrics import TIMING_KEYS  # noqa: E402
 from hetrl.trainer.ray_executor import (CriticActor, CriticGroup, LearnerActor, LearnerFailed,  # noqa: E402
                                         LearnerGroup, RayEngine, RolloutActor, RolloutPool, assign_groups,
-                                        weights_to_numpy)
+                                        load_numpy_weights, state_to_numpy, weights_to_numpy)
 
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
@@ -294,6 +294,36 @@ def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
     assert [r["weight_sync_bytes"] for r in rows] == [sum(a.nbytes for a in adapter.values())] * 2
     assert all(math.isfinite(r["loss"]) for r in rows)
     assert (pathlib.Path(summary["merged_model"]) / "config.json").is_file()
+
+
+def test_weight_sync_arrays_load_by_their_own_dtype():
+    """bf16 travels as its int16 bits and fp32 as fp32; a receiver loads either into its own dtype (a bf16
+    rollout from bf16 arrays exactly; an fp32 receiver of bf16 arrays gets their values)."""
+    fp32 = Policy(load_model("tiny", seed=0)[0])
+    bf16 = Policy(load_model("tiny", seed=1)[0].to(torch.bfloat16))
+    sent = build.bf16_weights_of(fp32.module.state_dict())
+    load_numpy_weights(bf16, state_to_numpy(sent))
+    assert all(torch.equal(v, sent[k]) for k, v in bf16.module.state_dict().items())
+    load_numpy_weights(bf16, weights_to_numpy(fp32))          # fp32 arrays into bf16 weights: cast, not reread
+    assert all(torch.equal(v, sent[k]) for k, v in bf16.module.state_dict().items())
+    other = Policy(load_model("tiny", seed=2)[0])
+    load_numpy_weights(other, weights_to_numpy(fp32, bf16=True))
+    assert all(torch.equal(v, sent[k].float()) for k, v in other.module.state_dict().items())
+
+
+def test_a_mixed_run_on_ray_samples_from_bf16_weights_and_sends_half_the_bytes(local_ray, tmp_path):
+    """bf16-mixed on Ray: the rollout actors hold bf16 weights (learner.samples_in_bf16), and each weight sync
+    carries the learner's weights in bf16, half of fp32's bytes."""
+    cfg = _cfg(tmp_path, "precision=bf16-mixed", "steps=2", "checkpoint_every=0")
+    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, 1, False)
+    assert ray.get(actor.__ray_call__.remote(lambda a: {p.dtype for p in a.policy.module.parameters()})) == \
+        {torch.bfloat16}
+    ray.kill(actor)
+    loop.train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    fp32_bytes = sum(a.nbytes for a in weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0])).values())
+    assert [r["weight_sync_bytes"] for r in rows] == [fp32_bytes // 2] * 2
+    assert all(math.isfinite(r["loss"]) for r in rows)
 
 
 def test_async_rollout_reads_behaviour_logprobs_off_its_fp32_logits(local_ray):
