@@ -23,7 +23,8 @@ in the standard layout; `batched` is chosen, 1.1M scored pairs per head and laye
         layers) and the prompt's causal block (31 + 77 ms). The N broadcast copies of the prompt's K/V
         that `batched` builds cost ~20 ms (aten::cat) per update: measured, so left as they are.
   ~10%  element-wise passes over the [1,009 x 32,000] logits: autograd through logsumexp + indexing
-        took ~8 passes in the backward; api._GatheredLogSoftmax does it in 3.
+        took ~8 passes in the backward; api._GatheredLogSoftmax does it in 3, and since works through
+        cache-sized row chunks (benchmarks/results/logsoftmax_chunks.md).
   rest  RMSNorm / SwiGLU / RoPE element-wise ops, index_put of the responses' rows in the backward
         (~20 ms); the Python loop over groups and layers does not show at one group (batches of many
         small groups were not profiled).

@@ -1,0 +1,126 @@
+"""The gathered log-softmax (hetrl.dualkv.api._GatheredLogSoftmax) worked through in cache-sized row chunks, against
+the whole-matrix passes it replaced, side by side in one run.
+
+    python benchmarks/logsoftmax_chunks.py [--rounds 7] [--out benchmarks/results]
+
+Forward + backward with entropy (what each update micro-batch runs) over [U, V] logits at the default job's size
+(U = 1300 rows: its packed tokens per update; V = 49,152: SmolLM2's vocabulary; temperature 0.7), in fp32 and
+with bf16 logits (a bf16-mixed run's), and at U = 4096. The baseline is the previous implementation, kept here
+verbatim as `WholeMatrix` (the logits promoted to fp32 as a whole, each elementwise pass over all [U, V]).
+Interleaved rounds, the first dropped as warm-up, medians; both checked against an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+class WholeMatrix(torch.autograd.Function):
+    """The previous _GatheredLogSoftmax (before the row chunks), for comparison."""
+
+    @staticmethod
+    def forward(ctx, z, row_of_label, labels, temperature: float, with_entropy: bool):
+        zt = z / temperature if temperature != 1.0 else z
+        lse = torch.logsumexp(zt, dim=-1)
+        logp = zt[row_of_label, labels] - lse[row_of_label]
+        entropy = lse - (torch.exp(zt - lse[:, None]) * zt).sum(-1) if with_entropy else lse.new_empty(0)
+        ctx.save_for_backward(z, row_of_label, labels, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        z, row_of_label, labels, lse = ctx.saved_tensors
+        t = ctx.temperature
+        g_row = torch.zeros_like(lse).index_add_(0, row_of_label, grad_logp)
+        dz = torch.sub(z / t if t != 1.0 else z, lse[:, None]).exp_().mul_(-g_row[:, None])
+        dz.index_put_((row_of_label, labels), grad_logp, accumulate=True)
+        if t != 1.0:
+            dz.div_(t)
+        return dz, None, None, None, None
+
+
+def old(z, rows, labels, t):
+    """As the previous _token_logprobs called it: bf16 logits promoted to fp32 first."""
+    return WholeMatrix.apply(z.to(torch.promote_types(z.dtype, torch.float32)), rows, labels, t, True)
+
+
+def new(z, rows, labels, t):
+    from hetrl.dualkv.api import _GatheredLogSoftmax
+
+    return _GatheredLogSoftmax.apply(z, rows, labels, t, True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    from hetrl.bench.machine import cpu
+    from hetrl.bench.train_vs_trl import revision
+    from hetrl.dualkv.api import CACHE_CHUNK_BYTES
+
+    res = {"revision": revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu(),
+           "chunk_bytes": CACHE_CHUNK_BYTES, "rounds": args.rounds, "cases": []}
+    v, t = 49152, 0.7
+    for u, dtype in ((1300, torch.float32), (1300, torch.bfloat16), (4096, torch.float32)):
+        g = torch.Generator().manual_seed(u)
+        z = (torch.randn(u, v, generator=g) * 3).to(dtype).requires_grad_(True)
+        rows = torch.arange(u)
+        labels = torch.randint(0, v, (u,), generator=g)
+        times, errs = {"whole matrix": [], "row chunks": []}, {}
+        for r in range(args.rounds + 1):
+            for name, fn in (("whole matrix", old), ("row chunks", new)):
+                z.grad = None
+                t0 = time.perf_counter()
+                logp, _ = fn(z, rows, labels, t)
+                logp.sum().backward()
+                times[name].append(time.perf_counter() - t0)
+                if r == 0:
+                    z64 = z.detach().double().requires_grad_(True)
+                    ref = torch.log_softmax(z64 / t, -1)[rows, labels]
+                    ref.sum().backward()
+                    errs[name] = {"logp": (logp.double() - ref.detach()).abs().max().item(),
+                                  "grad": (z.grad.double() - z64.grad).abs().max().item()}
+        case = {"rows": u, "vocab": v, "dtype": str(dtype).removeprefix("torch."), "errors_vs_fp64": errs,
+                **{name: {"median_s": statistics.median(ts[1:]), "times": ts} for name, ts in times.items()}}
+        res["cases"].append(case)
+        print(u, case["dtype"], {k: round(case[k]["median_s"], 3) for k in times}, flush=True)
+
+    lines = ["# The gathered log-softmax: cache-sized row chunks against whole-matrix passes", "",
+             f"`python benchmarks/logsoftmax_chunks.py` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']}. Forward + backward with "
+             f"entropy, temperature {t}; chunks of {CACHE_CHUNK_BYTES >> 20} MiB of fp32 rows; median of "
+             f"{args.rounds} interleaved rounds after one warm-up. Errors: the largest absolute difference from an "
+             "fp64 reference (log-probs; gradient).", "",
+             "| rows x vocab | logits | whole matrix s | row chunks s | chunks / whole | error whole | error chunks |",
+             "|---|---|---:|---:|---:|---|---|"]
+    for c in res["cases"]:
+        w, k = c["whole matrix"]["median_s"], c["row chunks"]["median_s"]
+        e = c["errors_vs_fp64"]
+        err = lambda x: f"{x['logp']:.1e}; {x['grad']:.1e}"
+        lines.append(f"| {c['rows']} x {c['vocab']} | {c['dtype']} | {w:.3f} | {k:.3f} | {k / w:.2f}x | "
+                     f"{err(e['whole matrix'])} | {err(e['row chunks'])} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "logsoftmax_chunks.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    with open(os.path.join(args.out, "logsoftmax_chunks.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
