@@ -13,8 +13,6 @@ Interleaved rounds, the first dropped as warm-up, medians; both checked against 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pathlib
 import statistics
 import sys
@@ -69,6 +67,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     from hetrl.bench.machine import cpu
+    from hetrl.bench.results import write_results
     from hetrl.bench.train_vs_trl import revision
     from hetrl.dualkv.api import CACHE_CHUNK_BYTES
 
@@ -113,11 +112,7 @@ def main() -> int:
         err = lambda x: f"{x['logp']:.1e}; {x['grad']:.1e}"
         lines.append(f"| {c['rows']} x {c['vocab']} | {c['dtype']} | {w:.3f} | {k:.3f} | {k / w:.2f}x | "
                      f"{err(e['whole matrix'])} | {err(e['row chunks'])} |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "logsoftmax_chunks.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(args.out, "logsoftmax_chunks.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(args.out, "logsoftmax_chunks", res, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import pathlib
 import statistics
 import sys
@@ -34,6 +32,7 @@ def main() -> int:
     import torch
 
     from hetrl.bench.machine import cpu, matmul_gflops
+    from hetrl.bench.results import write_results
     from hetrl.bench.train_vs_trl import revision
     from hetrl.models import load_model
     from hetrl.trainer import build
@@ -80,11 +79,7 @@ def main() -> int:
         a, b = c["fp32 policy under autocast"]["median_s"], c["bf16 copy"]["median_s"]
         lines.append(f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")
     lines += ["", f"Refreshing the copy after an update (cast + load, once per step): {res['refresh_s']:.3f} s."]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "rollout_bf16.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(args.out, "rollout_bf16.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(args.out, "rollout_bf16", res, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
@@ -132,6 +131,7 @@ def main() -> int:
     import torch
 
     from hetrl.bench.machine import cpu
+    from hetrl.bench.results import write_results
     from hetrl.bench.train_vs_trl import revision
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -143,7 +143,6 @@ def main() -> int:
            "torch": torch.__version__, "machine": f"{info['model']}, {info['cores']} cores",
            "device_name": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
            else f"CPU ({info['model']}, {info['torch_threads']} threads)", "runs": {}}
-    os.makedirs(args.out, exist_ok=True)
     name = f"train_split_{args.device.split(':')[0]}"
     for model in args.models:
         run, rows = run_job(model, args.device, args.steps, work, args.set)
@@ -152,13 +151,9 @@ def main() -> int:
         run["phases"] = phases(model, rows, run, res["peak_flops"])
         run["metrics"] = rows
         res["runs"][model] = run
-        with open(os.path.join(args.out, name + ".json"), "w") as f:
-            json.dump(res, f, indent=2)
+        write_results(args.out, name, res, markdown(res))      # after every model: a run cut short keeps it
         print(f"{model}: {run['phases']['step_s']:.2f} s/step", flush=True)
-    text = markdown(res)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(markdown(res))
     return 0
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -439,10 +438,6 @@ def markdown(res: dict) -> str:
 
 
 def write(res: dict, out: str) -> str:
-    os.makedirs(out, exist_ok=True)
-    name = f"dualkv_layer_{res['layer']}_{res['device'].split(':')[0]}"
-    with open(os.path.join(out, name + ".json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(out, name + ".md"), "w") as f:
-        f.write(markdown(res))
-    return os.path.join(out, name)
+    from hetrl.bench.results import write_results
+
+    return write_results(out, f"dualkv_layer_{res['layer']}_{res['device'].split(':')[0]}", res, markdown(res))
