@@ -162,6 +162,13 @@ def rollout_worker(cfg: RunConfig, model, tokenizer) -> RolloutWorker:
     return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=cfg.precision)
 
 
+def bf16_copy(model):
+    """A frozen bf16 copy of `model` for sampling, made parameter by parameter (no transient second fp32 copy of
+    the weights, which copy.deepcopy(model).to(bf16) would hold); tied weights stay tied."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False) for p in model.parameters()}
+    return copy.deepcopy(model, memo).to(torch.bfloat16).eval()
+
+
 def bf16_weights_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A bf16 copy of a state dict's floating tensors, the rest copied as they are (what a rollout that samples
     from bf16 weights loads after each update; learner.samples_in_bf16)."""

@@ -74,8 +74,7 @@ class LocalEngine:
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer)
         self.bf16_rollout = samples_in_bf16(cfg, self.policy.module, self.policy.lora)
-        sampler = copy.deepcopy(self.policy.module).to(torch.bfloat16).eval().requires_grad_(False) \
-            if self.bf16_rollout else self.policy.module
+        sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
         self.worker = build.rollout_worker(cfg, sampler, tokenizer)
 
     def sync_weights(self, version: int) -> dict:
