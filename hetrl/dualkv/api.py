@@ -263,9 +263,14 @@ class _GatheredLogSoftmax(torch.autograd.Function):
 # Above this many bytes of [rows, vocab] logits, the LM head and the log-softmax run in row chunks that are
 # recomputed in the backward (_ChunkedLogProbs), so no [rows, vocab] tensor is kept for autograd. Below it
 # the single pass is faster (no recompute). Profiled at N=16, P=2048, R=256 (4,081 rows x 32,000 words):
-# the logits, their softmax and gradients were ~2.5 GB of the update's 4.2 GB.
+# the logits, their softmax and gradients were ~2.5 GB of the update's 4.2 GB. A chunk is CHUNK_BYTES of fp32
+# logits: each one recomputes its rows' head GEMM in the backward and accumulates the head's gradient in place,
+# so small chunks at a large vocabulary cost GEMM efficiency and a pass over the [V, D] gradient apiece
+# (2048 rows at Qwen's 151,936 words, forward + backward of the head alone on 2 cores: 27-row chunks (16 MiB)
+# took 33 s, 220 rows (128 MiB) 16 s, 441 rows 14.5 s, the whole logits 10-12 s; 4 GEMMs against 3 is the
+# floor of recomputing). benchmarks/results/lm_head_chunks.md measures the pass's memory.
 CHUNK_LOGITS_ABOVE_BYTES = 256 << 20
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 128 << 20
 _SCALED_HEAD_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")
 
 
@@ -310,8 +315,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             dz = dz.to(weight.dtype)
             if grad_h is not None:
                 grad_h[c:c + ctx.chunk] = dz @ weight
-            if grad_w is not None:
-                grad_w += dz.T @ hc
+            if grad_w is not None:       # accumulated inside the GEMM: no [V, D] temporary per chunk
+                grad_w.addmm_(dz.T, hc)
             if grad_b is not None:
                 grad_b += dz.sum(0)
         return grad_h, grad_w, grad_b, None, None, None, None
