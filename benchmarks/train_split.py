@@ -16,6 +16,9 @@ Per phase, from metrics.jsonl, the median over the steps after the first (the fi
              run makes (the reference where kl_coef > 0, plus old_logprob_share of a pass: placement.run_workload)
   update     update_s; tokens/s = packed tokens / s; FLOPs = 6 x active params x packed tokens (8 x with
              gradient checkpointing)
+  decode     decode_s per decode step (every row runs to max_new_tokens), against its memory floor: the weights
+             and the KV cache one step reads (each group's prompt once, each row's own tokens) over the copy
+             bandwidth measured in the run (#20 item 5's HBM floor on a GPU)
 Attention FLOPs are left out (short sequences here). MFU = FLOP/s over the device's bf16 peak: the planner
 catalog's entry for a GPU it names (hetrl.planner.catalog), or this CPU's bf16 (fp32 for an fp32 run) matmul
 peak measured in the run (hetrl.bench.machine).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 import subprocess
@@ -71,14 +75,28 @@ def peak_flops(device: str, precision: str) -> tuple[float, str]:
     return matmul_gflops(dtype, 1024, 3.0) * 1e9, f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here"
 
 
-def phases(model: str, rows: list[dict], run: dict, peak: float) -> dict:
+def decode_floor(spec, cfg, precision: str, prompt_tokens: float, bandwidth: float) -> float:
+    """Seconds one decode step must take at least: the bytes it must read over the measured copy bandwidth. It
+    reads every weight once (bf16 where the rollout samples in bf16, else fp32) and the KV cache of its rows: each
+    group's prompt once (the rollout's SharedPrefixCache) and each row's own tokens, on average half of
+    max_new_tokens (#20 item 5's HBM floor)."""
+    wbytes = 2 if precision == "bf16-mixed" else 4
+    rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
+    groups = max(1, rows // cfg.responses_per_prompt)
+    kv_tokens = groups * prompt_tokens + rows * cfg.max_new_tokens / 2
+    kv_bytes = spec.kv_bytes_per_token / 2 * wbytes * kv_tokens      # kv_bytes_per_token counts 2-byte values
+    return (spec.params * wbytes + kv_bytes) / bandwidth
+
+
+def phases(model: str, rows: list[dict], run: dict, peak: float, bandwidth: float) -> dict:
     from hetrl.models import load_model
     from hetrl.trainer.config import RunConfig
     from hetrl.trainer.placement import model_spec_from_hf, old_logprob_share
 
     import torch
     with torch.device("meta"):
-        params = model_spec_from_hf(load_model(model)[0].config, model).active_params
+        spec = model_spec_from_hf(load_model(model)[0].config, model)
+    params = spec.active_params
     cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
     passes = (1.0 if cfg.kl_coef > 0 else 0.0) + old_logprob_share(cfg, "bf16" if run["precision"] == "bf16-mixed"
                                                                       else "fp32")
@@ -95,6 +113,13 @@ def phases(model: str, rows: list[dict], run: dict, peak: float) -> dict:
             ("update", med("update_s"), packed, train_factor * params * packed)):
         out[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
                      "mfu": flops / seconds / peak if seconds and flops else None}
+    # decode per step against the memory floor, where every row ran to max_new_tokens (random weights do): each
+    # generate call then runs max_new_tokens decode steps (the first one runs each prompt's last token)
+    if all(r.get("truncated_frac") == 1.0 for r in timed):
+        calls = math.ceil(cfg.prompts_per_step * cfg.responses_per_prompt / cfg.rollout_batch_size)
+        step = med("decode_s") / (calls * cfg.max_new_tokens)
+        floor = decode_floor(spec, cfg, run["precision"], prompt_once / cfg.prompts_per_step, bandwidth)
+        out["decode"] = {"step_s": step, "floor_s": floor, "over_floor": step / floor}
     return out
 
 
@@ -102,10 +127,13 @@ def markdown(res: dict) -> str:
     lines = [f"# `hetrl train` per phase on {res['device_name']}", "",
              f"`python benchmarks/train_split.py --device {res['device']}` at {res['revision']}, {res['date']}. "
              f"{res['machine']}; torch {res['torch']}. Peak for MFU: {res['peak_flops'] / 1e12:.3g} TFLOP/s "
-             f"({res['peak_source']}). Default job (GRPO, 8 x 8 samples, 16 new tokens), random-weight models of "
+             f"({res['peak_source']}); memory bandwidth {res['copy_bytes_per_s'] / 1e9:.0f} GB/s (a 1 GiB copy, read + "
+             "written). Decode per step against its memory floor: weights and KV cache read once per step over that "
+             f"bandwidth (decode_floor). Default job (GRPO, 8 x 8 samples, 16 new tokens), random-weight models of "
              "real shapes (speed only); medians over the steps after the first.", "",
              "| model | precision | step s | rollout s | tok/s | MFU | log-probs s | tok/s | MFU | update s | tok/s | "
-             "MFU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "MFU | decode ms/step | memory floor ms | x floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     pct = lambda v: "-" if v is None else f"{v:.1%}"
     num = lambda v: "-" if v is None else f"{v:.0f}"
     for m, r in res["runs"].items():
@@ -113,6 +141,8 @@ def markdown(res: dict) -> str:
         cells = [m, r["precision"], f"{p['step_s']:.2f}"]
         for ph in ("rollout", "logprobs", "update"):
             cells += [f"{p[ph]['seconds']:.2f}", num(p[ph]["tokens_per_s"]), pct(p[ph]["mfu"])]
+        d = p.get("decode")
+        cells += [f"{d['step_s'] * 1e3:.1f}", f"{d['floor_s'] * 1e3:.2f}", f"{d['over_floor']:.1f}"] if d else ["-"] * 3
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Commands:", ""] + [f"- `{r['command']}` ({r['wall_s']:.0f} s wall)" for r in res["runs"].values()]
     return "\n".join(lines) + "\n"
@@ -130,7 +160,7 @@ def main() -> int:
 
     import torch
 
-    from hetrl.bench.machine import cpu
+    from hetrl.bench.machine import copy_bytes_per_s, cpu
     from hetrl.bench.results import write_results
     from hetrl.bench.train_vs_trl import revision
 
@@ -148,7 +178,8 @@ def main() -> int:
         run, rows = run_job(model, args.device, args.steps, work, args.set)
         if "peak_flops" not in res:       # measured after the first run, on an otherwise idle device
             res["peak_flops"], res["peak_source"] = peak_flops(args.device, run["precision"])
-        run["phases"] = phases(model, rows, run, res["peak_flops"])
+            res["copy_bytes_per_s"] = copy_bytes_per_s(args.device)
+        run["phases"] = phases(model, rows, run, res["peak_flops"], res["copy_bytes_per_s"])
         run["metrics"] = rows
         res["runs"][model] = run
         write_results(args.out, name, res, markdown(res))      # after every model: a run cut short keeps it

@@ -34,3 +34,25 @@ def cpu() -> dict:
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
     return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def copy_bytes_per_s(device: str = "cpu", nbytes: int = 1 << 30, rounds: int = 10) -> float:
+    """Bytes per second a large copy moves on `device`, counting bytes read plus bytes written (the memory
+    bandwidth a memory-bound pass such as a decode step can reach), median of `rounds` after one warm-up. Random
+    data, not zeros."""
+    import statistics
+
+    dev = torch.device(device)
+    a = torch.randn(nbytes // 4, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(rounds):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / statistics.median(times)
