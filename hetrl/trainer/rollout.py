@@ -193,11 +193,14 @@ class RolloutWorker:
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor):
         """The KV cache of every prompt but its last token, once per prompt: [G, W] left-padded ids -> a
-        transformers cache of G rows and W - 1 positions. Position ids as `generate` makes them from the mask."""
+        transformers cache of G rows and W - 1 positions. Position ids as `generate` makes them from the mask.
+        The decoder alone: no logits are needed. (Through the LM head with logits_to_keep=1, a bf16 model on the
+        CPU multiplied the strided last-position slice by the head as a batched matmul that copied the head's
+        weight once per row: 2.2 GB and ~6 s a prefill at Qwen2.5-0.5B's 151,936 words, 8 prompts.)"""
         pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
         positions = (pre_mask.long().cumsum(-1) - 1).masked_fill(pre_mask == 0, 0)
-        out = self.model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model.get_decoder()(input_ids=pre_ids, attention_mask=pre_mask, position_ids=positions,
+                                       use_cache=True)
         return out.past_key_values
 
     def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int):
