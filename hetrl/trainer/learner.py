@@ -105,8 +105,8 @@ def samples_in_bf16(cfg, model, lora: bool) -> bool:
     """Whether the rollout samples from bf16 weights of its own: where the run is bf16-mixed on the policy's device
     and the policy is fully fine-tuned with fp32 weights, as vLLM and SGLang sample from bf16 weights. Autocast
     already caches its bf16 casts of the weights for a whole generate call, so what changes is the rest of the
-    decode in bf16 (activations and residual stream; measured on the CPU: 1.02x the autocast rollout's time at
-    16 new tokens, 0.89x at 64, benchmarks/results/rollout_bf16.md) and, on Ray, weight sync in bf16 (half the
+    decode in bf16 (activations and residual stream; measured on the CPU: 0.89-1.02x the autocast rollout's time,
+    within the spread of two runs, benchmarks/results/rollout_bf16.md) and, on Ray, weight sync in bf16 (half the
     bytes). Otherwise (fp32 runs; LoRA, which samples through its unmerged adapter) the rollout samples from the
     policy itself."""
     p = next(model.parameters())
