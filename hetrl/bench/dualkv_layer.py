@@ -49,7 +49,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen
 from transformers.masking_utils import AttentionMaskInterface
 
 from hetrl.bench.dualkv import machine_info
-from hetrl.bench.dualkv_grid import _SEGMENTS, _prefix_grouper  # the per-segment SDPA attention registered there
+from hetrl.bench.dualkv_grid import _SEGMENTS, _logp, _prefix_grouper  # _SEGMENTS: its per-segment SDPA attention
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.dualkv.impl import flex
 
@@ -100,6 +100,7 @@ def build_layer(name: str, device: torch.device, dtype: torch.dtype):
 
 PACKED = ("packed_varlen", "packed_flex", "packed_sdpa")
 LAYOUTS = ("dualkv", "dualkv_ckpt") + PACKED + ("prefix_grouper",)
+PROMPT_ONCE = ("dualkv", "dualkv_ckpt", "prefix_grouper")     # the layouts that run each prompt once
 
 
 def executed_flops(model, case: LayerCase, layout: str) -> float:
@@ -111,7 +112,7 @@ def executed_flops(model, case: LayerCase, layout: str) -> float:
     c = model.config
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     p, rs = case.p, case.responses
-    if layout in ("dualkv", "dualkv_ckpt", "prefix_grouper"):
+    if layout in PROMPT_ONCE:
         tokens, pairs = p + sum(rs), p * p / 2 + sum(r * p + r * r / 2 for r in rs)
     else:
         tokens, pairs = len(rs) * p + sum(rs), sum((p + r) ** 2 / 2 for r in rs)
@@ -135,7 +136,7 @@ def predicted_seconds(model, case: LayerCase, layout: str, gpu: str = "H100") ->
                      reward=None, critic=None, prompts_per_step=1, responses_per_prompt=case.mb,
                      prompt_tokens=TokenLengths(case.p, float(case.p)),
                      response_tokens=TokenLengths(max(rs), sum(rs) / len(rs)),
-                     dualkv=layout in ("dualkv", "dualkv_ckpt", "prefix_grouper"), micro_batch_responses=case.mb)
+                     dualkv=layout in PROMPT_ONCE, micro_batch_responses=case.mb)
     par = Parallelism(1, 1, 1, recompute=layout == "dualkv_ckpt")
     return task_costs(cluster, w, Group(("actor_train",), (0,), (("actor_train", par),)))["actor_train"].terms["compute"]
 
@@ -236,7 +237,7 @@ def layout_logprobs(layout: str, model, prompt, responses, device):
             _SEGMENTS.reset(tokens[0])
             if len(tokens) > 1:
                 _DOC_MASK.reset(tokens[1])
-        return torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
+        return _logp(logits, labels)
     return packed
 
 

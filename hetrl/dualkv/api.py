@@ -209,6 +209,12 @@ def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: to
 CACHE_CHUNK_BYTES = 3 << 20
 
 
+def _scaled_rows(z: torch.Tensor, c: int, rows: int, work: torch.dtype, inv: float) -> torch.Tensor:
+    """z[c:c + rows] / T as a new tensor in `work` (fp32 at least): one pass, the cast and the scale together."""
+    chunk = z[c:c + rows]
+    return chunk.to(work).mul_(inv) if chunk.dtype != work else chunk * inv
+
+
 class _GatheredLogSoftmax(torch.autograd.Function):
     """log-softmax(z / T)[row_of_label, labels] without a [U, V] log-softmax tensor or its gradient, and
     (when asked) each row's entropy from the same scaled logits, without gradient.
@@ -229,7 +235,7 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         lse = torch.empty(z.shape[0], dtype=work, device=z.device)
         entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
         for c in range(0, z.shape[0], rows):
-            zt = z[c:c + rows].to(work).mul_(inv) if z.dtype != work else z[c:c + rows] * inv
+            zt = _scaled_rows(z, c, rows, work, inv)
             m = torch.logsumexp(zt, dim=-1)
             lse[c:c + rows] = m
             if with_entropy:
@@ -252,7 +258,7 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         bounds = torch.searchsorted(sorted_rows, torch.arange(0, z.shape[0] + rows, rows, device=z.device)).tolist()
         dz = torch.empty_like(z)
         for i, c in enumerate(range(0, z.shape[0], rows)):
-            zt = z[c:c + rows].to(lse.dtype).mul_(inv) if z.dtype != lse.dtype else z[c:c + rows] * inv
+            zt = _scaled_rows(z, c, rows, lse.dtype, inv)
             zt.sub_(lse[c:c + rows, None]).exp_().mul_(scale[c:c + rows, None])
             k = order[bounds[i]:bounds[i + 1]]
             zt.index_put_((row_of_label[k] - c, labels[k]), onehot[k], accumulate=True)   # in fp32, then one rounding

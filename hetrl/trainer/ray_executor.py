@@ -59,12 +59,14 @@ class LearnerFailed(ExecutorFailure):
 def weights_to_numpy(pol: build.Policy, bf16: bool = False) -> dict[str, np.ndarray]:
     """What weight sync sends: the whole state dict, or with LoRA only the adapter's tensors; `bf16`: in bf16
     (for rollouts that sample from bf16 weights: half the bytes)."""
-    state = pol.sync_state()
-    return state_to_numpy(build.bf16_weights_of(state) if bf16 else state)
+    return state_to_numpy(pol.sync_state(), bf16)
 
 
-def state_to_numpy(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """Tensors as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies."""
+def state_to_numpy(state: dict[str, torch.Tensor], bf16: bool = False) -> dict[str, np.ndarray]:
+    """Tensors as numpy arrays (bf16 as its int16 bits), which Ray's object store shares without copies; `bf16`:
+    floating tensors cast to bf16 first."""
+    if bf16:
+        state = build.bf16_weights_of(state)
     out = {}
     for k, v in state.items():
         v = v.detach().cpu()
@@ -261,9 +263,7 @@ class LearnerActor(_DataParallel):
             from hetrl.trainer import sharding
 
             state = sharding.full_state(self.policy.module)
-            if self.rank != 0:
-                return None
-            return state_to_numpy(build.bf16_weights_of(state) if self.bf16_rollouts else state)
+            return state_to_numpy(state, self.bf16_rollouts) if self.rank == 0 else None
         return weights_to_numpy(self.policy, self.bf16_rollouts)
 
     def save(self, run_dir: str, step: int, extra: dict, config: dict, staged: dict | None = None) -> str | None:

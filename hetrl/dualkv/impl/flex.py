@@ -52,14 +52,12 @@ def block_mask_from_ids(group: torch.Tensor, seg: torch.Tensor) -> BlockMask:
     def shared_prompt(b, h, q, kv):
         return (kv <= q) & (group_p[q] == group_p[kv]) & ((seg_p[kv] == 0) | (seg_p[kv] == seg_p[q]))
 
-    kv_pos = torch.arange(padded, device=device)
-    kv_group, kv_seg, kv_real = group_p[None], seg_p[None], (group_p >= 0)[None]
+    kv = torch.arange(padded, device=device)[None]
     rows = max(1, _CHUNK_PAIRS // (BLOCK * padded)) * BLOCK
     partial, full = [], []
     for r0 in range(0, padded, rows):
-        q = kv_pos[r0:r0 + rows, None]
-        allowed = (kv_pos[None] <= q) & (kv_group == group_p[q]) & ((kv_seg == 0) | (kv_seg == seg_p[q]))
-        allowed &= kv_real & (group_p[q] >= 0)
+        q = kv[0, r0:r0 + rows, None]
+        allowed = shared_prompt(None, None, q, kv) & (group_p[q] >= 0)   # mask_mod broadcast over the chunk
         tiles = allowed.view(-1, BLOCK, blocks, BLOCK)
         some, every = tiles.any(3).any(1), tiles.all(3).all(1)
         partial.append(some & ~every)
