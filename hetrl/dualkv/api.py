@@ -1,4 +1,5 @@
-"""shared_prompt_logprobs: response log-probs of a Hugging Face causal LM over a PackedBatch.
+"""Log-probs of a Hugging Face causal LM over a packed tree batch: `sequence_logprobs` (any TreeBatch from
+pack_sequences) and `shared_prompt_logprobs` (the depth-one PackedBatch from pack_groups) are one code path.
 
 The model runs once on the packed stream (batch 1, shared position ids, no KV cache). Its
 attention goes through transformers' AttentionInterface under a name registered here, with a
@@ -31,7 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .impl import flex, reference, sdpa
-from .packing import PackedBatch
+from .packing import TreeBatch
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ _ATTN_NAME = {"sdpa": "hetrl_dualkv_sdpa", "flex": "hetrl_dualkv_flex"}
 class _Active:
     """What the registered attention/mask functions need during one packed forward."""
 
-    batch: PackedBatch
+    batch: TreeBatch
     impl: str
     max_context: int
     mask: object = None
@@ -114,12 +115,12 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if window is not None and window < active.max_context:
         raise ValueError(
             f"layer {module.layer_idx} has a sliding window of {window} tokens, shorter than the longest "
-            f"sequence in the batch ({active.max_context} = prompt + response); the packed stream cannot "
-            f"express it. Use impl='reference' or keep prompt + response <= {window} tokens"
+            f"sequence in the batch ({active.max_context} tokens); the packed stream cannot "
+            f"express it. Use impl='reference' or keep every sequence <= {window} tokens"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if active.impl == "sdpa":
-        out = sdpa.attend(query, key, value, active.mask, active.batch.group_bounds, scale)
+        out = sdpa.attend(query, key, value, active.mask, active.batch.tree_bounds, scale)
     else:
         out = flex.attend(query, key, value, active.mask, scale)
     active.calls += 1
@@ -167,7 +168,7 @@ def _resolve_impl(impl: str, device: torch.device, needs_grad: bool) -> str:
     return impl
 
 
-def _check_model(model, batch: PackedBatch, needs_grad: bool) -> None:
+def _check_model(model, batch: TreeBatch, needs_grad: bool) -> None:
     cfg = model.config.get_text_config()
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
@@ -345,20 +346,40 @@ def _plain_lm_head(model) -> torch.nn.Linear | None:
     return head
 
 
-def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", temperature: float = 1.0,
+def sequence_logprobs(model, batch: TreeBatch, *, impl: str = "auto", temperature: float = 1.0,
+                      return_entropy: bool = False):
+    """Per sequence of `batch`, log π(token_t | tokens_<t) of its labelled tokens (t = 1..L-1 without loss masks),
+    exactly as running each sequence alone gives; every shared token computed once.
+
+    Args:
+      model, impl, temperature, return_entropy: as for `shared_prompt_logprobs`.
+      batch: from `pack_sequences` (or `pack_groups`: per response); moved to the model's device.
+
+    Returns:
+      a list of S 1-D tensors, one per sequence in input order (with return_entropy, a list of (logp, entropy)
+      pairs). They are views of one packed tensor: a token shared by several sequences is one computed row, and
+      the gradient through it is the sum of every sequence's term.
+    """
+    out = shared_prompt_logprobs(model, batch, impl=impl, temperature=temperature, return_entropy=return_entropy)
+    if return_entropy:
+        return list(zip(batch.split_sequences(out[0]), batch.split_sequences(out[1])))
+    return batch.split_sequences(out)
+
+
+def shared_prompt_logprobs(model, batch: TreeBatch, *, impl: str = "auto", temperature: float = 1.0,
                            return_entropy: bool = False):
     """Log π(token | prefix) of every response token of `batch`, exactly as the standard layout gives.
 
     Args:
       model: a Hugging Face causal LM whose attention goes through AttentionInterface.
-      batch: from `pack_groups`; moved to the model's device.
+      batch: from `pack_groups` (or any TreeBatch: its labels); moved to the model's device.
       impl: "auto" (flex on CUDA, sdpa elsewhere), "reference", "sdpa" or "flex".
       temperature: logits are divided by it before the softmax (> 0).
       return_entropy: also return the entropy of each predicting row's distribution (no gradient: for logging).
 
     Returns:
-      logp [K] (autograd-enabled when grad is on), K = total response tokens, ordered group by
-      group, response by response, token by token; with return_entropy, (logp [K], entropy [K]).
+      logp [K] (autograd-enabled when grad is on), K = total response tokens (labels), ordered group by
+      group, response by response, token by token (sequence by sequence for a TreeBatch); with return_entropy, (logp [K], entropy [K]).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
@@ -387,8 +408,8 @@ def shared_prompt_logprobs(model, batch: PackedBatch, *, impl: str = "auto", tem
     return _token_logprobs(logits, row_of_label, batch.labels, temperature, return_entropy)
 
 
-def _packed_forward(model, batch: PackedBatch, impl: str, needs_grad: bool, decoder_only: bool):
-    """The model (or only its decoder) once on the packed stream under hetrl's shared-prompt attention; checks
+def _packed_forward(model, batch: TreeBatch, impl: str, needs_grad: bool, decoder_only: bool):
+    """The model (or only its decoder) once on the packed stream under hetrl's tree attention; checks
     that every layer's attention went through it."""
     active = _Active(batch=batch, impl=impl, max_context=batch.max_context)
     token = _ACTIVE.set(active)
@@ -412,11 +433,12 @@ def _packed_forward(model, batch: PackedBatch, impl: str, needs_grad: bool, deco
     return out
 
 
-def _prepare(model, batch: PackedBatch, impl: str):
+def _prepare(model, batch: TreeBatch, impl: str):
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a Hugging Face PreTrainedModel, got {type(model).__name__}")
-    if not isinstance(batch, PackedBatch):
-        raise TypeError(f"batch must be a PackedBatch from pack_groups(), got {type(batch).__name__}")
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"batch must be a PackedBatch from pack_groups() or a TreeBatch from pack_sequences(), "
+                        f"got {type(batch).__name__}")
     device = model.get_input_embeddings().weight.device
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     impl = _resolve_impl(impl, device, needs_grad)
@@ -429,7 +451,7 @@ def _prepare(model, batch: PackedBatch, impl: str):
     return batch.to(device), impl, needs_grad, device
 
 
-def shared_prompt_head(model, batch: PackedBatch, head: torch.nn.Module, *, impl: str = "auto") -> torch.Tensor:
+def shared_prompt_head(model, batch: TreeBatch, head: torch.nn.Module, *, impl: str = "auto") -> torch.Tensor:
     """`head` on the model's last hidden state at every row that predicts a response token, exactly as the
     standard layout gives: the value head of a PPO critic (values of the states before each response token,
     the positions verl and OpenRLHF read values at), or any per-token head. The LM head is not run.
@@ -437,7 +459,7 @@ def shared_prompt_head(model, batch: PackedBatch, head: torch.nn.Module, *, impl
     Args:
       model: a Hugging Face model with `get_decoder()` (a causal LM such as Llama, Qwen2/3, Mistral: the critic
         is typically the policy's architecture) whose attention goes through AttentionInterface.
-      batch: from `pack_groups`; moved to the model's device.
+      batch: from `pack_groups` or `pack_sequences` (rows of its labels); moved to the model's device.
       head: maps hidden states [K, D] to [K, ...] (e.g. torch.nn.Linear(D, 1) for values).
       impl: as for shared_prompt_logprobs ("reference" runs each full sequence alone: the oracle).
 

@@ -1,8 +1,10 @@
-"""Shared-prompt attention with PyTorch FlexAttention: one call over the whole packed stream.
+"""Tree attention with PyTorch FlexAttention: one call over the whole packed stream.
 
-The block mask says: a query sees a key iff both are in the same group, the key is not after
-the query, and the key is a prompt token or in the query's own response. Fully masked tiles
-(other groups, other responses) are skipped by the block-sparse kernel. On CUDA the kernel is
+The block mask says: a query sees a key iff the key is not after it and the query lies in the key's subtree
+(q < visible_until[key]: the stream is depth first, see packing.py), i.e. the key is an ancestor of the query or
+an earlier token of its own segment. For one prompt and N responses that is: same group, and the key a prompt
+token or in the query's own response. Fully masked tiles (other trees, other branches) are skipped by the
+block-sparse kernel. On CUDA the kernel is
 compiled with automatic dynamic shapes: a kernel for the first packed length, then one kernel with a
 symbolic length for every later one (each micro-batch packs to another length; a shape-specialised
 compile recompiled per length and, past dynamo's recompile limit, fell back to eager flex, which
@@ -18,46 +20,72 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..packing import PackedBatch
+from ..packing import TreeBatch
 
 
 BLOCK = 128                         # flex's default tile (create_block_mask's BLOCK_SIZE)
 _CHUNK_PAIRS = 1 << 26              # (query, key) pairs evaluated at once while classifying tiles
 
 
-def build_block_mask(batch: PackedBatch) -> BlockMask:
-    """The shared-prompt BlockMask of a packed batch (see `block_mask_from_ids`)."""
-    return block_mask_from_ids(batch.group_ids, batch.segment_ids)
+def build_block_mask(batch: TreeBatch) -> BlockMask:
+    """The tree BlockMask of a packed batch (see `block_mask_from_visibility`)."""
+    return block_mask_from_visibility(batch.visible_until)
 
 
 def block_mask_from_ids(group: torch.Tensor, seg: torch.Tensor) -> BlockMask:
     """The shared-prompt BlockMask over a stream of T tokens: token t is in group `group[t]` and in segment
-    `seg[t]` of it (0: the prompt; i: response i). A query sees a key iff the key is not after it, in its group,
-    and in the prompt or its own segment. (One sequence per group with every segment 0 is plain document-causal
-    packing, the varlen layout.) Classified tile by tile in row chunks of bounded memory.
+    `seg[t]` of it (0: the prompt; i: response i), each group [prompt, response_1, ...] contiguous. A query sees a
+    key iff the key is not after it, in its group, and in the prompt or its own segment. (One sequence per group
+    with every segment 0 is plain document-causal packing, the varlen layout.)"""
+    n = group.numel()
+    idx = torch.arange(n, device=group.device)
+    new_group = torch.ones(n, dtype=torch.bool, device=group.device)
+    new_group[1:] = group[1:] != group[:-1]
+    new_run = new_group.clone()
+    new_run[1:] |= seg[1:] != seg[:-1]
+    # the end of each token's group, and of its run of equal segment ids: prompt keys are visible to the whole
+    # group, response keys to the rest of their response
+    group_end = _run_ends(new_group, idx, n)
+    run_end = _run_ends(new_run, idx, n)
+    return block_mask_from_visibility(torch.where(seg == 0, group_end, run_end))
+
+
+def _run_ends(starts: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """starts [T] bool (True where a run begins) -> the exclusive end of each token's run."""
+    first = idx[starts]
+    ends = torch.cat([first[1:], torch.tensor([n], device=idx.device)])
+    return ends[torch.cumsum(starts.long(), 0) - 1]
+
+
+def block_mask_from_visibility(visible_until: torch.Tensor) -> BlockMask:
+    """The BlockMask over a stream of T tokens where key t is visible to query q iff t <= q < visible_until[t].
+    Classified tile by tile in row chunks of bounded memory.
 
     `create_block_mask` evaluates the mask over all T x T pairs at once (about 11 bytes per pair measured on
     CPU: 2.9 GiB at T = 16K, ~50 GiB at the T = 67K of P = 32K with 32 responses), which would cost more memory
     than the attention it serves. Here each chunk of query rows is compared against every key in booleans only,
     reduced to its tiles (empty, partial or full, as create_block_mask classifies them), and the tiles are
     handed to the public `BlockMask.from_kv_blocks`. The mask is the same; tests compare both on CPU."""
-    n, device = group.numel(), group.device
+    n, device = visible_until.numel(), visible_until.device
     blocks = -(-n // BLOCK)
     padded = blocks * BLOCK
-    # padded tails: group -1 (never attended), so mask_mod may also be called on indices in [n, padded)
-    group_p = torch.full((padded,), -1, dtype=group.dtype, device=device)
-    seg_p = torch.full((padded,), -1, dtype=seg.dtype, device=device)
-    group_p[:n], seg_p[:n] = group, seg
+    # padded tails: visible to no query, so mask_mod may also be called on indices in [n, padded); padded
+    # queries (q >= n >= every visible_until) see nothing either
+    vis_p = torch.full((padded,), -1, dtype=visible_until.dtype, device=device)
+    vis_p[:n] = visible_until
+    # the query's index read from a tensor, not used as a value: inductor's CPU flex template (torch 2.13)
+    # emits C++ that does not compile when the index itself is compared with a loaded value
+    row_p = torch.arange(padded, dtype=visible_until.dtype, device=device)
 
-    def shared_prompt(b, h, q, kv):
-        return (kv <= q) & (group_p[q] == group_p[kv]) & ((seg_p[kv] == 0) | (seg_p[kv] == seg_p[q]))
+    def tree(b, h, q, kv):
+        return (kv <= q) & (row_p[q] < vis_p[kv])
 
     kv = torch.arange(padded, device=device)[None]
     rows = max(1, _CHUNK_PAIRS // (BLOCK * padded)) * BLOCK
     partial, full = [], []
     for r0 in range(0, padded, rows):
         q = kv[0, r0:r0 + rows, None]
-        allowed = shared_prompt(None, None, q, kv) & (group_p[q] >= 0)   # mask_mod broadcast over the chunk
+        allowed = tree(None, None, q, kv)                                # mask_mod broadcast over the chunk
         tiles = allowed.view(-1, BLOCK, blocks, BLOCK)
         some, every = tiles.any(3).any(1), tiles.all(3).all(1)
         partial.append(some & ~every)
@@ -70,7 +98,7 @@ def block_mask_from_ids(group: torch.Tensor, seg: torch.Tensor) -> BlockMask:
 
     kv_num, kv_idx = ordered(torch.cat(partial))
     full_num, full_idx = ordered(torch.cat(full))
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=shared_prompt,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=tree,
                                     seq_lengths=(n, n))
 
 
