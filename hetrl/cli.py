@@ -41,6 +41,19 @@ def _bench_train(args) -> int:
     return 0
 
 
+def _bench_tree(args) -> int:
+    from hetrl.bench import tree
+    from hetrl.bench.results import write_results
+
+    result = tree.run(args.quick, args.repeats, memory=not args.no_memory, max_leaves=args.max_leaves)
+    text = tree.markdown(result)
+    print(text)
+    if args.out:
+        path = write_results(args.out, "tree_cpu_quick" if args.quick else "tree_cpu", result, text)
+        print(f"wrote {path}.json and .md")
+    return 0
+
+
 def _bench_dualkv(args) -> int:
     if args.layer:
         from hetrl.bench import dualkv_layer
@@ -240,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "change to a system's code): the new record supersedes the old one in the report, the .jsonl "
                     "keeps both")
     bt.set_defaults(func=_bench_train)
+    tr = bench_sub.add_parser("tree", help="the tree engine on agentic trees vs linear packing, prompt-only DualKV "
+                              "and TRL's TreeRow layout (one update micro-step, CPU)")
+    tr.add_argument("--quick", action="store_true", help="2 small trees (prompt 64, turns of 8-24 tokens): a smoke run")
+    tr.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
+    tr.add_argument("--no-memory", action="store_true", help="skip the per-layout peak-memory subprocesses")
+    tr.add_argument("--max-leaves", type=int, help="branch at turn boundaries while the leaves stay within this "
+                    "(default 16; 4 with --quick)")
+    tr.add_argument("--out", help="directory for tree_cpu[_quick].json and .md (e.g. benchmarks/results)")
+    tr.set_defaults(func=_bench_tree)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
     demo.add_argument("--quick", action="store_true", help="8 responses, 3 rounds (about two minutes on 2 cores)")
     demo.add_argument("--seed", type=int, default=0)

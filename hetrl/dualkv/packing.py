@@ -329,14 +329,18 @@ class PackedBatch(TreeBatch):
         return out
 
 
-def pack_groups(groups) -> PackedBatch:
+def pack_groups(groups, response_masks=None) -> PackedBatch:
     """Pack `[(prompt_ids, [resp_ids_1, ..., resp_ids_N]), ...]` into one shared-prompt stream.
 
     Ids are lists of ints or 1-D integer tensors. Responses may be ragged or empty (R=0
     adds no tokens); every prompt needs at least one token. Raises ValueError naming the
-    group and field on bad input.
+    group and field on bad input. `response_masks` (optional): per group, per response, a mask of the
+    response's length, True on the tokens whose log-probs are wanted (e.g. the model's own tokens of a
+    multi-turn response, not tool outputs); by default every response token.
     """
     norm = normalize_groups(groups)
+    if response_masks is not None and len(response_masks) != len(norm):
+        raise ValueError(f"response_masks must hold one list per group ({len(norm)}), got {len(response_masks)}")
     n_groups = len(norm)
     prompt_lens = torch.tensor([p.numel() for p, _ in norm], dtype=torch.long)
     per_group = torch.tensor([len(rs) for _, rs in norm], dtype=torch.long)
@@ -354,15 +358,20 @@ def pack_groups(groups) -> PackedBatch:
 
     # The depth-one tree: each prompt a root run, each non-empty response a run attached to its prompt's last row.
     runs, seq_rows, seq_masks = [], [], []
-    for (p, rs), start, n in zip(norm, seg_starts[seg_local == 0].tolist(), per_group.tolist()):
+    for g, ((p, rs), start, n) in enumerate(zip(norm, seg_starts[seg_local == 0].tolist(), per_group.tolist())):
         prompt_rows = torch.arange(start, start + p.numel())
         runs.append((start, p.numel(), -1))
         at = start + p.numel()
-        for r in rs:
+        if response_masks is not None and len(response_masks[g]) != len(rs):
+            raise ValueError(f"response_masks[{g}] must hold one mask per response ({len(rs)}), got "
+                             f"{len(response_masks[g])}")
+        for i, r in enumerate(rs):
             if r.numel():
                 runs.append((at, r.numel(), start + p.numel() - 1))
             seq_rows.append(torch.cat([prompt_rows, torch.arange(at, at + r.numel())]))
-            seq_masks.append(torch.arange(p.numel() + r.numel()) >= p.numel())
+            mask = torch.ones(r.numel(), dtype=torch.bool) if response_masks is None else _as_mask(
+                [False, *response_masks[g][i]], r.numel() + 1, f"response_masks[{g}][{i}] (with a leading False)")[1:]
+            seq_masks.append(torch.cat([torch.zeros(p.numel(), dtype=torch.bool), mask]))
             at += r.numel()
     return PackedBatch(
         **_pack_runs(input_ids, runs, seq_rows, seq_masks),
