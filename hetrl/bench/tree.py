@@ -169,7 +169,7 @@ def layout_logprobs(layout: str, model, seqs, masks):
     if layout == "treerow":
         return _treerow(model, seqs, masks, model.config.vocab_size)
     if layout == "prompt":
-        p = _common_prefix(seqs)
+        p = min(_common_prefix(seqs), *(m.index(True) for m in masks if True in m))   # the prompt: before any turn
         batch = pack_groups([(seqs[0][:p], [s[p:] for s in seqs])], [[m[p:] for m in masks]])
         return lambda: shared_prompt_logprobs(model, batch, impl="sdpa"), batch.num_tokens
     if layout == "tree":
