@@ -318,3 +318,20 @@ def _alone_cuda(model, seqs, masks):
         logp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
         out.append(logp[torch.tensor(m[1:], dtype=torch.bool, device="cuda")])
     return out
+
+
+def test_block_mask_from_group_and_segment_ids_is_the_depth_one_tree_mask():
+    """The layer benchmark's entry (group and segment ids, or documents with every segment 0) gives the same tiles
+    as the tree mask of the same layout."""
+    groups = [([1] * 130, [[2] * 50, [], [3] * 140]), ([4] * 7, [[5] * 3]), ([6] * 128, [[7] * 128] * 2)]
+    batch = pack_groups(groups)
+    got = flex.block_mask_from_ids(batch.group_ids, batch.segment_ids)
+    assert torch.equal(got.to_dense(), flex.build_block_mask(batch).to_dense())
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 200, 29]))
+    t = torch.arange(docs.numel())
+    want = (t[None] <= t[:, None]) & (docs[None] == docs[:, None])
+    n = docs.numel()
+    q, k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+    from torch.nn.attention.flex_attention import flex_attention
+    out = flex_attention(q, k, v, block_mask=flex.block_mask_from_ids(docs, torch.zeros_like(docs)))
+    assert (out - F.scaled_dot_product_attention(q, k, v, attn_mask=want)).abs().max() < 1e-5
