@@ -53,3 +53,22 @@ def test_quick_run_and_report(monkeypatch):
     assert set(row["update_s"]) == set(tree.LAYOUTS) and all(t > 0 for t in row["update_s"].values())
     assert max(row["max_abs_logprob_diff_vs_tree"].values()) < 1e-4
     assert "| 3turns_K2_P12 | 4 |" in tree.markdown(res)
+
+
+def test_cli_wires_bench_tree(monkeypatch, tmp_path):
+    from hetrl.cli import main
+
+    seen = {}
+
+    def fake_run(quick, repeats, memory, max_leaves=None):
+        seen.update(quick=quick, repeats=repeats, memory=memory, max_leaves=max_leaves)
+        return {"machine": {"cpus": 2, "torch": "x", "torch_threads": 1}, "model": "m", "repeats": repeats,
+                "quick": quick, "rows": [{"case": "c", "trajectories": 2, "tokens": dict.fromkeys(tree.LAYOUTS, 9),
+                                          "flop_ratio": 1.5, "update_s": dict.fromkeys(tree.LAYOUTS, 1.0),
+                                          "max_abs_logprob_diff_vs_tree": {"tree": 0.0}}]}
+
+    monkeypatch.setattr(tree, "run", fake_run)
+    assert main(["bench", "tree", "--quick", "--repeats", "2", "--no-memory", "--max-leaves", "8",
+                 "--out", str(tmp_path)]) == 0
+    assert seen == {"quick": True, "repeats": 2, "memory": False, "max_leaves": 8}
+    assert (tmp_path / "tree_cpu_quick.md").read_text().startswith("# Tree engine")

@@ -335,3 +335,16 @@ def test_block_mask_from_group_and_segment_ids_is_the_depth_one_tree_mask():
     from torch.nn.attention.flex_attention import flex_attention
     out = flex_attention(q, k, v, block_mask=flex.block_mask_from_ids(docs, torch.zeros_like(docs)))
     assert (out - F.scaled_dot_product_attention(q, k, v, attn_mask=want)).abs().max() < 1e-5
+
+
+def test_pack_groups_response_masks_keep_only_the_marked_tokens():
+    model = tiny_model("qwen3")
+    groups = [([1, 2, 3], [[4, 5, 6, 7], [8, 9]])]
+    masks = [[[True, False, False, True], [False, True]]]
+    with torch.no_grad():
+        got = shared_prompt_logprobs(model, pack_groups(groups, masks))
+        want = torch.cat(alone_logprobs(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9]],
+                                        [[False] * 3 + [True, False, False, True], [False] * 4 + [True]]))
+    assert (got - want).abs().max().item() <= LOGP_TOL
+    with pytest.raises(ValueError, match=r"response_masks\[0\] must hold one mask per response \(2\)"):
+        pack_groups(groups, [[[True] * 4]])
