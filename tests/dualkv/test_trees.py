@@ -348,3 +348,32 @@ def test_pack_groups_response_masks_keep_only_the_marked_tokens():
     assert (got - want).abs().max().item() <= LOGP_TOL
     with pytest.raises(ValueError, match=r"response_masks\[0\] must hold one mask per response \(2\)"):
         pack_groups(groups, [[[True] * 4]])
+
+
+def test_activation_checkpointing_on_trees_equals_the_run_without():
+    """The backward's recompute goes through the tree attention again (its blocks and custom backward included)."""
+    import copy
+
+    seqs = forest(9)
+    masks = masks_for(seqs, 4)
+    plain = tiny_model("qwen3").train()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    want = torch.cat(sequence_logprobs(plain, pack_sequences(seqs, masks), impl="sdpa"))
+    got = torch.cat(sequence_logprobs(checkpointed, pack_sequences(seqs, masks), impl="sdpa"))
+    assert (got - want).abs().max().item() <= 1e-12
+    weights = torch.linspace(-1, 1, want.numel(), dtype=torch.float64)
+    assert_grads_close(grads(checkpointed, (got * weights).sum()), grads(plain, (want * weights).sum()))
+
+
+def test_short_sliding_window_is_refused_on_trees():
+    seqs = forest(5)
+    longest = max(map(len, seqs))
+    model = tiny_model("mistral", sliding_window=longest - 1)
+    with pytest.raises(ValueError, match=rf"sliding window of {longest - 1} tokens, shorter than .* \({longest} tokens"):
+        sequence_logprobs(model, pack_sequences(seqs), impl="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    model = tiny_model("mistral", sliding_window=longest)
+    with torch.no_grad():
+        got = torch.cat(sequence_logprobs(model, pack_sequences(seqs), impl="sdpa"))
+        assert (got - torch.cat(alone_logprobs(model, seqs))).abs().max().item() <= LOGP_TOL
