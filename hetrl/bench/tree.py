@@ -13,7 +13,11 @@ loss is GRPO's clipped surrogate on the model's tokens, one advantage per trajec
              is repeated once per extra child; each segment's queries attend to its root-to-segment path, whose K/V
              are gathered (`index_select`, copied per segment), with SDPA
   tree       hetrl's tree engine (`pack_sequences` + `sequence_logprobs`, impl="sdpa")
-The LM head runs only on the rows that predict trained tokens in every layout. Times: median of interleaved rounds
+The LM head runs only on the rows that predict trained tokens in every layout. `linear` and `treerow` take
+the log-softmax over their [rows, vocab] logits whole (as `hetrl bench dualkv`'s baselines do); `prompt` and
+`tree` go through hetrl's head, which above 256 MB of logits runs in row chunks recomputed in the backward
+(~12% more time, far less memory: api.CHUNK_LOGITS_ABOVE_BYTES), so at the grid's largest trees the memory
+columns compare that head as much as the layouts. Times: median of interleaved rounds
 after a warm-up (hetrl.bench.dualkv.median_times); memory: peak RSS increase of the update in a fresh process per
 layout (VmHWM reset just before the step), as `hetrl bench dualkv` measures it. The FLOP ratio is linear / tree:
 the body's parameters x tokens, the LM head x predicting rows, attention x (query, key) pairs; `tree` is expected
