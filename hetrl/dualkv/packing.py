@@ -274,6 +274,41 @@ def pack_sequences(sequences, loss_masks=None) -> TreeBatch:
     return TreeBatch(**_pack_runs(torch.cat(pieces), runs, rows, masks))
 
 
+def split_sequences_by_token_budget(sequences, max_tokens: int) -> list[list[int]]:
+    """Cut sequences into micro-batches whose packed size (`pack_sequences(...).num_tokens`, the trie's nodes) is at
+    most `max_tokens`; -> per micro-batch, the indices of its sequences (pack them with their loss masks).
+
+    Sequences are taken in the trie's depth-first (lexicographic) order, so every micro-batch holds whole subtrees
+    where it can; a tree too large for one micro-batch is cut between consecutive leaves, and each part carries its
+    own copy of the prefix it shares with the other parts (exact, but that prefix is computed once per part). Every
+    sequence lands in exactly one micro-batch.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if isinstance(sequences, torch.Tensor):
+        sequences = list(sequences) if sequences.dim() == 2 else [sequences]
+    as_lists = [_as_ids(x, f"sequence {i}").tolist() for i, x in enumerate(sequences)]
+    batches: list[list[int]] = []
+    used, prev = 0, None
+    for i in sorted(range(len(as_lists)), key=as_lists.__getitem__):
+        s = as_lists[i]
+        if len(s) > max_tokens:
+            raise ValueError(f"sequence {i} alone has {len(s)} tokens > max_tokens ({max_tokens}); raise max_tokens "
+                             f"to at least {len(s)} or truncate it")
+        lcp = 0
+        if prev is not None:
+            while lcp < min(len(s), len(prev)) and s[lcp] == prev[lcp]:
+                lcp += 1
+        if prev is None or used + len(s) - lcp > max_tokens:
+            batches.append([i])
+            used = len(s)
+        else:
+            batches[-1].append(i)
+            used += len(s) - lcp
+        prev = s
+    return batches
+
+
 @dataclass(frozen=True)
 class PackedBatch(TreeBatch):
     """The depth-one case: G groups, each one prompt (a root segment) and its responses (child segments), packed

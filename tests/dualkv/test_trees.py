@@ -377,3 +377,26 @@ def test_short_sliding_window_is_refused_on_trees():
     with torch.no_grad():
         got = torch.cat(sequence_logprobs(model, pack_sequences(seqs), impl="sdpa"))
         assert (got - torch.cat(alone_logprobs(model, seqs))).abs().max().item() <= LOGP_TOL
+
+
+@pytest.mark.parametrize("budget", [40, 75, 1000])
+def test_token_budget_micro_batches_are_exact_and_within_budget(budget):
+    from hetrl.dualkv import split_sequences_by_token_budget
+
+    model = tiny_model("llama")
+    seqs = forest(11)
+    masks = masks_for(seqs, 6)
+    micro = split_sequences_by_token_budget(seqs, budget)
+    assert sorted(i for mb in micro for i in mb) == list(range(len(seqs)))
+    assert all(pack_sequences([seqs[i] for i in mb]).num_tokens <= budget for mb in micro)
+    if budget == 1000:
+        assert len(micro) == 1
+    got = [None] * len(seqs)
+    with torch.no_grad():
+        for mb in micro:
+            for i, lp in zip(mb, sequence_logprobs(model, pack_sequences([seqs[i] for i in mb], [masks[i] for i in mb]))):
+                got[i] = lp
+        want = alone_logprobs(model, seqs, masks)
+    assert (torch.cat(got) - torch.cat(want)).abs().max().item() <= LOGP_TOL
+    with pytest.raises(ValueError, match=r"sequence 0 alone has 3 tokens > max_tokens \(2\)"):
+        split_sequences_by_token_budget([[1, 2, 3]], 2)
