@@ -25,6 +25,7 @@ segments, never over tokens.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -177,12 +178,11 @@ def _pack_runs(input_ids: torch.Tensor, runs: list[tuple[int, int, int]], seq_ro
     # Segments: runs cut after every row another run attaches to (a branch point inside a run).
     run_start = {s: a for s, _, a in runs}
     cuts = sorted(set(run_start) | {a + 1 for _, _, a in runs if 0 <= a and a + 1 < n_tokens})
-    bounds = torch.tensor(cuts + [n_tokens], dtype=torch.long)
-    seg_of = lambda r: int(torch.searchsorted(bounds, torch.tensor(r), right=True)) - 1   # noqa: E731
     segments = []
     for i, s in enumerate(cuts):
-        attach = run_start.get(s, s - 1)
-        segments.append((s, cuts[i + 1] if i + 1 < len(cuts) else n_tokens, seg_of(attach) if attach >= 0 else -1))
+        attach = run_start.get(s, s - 1)      # a run's own attach row, or (a cut inside a run) the row before
+        parent = bisect.bisect_right(cuts, attach) - 1 if attach >= 0 else -1
+        segments.append((s, cuts[i + 1] if i + 1 < len(cuts) else n_tokens, parent))
     sub_end = [e for _, e, _ in segments]
     for i in range(len(segments) - 1, -1, -1):          # children follow their parent: one backward sweep
         parent = segments[i][2]
