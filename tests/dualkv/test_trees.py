@@ -400,3 +400,13 @@ def test_token_budget_micro_batches_are_exact_and_within_budget(budget):
     assert (torch.cat(got) - torch.cat(want)).abs().max().item() <= LOGP_TOL
     with pytest.raises(ValueError, match=r"sequence 0 alone has 3 tokens > max_tokens \(2\)"):
         split_sequences_by_token_budget([[1, 2, 3]], 2)
+
+
+@pytest.mark.gpu
+def test_cuda_sdpa_on_deep_trees_takes_the_masked_stream():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none")
+    batch = pack_sequences(forest(0)).to("cuda")
+    assert all(type(p).__name__ == "_Stream" for p in sdpa.build_masks(batch) if p is not None)
+    with pytest.raises(ValueError, match="strategy 'tree' runs torch's CPU flash-attention kernel"):
+        sdpa.build_masks(batch, "tree")

@@ -10,7 +10,7 @@ attend to their ancestors' keys and their own segment's past in one of three way
            exactly the (query, ancestor key) pairs: Σ over tokens of their depth. Forward and backward run
            torch's CPU flash-attention kernel per block (the backward with the merged output and log-sum-exp,
            which gives each block's exact share of dQ, dK, dV); see `_TreeAttention`. The default for trees
-           deeper than one level.
+           deeper than one level on the CPU (the kernel is torch's CPU one; on CUDA `auto` takes `stream`).
   stream   all the tree's non-root queries at once against the tree's contiguous key range with a boolean
            ancestry mask (no copy of anything); scores (T - root) x T pairs, of which the non-ancestor pairs are
            masked-out work.
@@ -85,9 +85,12 @@ def _plan_tree(batch: TreeBatch, s: int, p: int, e: int, segments: list, strateg
             lens = [b - a for a, b, _ in segments[1:]]
             n, r_max, total = len(lens), max(lens), sum(lens)
             strategy = "batched" if n * r_max * (p + r_max) < total * (p + total) else "stream"
-        else:
-            strategy = "tree"
+        else:       # the tree blocks call torch's CPU flash kernel; elsewhere (impl="sdpa" on CUDA) the masked call
+            strategy = "tree" if batch.input_ids.device.type == "cpu" else "stream"
     device = batch.input_ids.device
+    if strategy == "tree" and device.type != "cpu":
+        raise ValueError(f"strategy 'tree' runs torch's CPU flash-attention kernel, and this batch is on {device}; "
+                         "use impl='flex' (the CUDA default) or the 'stream' strategy")
     if strategy == "tree":
         sub_end = [b for _, b, _ in segments]
         for i in range(len(segments) - 1, 0, -1):
@@ -121,8 +124,8 @@ def _plan_tree(batch: TreeBatch, s: int, p: int, e: int, segments: list, strateg
 
 def build_masks(batch: TreeBatch, strategy: str = "auto") -> list:
     """Per tree: how its non-root tokens attend (`_Tree`, `_Stream` or `_Batched`), or None if it has none.
-    `strategy` "auto": `tree` for trees deeper than one level, and for depth-one trees whichever of stream and
-    batched scores fewer pairs; "tree" / "stream" / "batched" force one (tests)."""
+    `strategy` "auto": `tree` for trees deeper than one level (`stream` off the CPU), and for depth-one trees
+    whichever of stream and batched scores fewer pairs; "tree" / "stream" / "batched" force one (tests)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     plans, i = [], 0
