@@ -146,11 +146,12 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
                        temperature if logprobs else None, precision, clock)
     finally:
         model.train(was_training)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)   # the logits' log-softmax dtype
     out = []
     for ep in episodes:
         mask = tuple(ep.model_mask)
         out.append(Sample(ep.tokens, ep.last_text, ep.truncated,
-                          logprobs=torch.tensor(ep.logprobs, dtype=torch.float32) if logprobs else None,
+                          logprobs=torch.tensor(ep.logprobs, dtype=dtype) if logprobs else None,
                           loss_mask=None if all(mask) else mask, episode=ep))
     return [out[i * n:(i + 1) * n] for i in range(len(examples))]
 
@@ -271,7 +272,7 @@ def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_token
         ep.tokens += suffix
         ep.model_mask += [False] * len(suffix)
         ep.logprobs += [0.0] * len(suffix)   # never trained (weight 0); finite, so weight x value stays 0
-        ep.pending = suffix
+        ep.pending = [ep.tokens[len(ep.tokens) - len(suffix) - 1]] + suffix   # the turn's EOS is not in the cache yet
 
 
 def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
