@@ -314,8 +314,9 @@ class EpisodeWorker:
                                  batch_size=w.batch_size, precision=w.precision, prompt_suffix=self.prompt_suffix,
                                  clock=w.phase_seconds)
 
-def agent_from_config(cfg, tokenizer, tools=None, environment_factory=None) -> Agent | None:
-    """The run's Agent from `tools=` / `environment=` (or the tools and factory given from Python); None without."""
+def resolve_tools(cfg, tools=None, environment_factory=None) -> tuple[list[Callable], Callable | None]:
+    """The run's tools and environment factory from `tools=` / `environment=` (or as given from Python), loaded and
+    checked before anything heavy is (a bad spec is one line, before the model loads)."""
     from hetrl.data.tools import load_environment, load_tools
     from hetrl.trainer.config import PYTHON
 
@@ -328,10 +329,18 @@ def agent_from_config(cfg, tokenizer, tools=None, environment_factory=None) -> A
             raise InputError("this run's environment was passed from Python; pass it again: "
                              "hetrl.train(..., environment_factory=...)")
         environment_factory = load_environment(cfg.environment)
+    if environment_factory is not None:
+        check_environment(environment_factory)
+    for t in tools:
+        tool_schema(t)
+    return list(tools), environment_factory
+
+
+def agent_from_config(cfg, tokenizer, tools, environment_factory) -> Agent | None:
+    """The run's Agent (None without tools or an environment), from `resolve_tools`' result."""
     if not tools and environment_factory is None:
         return None
     return make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s)
 
-
 __all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes", "loss_mask",
-           "make_agent"]
+           "make_agent", "resolve_tools"]

@@ -485,6 +485,7 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
     if device.type == "cuda":
         build.fast_fp32_matmuls(cfg)
+    tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     model = model.to(device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
