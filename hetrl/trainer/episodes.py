@@ -21,6 +21,7 @@ cache; branching at turn boundaries and Ray rollout actors (issue 38, items 3 an
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -91,6 +92,7 @@ class Episode:
     errors: int = 0
     truncated: bool = False
     last_text: str = ""
+    group_prompt_len: int = 0   # the prompt tokens its group shares (the rest of `prompt` starts its sample)
 
     def stats(self) -> dict:
         model = sum(self.model_mask)
@@ -148,12 +150,39 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
         model.train(was_training)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)   # the logits' log-softmax dtype
     out = []
-    for ep in episodes:
-        mask = tuple(ep.model_mask)
-        out.append(Sample(ep.tokens, ep.last_text, ep.truncated,
-                          logprobs=torch.tensor(ep.logprobs, dtype=dtype) if logprobs else None,
-                          loss_mask=None if all(mask) else mask, episode=ep))
-    return [out[i * n:(i + 1) * n] for i in range(len(examples))]
+    for i, example in enumerate(examples):
+        group = episodes[i * n:(i + 1) * n]
+        # reset() strings make a rollout's prompt its own: the group's samples continue the prompts' common
+        # prefix, and each one's own prompt tail is context (weight 0) at the start of its sample
+        base = _common_prefix([example.prompt_ids] + [ep.prompt for ep in group])
+        samples = []
+        for ep in group:
+            ep.group_prompt_len = base
+            tail = ep.prompt[base:]
+            mask = tuple([False] * len(tail) + ep.model_mask)
+            samples.append(Sample(tail + ep.tokens, ep.last_text, ep.truncated,
+                                  logprobs=torch.tensor([0.0] * len(tail) + ep.logprobs, dtype=dtype)
+                                  if logprobs else None,
+                                  loss_mask=None if all(mask) else mask, episode=ep))
+        out.append(samples)
+    return out
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    for j in range(n):
+        if any(s[j] != seqs[0][j] for s in seqs):
+            return j
+    return n
+
+
+def group_prompt(example, samples: list[Sample]):
+    """The Example whose prompt the group's samples continue (hetrl.data Example; its prompt shortened to the common
+    prefix where the environment's reset() gave rollouts prompts of their own)."""
+    ep = samples[0].episode if samples else None
+    if ep is None or ep.group_prompt_len == len(example.prompt_ids):
+        return example
+    return dataclasses.replace(example, prompt_ids=list(example.prompt_ids[:ep.group_prompt_len]))
 
 
 def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_tokens: int, warp,
@@ -305,6 +334,7 @@ class EpisodeWorker:
 
     def __init__(self, worker, agent: Agent, prompt_suffix: str = ""):
         self.worker, self.agent, self.prompt_suffix = worker, agent, prompt_suffix
+        worker.phase_seconds.setdefault("tool_s", 0.0)   # reported per step beside prefill_s and decode_s
 
     def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]:
@@ -342,5 +372,5 @@ def agent_from_config(cfg, tokenizer, tools, environment_factory) -> Agent | Non
         return None
     return make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s)
 
-__all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes", "loss_mask",
-           "make_agent", "resolve_tools"]
+__all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes",
+           "group_prompt", "loss_mask", "make_agent", "resolve_tools"]

@@ -102,7 +102,7 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
         episode_samples += [s for g in outputs for s in g]
         offset = 0
         for example, samples in zip(examples, outputs):
-            r = Rollout(example, samples, scores.total[offset:offset + len(samples)])
+            r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)])
             offset += len(samples)
             sampled.append(r)
             if not cfg.dynamic_sampling or len(set(r.rewards)) > 1:

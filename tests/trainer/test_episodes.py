@@ -152,3 +152,45 @@ def test_a_masked_loss_is_the_loss_over_the_models_tokens():
     for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
         assert (p1 - p2).abs().max().item() <= 1e-10 * max(1.0, p2.abs().max().item()), name
     assert loss_mask([]) is None
+
+
+class Counter:
+    """reset() returns a string of its own per instance: each rollout's prompt differs after the user's text."""
+
+    made = 0
+
+    def reset(self, **row):
+        Counter.made += 1
+        return f" (try {Counter.made})"
+
+    def peek(self, k: int) -> str:
+        """Peek.
+
+        Args:
+            k: Which.
+        """
+        return str(k)
+
+
+def test_reset_strings_become_context_of_their_own_sample():
+    from hetrl.data.sources import prompt_ids
+    from hetrl.trainer.episodes import group_prompt
+
+    model, tok = load_model("tiny", dtype=torch.float64, seed=2)
+    _use_float64_norms(model)
+    agent = make_agent(tok, [], Counter, max_tool_calls=1, tool_timeout_s=5.0)
+    row = {"prompt": [{"role": "user", "content": "hello"}]}
+    example = Example(row, prompt_ids(agent.render_tokenizer(tok), row["prompt"]))
+    torch.manual_seed(0)
+    (group,) = generate_episodes(model, tok, agent, [example], 3, 6, logprobs=True)
+    base = group_prompt(example, group).prompt_ids
+    assert base == example.prompt_ids[:len(base)] and len(base) < len(example.prompt_ids)
+    for s in group:
+        ep = s.episode
+        assert base + s.tokens == ep.prompt + ep.tokens
+        tail = len(ep.prompt) - len(base)
+        assert s.loss_mask == tuple([False] * tail + [True] * len(ep.tokens))
+        assert f"(try {ep.environment.__class__.made - 3 + 1 + group.index(s)})" in tok.decode(s.tokens[:tail])
+        want = _plain_logprobs(model, base, s.tokens)
+        mask = torch.tensor(s.loss_mask)
+        assert (s.logprobs[mask] - want[mask]).abs().max().item() < 1e-10
