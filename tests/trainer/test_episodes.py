@@ -194,3 +194,30 @@ def test_reset_strings_become_context_of_their_own_sample():
         want = _plain_logprobs(model, base, s.tokens)
         mask = torch.tensor(s.loss_mask)
         assert (s.logprobs[mask] - want[mask]).abs().max().item() < 1e-10
+
+
+def test_episodes_train_through_the_loops_update():
+    """The loop's update on multi-turn groups: tool tokens weigh 0, each response's model tokens share its weight
+    (seq-mean-token-mean), and the step runs on the rollout's own log-probs (the later mini-batch's old ones)."""
+    import math
+    import pathlib
+
+    from hetrl.trainer import loop
+    from hetrl.trainer.config import load_config
+    from hetrl.trainer.episodes import group_prompt
+
+    model, tok, agent, examples, end = _setup()
+    torch.manual_seed(0)
+    out = generate_episodes(model, tok, agent, examples, 2, end + 4, temperature=1.0, logprobs=True)
+    kept = [loop.Rollout(group_prompt(e, g), g, [float(i), float(i) + 1.0]) for i, (e, g) in enumerate(zip(examples, out))]
+    cfg = load_config(str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml"),
+                      ["mini_batches=2", "kl_coef=0", "micro_batch_tokens=4096"])
+    _, weights = loop._per_token(kept, cfg)
+    mask = loss_mask([s for r in kept for s in r.samples])
+    assert mask is not None and (~mask).sum() > 0 and (weights[~mask] == 0).all()
+    assert math.isclose(float(weights.sum()), 1.0, rel_tol=1e-12)
+    plain, _ = load_model("tiny", dtype=torch.float64, seed=2)   # the same weights, without the script
+    learner = Learner(plain, torch.optim.SGD(plain.parameters(), lr=0.1), impl="sdpa", kl_coef=0.0)
+    before = [p.clone() for p in plain.parameters()]
+    row = loop.update_policy(cfg, learner, kept, None)
+    assert math.isfinite(row["loss"]) and any(not torch.equal(a, b) for a, b in zip(before, plain.parameters()))
