@@ -222,9 +222,11 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
             attn = torch.cat([attn, real], dim=1)
             positions = pos[:, None] + torch.arange(k, device=device)[None]
             lens = real.sum(1).long()
+            # logits only where some row's chunk ends (not [rows, k, vocab]: 0.75 GB at 64 rows x 60 x 49k)
+            ends = torch.unique(lens - 1)
             logits = model(input_ids=chunk, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                           use_cache=True).logits
-            raw = logits[torch.arange(len(eps), device=device), lens - 1]
+                           use_cache=True, logits_to_keep=ends).logits
+            raw = logits[torch.arange(len(eps), device=device), torch.searchsorted(ends, lens - 1)]
             pos = pos + lens
             for ep in eps:
                 ep.pending, ep.turn_start = [], len(ep.tokens)

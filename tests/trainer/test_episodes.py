@@ -39,10 +39,11 @@ def _scripted(model, script: dict[int, int]):
         table[q - 1, tok] = BIAS
     forward = model.forward
 
-    def biased(*args, position_ids=None, **kwargs):
-        out = forward(*args, position_ids=position_ids, **kwargs)
-        out.logits = out.logits + table[position_ids.clamp(max=table.shape[0] - 1)] * (
-            position_ids < table.shape[0])[..., None]
+    def biased(*args, position_ids=None, logits_to_keep=0, **kwargs):
+        out = forward(*args, position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
+        kept = position_ids if isinstance(logits_to_keep, int) else position_ids[:, logits_to_keep]
+        assert isinstance(logits_to_keep, torch.Tensor) or logits_to_keep == 0
+        out.logits = out.logits + table[kept.clamp(max=table.shape[0] - 1)] * (kept < table.shape[0])[..., None]
         return out
 
     model.forward = biased
@@ -221,3 +222,37 @@ def test_episodes_train_through_the_loops_update():
     before = [p.clone() for p in plain.parameters()]
     row = loop.update_policy(cfg, learner, kept, None)
     assert math.isfinite(row["loss"]) and any(not torch.equal(a, b) for a, b in zip(before, plain.parameters()))
+
+
+class Ragged:
+    """Each instance answers with a result of its own length: the rows' tool chunks differ in length."""
+
+    made = 0
+
+    def reset(self, **row):
+        Ragged.made += 1
+        self.k = Ragged.made % 4
+
+    def mul(self, a: int, b: int) -> str:
+        """Multiply.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return str(a * b) + "!" * (7 * self.k)
+
+
+def test_tool_results_of_different_lengths_feed_in_one_forward():
+    model, tok, _, examples, end = _setup()
+    agent = make_agent(tok, [], Ragged, max_tool_calls=1, tool_timeout_s=5.0)
+    torch.manual_seed(1)
+    out = generate_episodes(model, tok, agent, examples[:2], 3, end, temperature=1.0, logprobs=True)
+    samples = [s for g in out for s in g]
+    assert all(s.episode.calls == 1 for s in samples)
+    assert len({s.episode.stats()["tool_tokens"] for s in samples}) > 1
+    for g, example in zip(out, examples):
+        for s in g:
+            want = _plain_logprobs(model, example.prompt_ids, s.tokens)
+            mask = torch.tensor(s.loss_mask)
+            assert (s.logprobs[mask] - want[mask]).abs().max().item() < 1e-10
