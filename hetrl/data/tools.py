@@ -277,15 +277,19 @@ class ToolCall:
     error: str | None = None  # why the call could not be read (then it is answered with that error)
 
 
-def parse_tool_calls(text: str, tokenizer=None) -> list[ToolCall]:
+def parse_tool_calls(text: str, tokenizer=None, prefix: list[int] | None = None,
+                     tools: list[dict] | None = None) -> list[ToolCall]:
     """The calls in one assistant turn's text: through `tokenizer.parse_response` where the tokenizer declares a
-    response template or schema (transformers' parsing of its own format), else every
+    response template or schema (transformers' parsing of its own format; `prefix`, the conversation's tokens
+    before the turn, and `tools`, the schemas, passed on as TRL does), else every
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block. A block that is not such JSON is a call
     with an error (answered, counted), never an exception."""
     if tokenizer is not None and (getattr(tokenizer, "response_template", None) is not None
                                   or getattr(tokenizer, "response_schema", None) is not None):
         try:
-            parsed = tokenizer.parse_response(text)
+            extra = {k: v for k, v in (("prefix", None if prefix is None else tokenizer.decode(prefix)),
+                                       ("tools", tools)) if v is not None}
+            parsed = tokenizer.parse_response(text, **extra)
         except Exception as e:   # malformed output: one erroneous call, as TRL turns it into a tool failure
             return [ToolCall("unknown", None, f"could not parse the reply's tool calls: {e}")]
         return [ToolCall(c.get("function", c).get("name", "unknown"), c.get("function", c).get("arguments"))

@@ -278,7 +278,8 @@ def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_token
         if not ended:
             ep.truncated = True
             continue
-        calls = parse_tool_calls(tokenizer.decode(turn, skip_special_tokens=False), tokenizer)
+        calls = parse_tool_calls(tokenizer.decode(turn, skip_special_tokens=False), tokenizer,
+                                 ep.prompt + ep.tokens[:ep.turn_start], list(agent.schemas))
         if not calls or ep.tool_turns >= agent.max_tool_calls:
             continue
         ep.tool_turns += 1

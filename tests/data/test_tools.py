@@ -105,14 +105,18 @@ def test_a_template_with_response_parsing_is_asked_to_parse():
     class Declares:
         response_template = "x"
 
-        def parse_response(self, text):
+        def decode(self, ids):
+            return "decoded"
+
+        def parse_response(self, text, prefix=None, tools=None):
+            assert prefix == "decoded" and tools == [{}]
             if text == "bad":
                 raise ValueError("no")
             return {"role": "assistant", "tool_calls": [{"type": "function", "function": {
                 "name": "f", "arguments": {"a": 1}}}]}
 
-    assert parse_tool_calls("anything", Declares()) == [ToolCall("f", {"a": 1})]
-    assert parse_tool_calls("bad", Declares())[0].error.startswith("could not parse")
+    assert parse_tool_calls("anything", Declares(), [1, 2], [{}]) == [ToolCall("f", {"a": 1})]
+    assert parse_tool_calls("bad", Declares(), [1, 2], [{}])[0].error.startswith("could not parse")
 
 
 def _tools():
