@@ -73,8 +73,8 @@ def _setup(max_tool_calls=2):
         {Q3 + i: t for i, t in enumerate(turn3)}
     model = _scripted(model, script)
     g = torch.Generator().manual_seed(0)
-    examples = [Example({"prompt": [{"role": "user", "content": "q"}]}, torch.randint(4, 90, (p,), generator=g).tolist())
-                for p in (P, P + 2, P + 5)]
+    row = {"prompt": [{"role": "user", "content": "q"}]}
+    examples = [Example(row, torch.randint(4, 90, (p,), generator=g).tolist()) for p in (P, P + 2, P + 5)]
     return model, tok, agent, examples, Q3 + len(turn3)
 
 
@@ -210,7 +210,8 @@ def test_episodes_train_through_the_loops_update():
     model, tok, agent, examples, end = _setup()
     torch.manual_seed(0)
     out = generate_episodes(model, tok, agent, examples, 2, end + 4, temperature=1.0, logprobs=True)
-    kept = [loop.Rollout(group_prompt(e, g), g, [float(i), float(i) + 1.0]) for i, (e, g) in enumerate(zip(examples, out))]
+    kept = [loop.Rollout(group_prompt(e, g), g, [float(i), float(i) + 1.0])
+            for i, (e, g) in enumerate(zip(examples, out))]
     cfg = load_config(str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml"),
                       ["mini_batches=2", "kl_coef=0", "micro_batch_tokens=4096"])
     _, weights = loop._per_token(kept, cfg)
