@@ -5,8 +5,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=None, resume: bool = False,
-          **overrides) -> dict:
+def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tools=None,
+          environment_factory=None, resume: bool = False, **overrides) -> dict:
     """`hetrl train` from Python.
 
     config: a RunConfig, a mapping of its fields, a run YAML path, or None (the built-in defaults); `overrides`
@@ -16,6 +16,8 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
     reward_funcs: callables in TRL's `f(completions, **columns) -> list[float | None]` or verl's
       `compute_score(data_source, solution_str, ground_truth, extra_info=None)` convention, built-in names
       ("exact_match", "math_verify", ...) or "FILE.py:NAME" specs; weighted by the config's `reward_weights`.
+    tools / environment_factory: TRL's conventions (docs/agents.md): functions with type hints and a Google
+      docstring; a class whose instances (one per rollout) have reset(), tool methods and optionally get_reward().
     Returns the run's summary (as summary.json).
     """
     from hetrl.trainer.config import RunConfig, load_config
@@ -30,6 +32,7 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
     else:
         raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
     fields |= overrides
-    fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs)
+    fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs,
+                            tools, environment_factory)
     return _train(RunConfig(**fields), resume=resume, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                  reward_funcs=reward_funcs)
+                  reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory)

@@ -75,5 +75,12 @@ def _validate_run_config(path: str) -> str:
             from hetrl.data import load_reward
 
             load_reward(spec)
+    if cfg.tool_specs or cfg.environment is not None:   # the tools and environment the run names (import, schemas)
+        from hetrl.data.tools import check_environment, load_environment, load_tools
+
+        for spec in cfg.tool_specs:
+            load_tools(spec)
+        if cfg.environment is not None:
+            check_environment(load_environment(cfg.environment))
     return f"run config: {cfg.algorithm} on {cfg.model}, {cfg.steps} steps, executor {cfg.executor}{data}"
 

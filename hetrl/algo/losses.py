@@ -45,21 +45,30 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def token_weights(response_lens: torch.Tensor, keep: torch.Tensor, mode: str) -> torch.Tensor:
+def token_weights(response_lens: torch.Tensor, keep: torch.Tensor, mode: str,
+                  loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Weights [K] that turn per-token losses into the mini-batch loss by a plain weighted sum.
 
     response_lens [M] (tokens per response), keep [M] bool (False: response left out, e.g. overlong).
     token-mean: every kept token counts equally (DAPO). seq-mean-token-mean: each kept response's
     token mean, averaged over kept responses (GRPO paper). Left-out responses get weight 0.
+    loss_mask [K] bool (multi-turn episodes): False on tokens that are context, not the model's (tool results);
+    they get weight 0 and are not counted, so the loss is that of the model's tokens alone.
     """
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
-    kept = keep & (response_lens > 0)
-    lens = response_lens.to(torch.float64)
+    if loss_mask is not None:
+        owner = torch.repeat_interleave(torch.arange(response_lens.numel()), response_lens)
+        counted = torch.zeros(response_lens.numel(), dtype=torch.long).index_add_(0, owner, loss_mask.long())
+    else:
+        counted = response_lens
+    kept = keep & (counted > 0)
+    lens = counted.to(torch.float64)
     if mode == "token-mean":
         total = lens[kept].sum()
         per_response = torch.where(kept, 1.0 / total.clamp(min=1.0), 0.0)
     else:
         n = kept.sum().clamp(min=1).to(torch.float64)
         per_response = torch.where(kept, 1.0 / (lens.clamp(min=1.0) * n), 0.0)
-    return torch.repeat_interleave(per_response, response_lens)
+    out = torch.repeat_interleave(per_response, response_lens)
+    return out if loss_mask is None else out * loss_mask.to(out.dtype)

@@ -66,6 +66,11 @@ class RunConfig:
     reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each)
     reward_workers: int = rule(0, ge=0)   # processes for your reward functions (0: in this process)
     format_reward: float = rule(0.0, ge=0)  # bonus when the reply is exactly the extracted answer (built-in format)
+    # tools and environments in TRL's conventions (docs/agents.md): each rollout is a multi-turn tool-use episode
+    tools: str | tuple[str, ...] = ()     # FILE.py:f1,f2 or package.module:NAME; type hints and a Google docstring each
+    environment: str | None = None        # FILE.py:Class: one instance per rollout (reset, tool methods, get_reward)
+    max_tool_calls: int = rule(4, ge=1)   # tool-calling turns per episode (TRL's max_tool_calling_iterations)
+    tool_timeout_s: float = rule(10.0, gt=0)  # a call still running then is answered with a timeout error
     # LoRA through peft (0: full fine-tuning); the reference is the base model with the adapter off
     lora_rank: int = rule(0, ge=0)
     lora_alpha: float = rule(16.0, gt=0)
@@ -152,6 +157,8 @@ class RunConfig:
         if self.responses_per_prompt < 2 and self.algorithm != "ppo":
             raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
                              "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
+        if self.tools or self.environment is not None:
+            self._check_tools()
         if self.algorithm == "dapo" and self.kl_coef > 0:
             raise ValueError(f"DAPO has no KL term, but kl_coef is {self.kl_coef}; set kl_coef=0 or algorithm=grpo")
         if not self.out_dir.strip():
@@ -201,6 +208,21 @@ class RunConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(rewards):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {len(rewards)} rewards "
                              f"({', '.join(rewards)}); give one weight per reward")
+
+    def _check_tools(self) -> None:
+        if self.executor != "local":
+            raise ValueError("tools and environments run in the local executor's rollout for now; use executor=local")
+        if self.algorithm == "ppo":
+            raise ValueError("tools with algorithm=ppo: the critic would value tool tokens the loss leaves out; use "
+                             "algorithm=grpo or dapo")
+        if self.environment is not None and self.reward_workers:
+            raise ValueError(f"environment={self.environment} hands each rollout's instance to the reward functions "
+                             f"(TRL's environments=), which cannot go to reward_workers={self.reward_workers} "
+                             "processes; set reward_workers=0")
+
+    @property
+    def tool_specs(self) -> tuple[str, ...]:
+        return (self.tools,) if isinstance(self.tools, str) else tuple(self.tools)
 
     @property
     def rewards(self) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
 from hetrl.data.rewards import nested
+from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files, memory
@@ -42,6 +43,7 @@ from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
+from hetrl.trainer import episodes
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.rollout import RolloutWorker, Sample
 
@@ -63,17 +65,20 @@ class Rollout:
 
 def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]]) -> Scores:
     """Every sample of every group in one call of each reward function (TRL's batch convention)."""
-    rows = [e.row for e, samples in zip(examples, outputs) for _ in samples]
+    rows = [e.row if s.episode is None or s.episode.environment is None else {**e.row, "environments":
+            s.episode.environment} for e, samples in zip(examples, outputs) for s in samples]   # TRL's environments=
     return rewards.score(rows, [r["prompt"] for r in rows], [s.text for g in outputs for s in g],
                          [s.tokens for g in outputs for s in g])
 
 
-def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int):
+def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int,
+                     agent: episodes.EpisodeWorker | None = None):
     """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
     are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds.
     -> (kept, sampled, next stream index, reward statistics of everything sampled)."""
     kept: list[Rollout] = []
     sampled: list[Rollout] = []
+    episode_samples: list[Sample] = []
     scored: list[Scores] = []
     too_long = 0
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
@@ -85,19 +90,26 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
             break
         examples, start, skipped = source.train_examples(start, cfg.prompts_per_step - len(kept))
         too_long += skipped
-        outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt, cfg.max_new_tokens,
-                                  cfg.temperature, cfg.top_p, **({"logprobs": True} if want_logprobs else {}))
+        if agent is not None:   # multi-turn tool-use episodes
+            outputs = agent.generate(examples, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature,
+                                     cfg.top_p, logprobs=want_logprobs)
+        else:
+            outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
+                                      cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                      **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs)
         scored.append(scores)
+        episode_samples += [s for g in outputs for s in g]
         offset = 0
         for example, samples in zip(examples, outputs):
-            r = Rollout(example, samples, scores.total[offset:offset + len(samples)])
+            r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)])
             offset += len(samples)
             sampled.append(r)
             if not cfg.dynamic_sampling or len(set(r.rewards)) > 1:
                 kept.append(r)
     split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
-    return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split}
+    return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split,
+                                  **episodes.episode_metrics(episode_samples)}
 
 
 def rollout_logprobs(cfg: RunConfig, worker) -> bool:
@@ -120,12 +132,15 @@ def _reward_stats(scored: list[Scores]) -> dict:
 
 
 def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker,
-             path: pathlib.Path) -> tuple[list[float], dict]:
+             path: pathlib.Path, agent: episodes.EpisodeWorker | None = None) -> tuple[list[float], dict]:
     """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
     (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
     correctness, else the weighted reward; the means for eval.jsonl)."""
     examples = source.eval_examples
-    outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.eval_max_new_tokens, greedy=True)
+    if agent is not None:
+        outputs = agent.generate(examples, 1, cfg.eval_max_new_tokens, greedy=True)
+    else:
+        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.eval_max_new_tokens, greedy=True)
     scores = score_groups(rewards, examples, outputs)
     rows = []
     for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
@@ -143,6 +158,7 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Rollout
     if scores.correct is not None:
         means["eval_accuracy"] = float(np.mean(scores.correct))
     means |= {f"eval_{k}": v for k, v in scores.means().items()}
+    means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
     per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else scores.total
     return per_prompt, means
 
@@ -163,7 +179,8 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
     adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
     lens, keep = _responses(rollouts, cfg)
-    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg)
+    mask = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, weight 0
+    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg, mask)
 
 
 def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,19 +404,29 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
                      prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
 
 
-def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None) -> RewardSet:
-    """The run's reward functions (the config's, or those passed from Python), plus the format bonus."""
+def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:
+    """The run's reward functions (the config's, or those passed from Python), plus the format bonus, plus an
+    environment's get_reward() (weight 1, as TRL)."""
     funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
     weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
+    if agent is not None and agent.env_reward:
+        funcs.append(environment_reward(agent.environment_factory))
+        weights.append(1.0)
     if cfg.format_reward > 0:
         funcs.append("format")
         weights.append(cfg.format_reward)
     return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key))
 
 
-def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs) -> dict:
-    """The config fields recorded for data or rewards given from Python: `<python>` where no path names them."""
+def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs, tools=None,
+                  environment_factory=None) -> dict:
+    """The config fields recorded for data, rewards, tools or an environment given from Python: `<python>` where no
+    path names them."""
     changes = {}
+    if tools is not None:
+        changes["tools"] = tuple(f"{PYTHON}:{getattr(t, '__name__', type(t).__name__)}" for t in tools)
+    if environment_factory is not None:
+        changes["environment"] = f"{PYTHON}:{getattr(environment_factory, '__name__', 'environment_factory')}"
     if train_dataset is not None:
         if cfg_data not in (None, PYTHON):
             raise InputError(f"give the data once: data={cfg_data} in the config and train_dataset from Python")
@@ -418,11 +445,12 @@ def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_f
 
 
 def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False, *, train_dataset=None,
-          eval_dataset=None, reward_funcs=None) -> dict:
+          eval_dataset=None, reward_funcs=None, tools=None, environment_factory=None) -> dict:
     """Run (or with `resume`, continue) the training run `cfg` describes. From Python, `train_dataset` /
     `eval_dataset` (a datasets.Dataset or a list of dicts) and `reward_funcs` (callables, built-in names or
     FILE.py:NAME specs) stand in for the config's data and reward."""
-    changes = python_fields(cfg.data, cfg.eval_data, train_dataset, eval_dataset, reward_funcs)
+    changes = python_fields(cfg.data, cfg.eval_data, train_dataset, eval_dataset, reward_funcs, tools,
+                            environment_factory)
     if any(getattr(cfg, k) != v for k, v in changes.items()):
         cfg = dataclasses.replace(cfg, **changes)
     run_dir = pathlib.Path(cfg.out_dir)
@@ -437,7 +465,8 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
             # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
             on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
             with allocator.freed_memory_kept(on_cpu):
-                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs)
+                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
+                                        tools, environment_factory)
         finally:
             if metrics.tracker is not None:
                 metrics.tracker.close()
@@ -450,15 +479,22 @@ def run_precision_name(cfg: RunConfig) -> str:
     return "bf16-mixed" if run_precision(cfg) == "bf16" else "fp32"
 
 
-def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs) -> dict:
+def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
+                     environment_factory=None) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
     if device.type == "cuda":
         build.fast_fp32_matmuls(cfg)
+    tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     model = model.to(device)
-    source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
-    rewards = build_rewards(cfg, source, reward_funcs)
+    agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
+    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset)
+    rewards = build_rewards(cfg, source, reward_funcs, agent)
+    if agent is not None:
+        tqdm.write(f"tools: {', '.join(s['function']['name'] for s in agent.schemas)}; chat template: "
+                   + ("the model's" if agent.template is None else "hetrl's Qwen2.5-style ChatML (the model's "
+                      "renders no tools)"))
     tqdm.write(f"prompts: {source.description}; rewards: "
                + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights))
                + f"; precision: {run_precision_name(cfg)}" + (" (auto)" if cfg.precision == "auto" else ""))
@@ -471,7 +507,7 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
         engine = make_engine(cfg, model, tokenizer, prompt_len)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
-            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt)
+            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt, agent)
         finally:
             engine.close()
     finally:
@@ -490,8 +526,9 @@ def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: path
                          f"{', '.join(rewards.names)}; pass the same reward functions")
 
 
-def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) -> dict:
+def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, agent=None) -> dict:
     step, next_problem, before, version = 0, 0, None, 0
+    tool_worker = episodes.EpisodeWorker(engine.worker, agent, cfg.prompt_suffix) if agent is not None else None
     last_saved: pathlib.Path | None = None
     if ckpt is not None:
         state = engine.load(ckpt)
@@ -504,7 +541,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
         evals.truncate_after(step)
         tqdm.write(f"resumed from {ckpt} (step {step})")
     if before is None:
-        before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl")
+        before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
+                                        tool_worker)
         evals.write({"step": 0, **before_means})
         tqdm.write(f"held-out {_score_name(before_means)} before training: {_headline(before_means):.3f} "
                    f"({len(before)} prompts, greedy)")
@@ -517,7 +555,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
             "reward_names": rewards.names}, cfg.to_dict())
         return last_saved
 
-    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start), next_problem,
+    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start, tool_worker),
+                            next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     with _StopAfterStep() as stop:
@@ -542,7 +581,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
             metrics.write(row)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl")
+                _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
+                                    tool_worker)
                 evals.write({"step": step, **means})
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 save(step)
@@ -556,7 +596,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
         tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
         return {"stopped_at_step": step, "interrupted": True}
 
-    after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl")
+    after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
+                                  tool_worker)
     evals.write({"step": step, **after_means})
     final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
     merged = engine.save_merged(run_dir) if cfg.lora_rank else None   # the adapter is in the checkpoint

@@ -44,6 +44,10 @@ class Sample:
     # under that (behaviour) policy, which the importance ratio is taken against.
     version: int | None = None
     logprobs: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # A multi-turn episode (hetrl.trainer.episodes): True on the model's own tokens, False on tool tokens (context,
+    # weight 0 in the loss); None: every token is the model's. `episode`: its state (environment, counts).
+    loss_mask: tuple[bool, ...] | None = None
+    episode: object | None = field(default=None, compare=False, repr=False)
 
 
 class RolloutWorker:

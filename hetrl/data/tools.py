@@ -1,0 +1,400 @@
+"""Tools and environments in TRL 1.16's conventions: load them, describe them to the chat template, parse the
+model's calls, and run them contained.
+
+- A tool is a plain function (sync or async) with a type hint on every argument and a Google-style docstring;
+  transformers' `get_json_schema` turns it into the schema the chat template renders (`apply_chat_template(...,
+  tools=[...])`). Named on the command line as `FILE.py:f1,f2` or `package.module:f1,f2`.
+- An environment is a class (TRL's `environment_factory`): one instance per rollout, `reset(**row)` returning None
+  or a string appended to the last user message, its public methods its tools, an optional `get_reward()` counted
+  as one more reward. Named as `FILE.py:Class`.
+- Calls are parsed in the template's own format: `tokenizer.parse_response` where the tokenizer declares a
+  response template or schema (transformers' response parsing), else Hermes/Qwen's `<tool_call>{json}</tool_call>`.
+- A call that names no tool, has bad arguments, raises, times out (`timeout_s`) or returns something that is not
+  text, a number or JSON becomes a tool message saying so (TRL's `{'error': ...}`), never a crash.
+
+A model whose chat template renders no tools (SmolLM2, hetrl's tiny model) gets Qwen2.5's ChatML tool template
+(`HERMES_TEMPLATE`, without Qwen's default identity line); the run says so when it starts. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import pathlib
+import re
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hetrl.schema import InputError
+
+# Qwen2.5's template (trl/chat_templates/qwen2_5.jinja) less its "You are Qwen" default system line: ChatML, the
+# tools listed in the system message, calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as
+# a user turn of <tool_response> blocks. Prefix-preserving: rendering a longer conversation extends the shorter.
+HERMES_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_PROBE_TOOL = {"type": "function", "function": {"name": "hetrl_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+# ------------------------------------------------------------------------------------------ loading and checking
+
+
+def _module(spec: str, kind: str):
+    where = spec.rsplit(":", 1)[0]
+    try:
+        if where.endswith(".py"):
+            path = pathlib.Path(where)
+            if not path.is_file():
+                raise InputError(f"{kind} {spec!r}: no such file {where}")
+            name = f"hetrl_{kind}_{abs(hash(str(path.resolve())))}"
+            if name in sys.modules:
+                return sys.modules[name]
+            loader = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[name] = module
+            loader.loader.exec_module(module)
+            return module
+        return importlib.import_module(where)
+    except InputError:
+        raise
+    except SyntaxError as e:
+        raise InputError(f"{kind} {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # the user's module failed while importing: say where
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise InputError(f"{kind} {spec!r}: importing it failed at {frame.filename}:{frame.lineno}: "
+                         f"{type(e).__name__}: {e}") from None
+
+
+def _names(spec: str, kind: str, many: bool) -> list[str]:
+    if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rsplit(":", 1)):
+        form = "FILE.py:NAME[,NAME...] or package.module:NAME" if many else "FILE.py:Class or package.module:Class"
+        raise InputError(f"{kind} {spec!r}: expected {form}")
+    names = [n.strip() for n in spec.rsplit(":", 1)[1].split(",")]
+    if not all(names) or (not many and len(names) > 1):
+        raise InputError(f"{kind} {spec!r}: expected {'comma-separated names' if many else 'one class name'} "
+                         "after the colon")
+    return names
+
+
+def _lookup(module, spec: str, name: str, kind: str):
+    obj = getattr(module, name, None)
+    if obj is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise InputError(f"{kind} {spec!r}: {spec.rsplit(':', 1)[0]} has no {name!r} (callables there: "
+                         f"{', '.join(found) or 'none'})")
+    if not callable(obj):
+        raise InputError(f"{kind} {spec!r}: {name} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def load_tools(spec: str) -> list[Callable]:
+    """`FILE.py:f1,f2` or `package.module:f1` -> the functions, each checked by `tool_schema`."""
+    names = _names(spec, "tool", many=True)
+    module = _module(spec, "tool")
+    out = [_lookup(module, spec, n, "tool") for n in names]
+    for fn in out:
+        tool_schema(fn, spec)
+    return out
+
+
+def load_environment(spec: str) -> Callable:
+    """`FILE.py:Class` -> the environment factory (a class, or any callable returning an instance)."""
+    (name,) = _names(spec, "environment", many=False)
+    return _lookup(_module(spec, "environment"), spec, name, "environment")
+
+
+def tool_schema(fn: Callable, where: str | None = None) -> dict:
+    """The JSON schema transformers' chat templates render for `fn`; a function without a docstring or a type hint
+    on an argument is refused in one line, as transformers would refuse it deeper down."""
+    from transformers.utils import get_json_schema
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+    at = f"tool {name}" + (f" ({where})" if where else "")
+    if not callable(fn):
+        raise InputError(f"{at}: {type(fn).__name__} is not callable; a tool is a function")
+    if not inspect.getdoc(fn):
+        raise InputError(f"{at}: has no docstring; a tool needs a Google-style docstring (a description, then "
+                         "Args: with one line per argument) for its schema")
+    try:
+        return get_json_schema(fn)
+    except Exception as e:   # transformers' TypeHintParsingException / DocstringParsingException
+        raise InputError(f"{at}: {e}; a tool needs a type hint on every argument and a Google-style docstring "
+                         "describing each under Args:") from None
+
+
+def environment_tools(instance) -> list[Callable]:
+    """TRL's rule: the instance's public methods, less `reset` and `get_reward`, listed on the class (so that
+    properties are not evaluated)."""
+    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def check_environment(factory: Callable) -> tuple[list[dict], bool]:
+    """Make one instance of `factory` and check it as TRL does: a callable `reset`, tool methods with schemas.
+    -> (its tools' schemas, whether it defines get_reward)."""
+    instance = factory()
+    name = type(instance).__name__
+    if not callable(getattr(instance, "reset", None)):
+        raise InputError(f"environment {name}: defines no reset(); TRL's contract is reset(**row) returning None or "
+                         "a string appended to the last user message")
+    return [tool_schema(m, f"environment {name}") for m in environment_tools(instance)], \
+        callable(getattr(instance, "get_reward", None))
+
+
+def environment_reward(factory: Callable) -> Callable:
+    """The environment's `get_reward()` as a reward function in TRL's convention (weight 1, named after the class):
+    it reads each completion's own instance from the `environments` column the rollout adds."""
+    cls_name = getattr(factory, "__name__", type(factory).__name__)
+
+    def reward(completions, environments, **kwargs):
+        out = []
+        for env in environments:
+            value = env.get_reward()
+            out.append(asyncio.run(value) if inspect.isawaitable(value) else value)
+        return out
+
+    reward.__name__ = cls_name
+    return reward
+
+
+# ------------------------------------------------------------------------------------------ the chat template
+
+
+def renders_tools(tokenizer, template: str | None = None) -> bool:
+    """Whether `template` (None: the tokenizer's own) renders a tool list, a call and a tool message."""
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "hetrl_probe_tool", "arguments": {}}}]},
+                {"role": "tool", "name": "hetrl_probe_tool", "content": "hetrl_probe_result"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False, chat_template=template)
+    except Exception:   # a template that cannot render the conversation does not support tools
+        return False
+    return text.count("hetrl_probe_tool") >= 2 and "hetrl_probe_result" in text
+
+
+def tool_template(tokenizer) -> str | None:
+    """None where the model's own template renders tools, else HERMES_TEMPLATE (refused if even that fails, e.g.
+    a tokenizer without ChatML's special tokens)."""
+    if renders_tools(tokenizer):
+        return None
+    vocab = tokenizer.get_vocab()
+    if not all(t in vocab for t in ("<|im_start|>", "<|im_end|>")) or not renders_tools(tokenizer, HERMES_TEMPLATE):
+        raise InputError(f"tools: the chat template of this model ({type(tokenizer).__name__}) renders no tools, "
+                         "and the model has no ChatML tokens (<|im_start|>, <|im_end|>) for hetrl's Qwen2.5-style "
+                         "tool template; use a model whose chat template supports tools")
+    return HERMES_TEMPLATE
+
+
+def _ids(out) -> list[int]:
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+class ToolTokenizer:
+    """The run's tokenizer with `apply_chat_template` rendering the tools (and the tool template where the model's
+    own renders none): what the data source renders prompts with. Everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer, schemas: list[dict], template: str | None):
+        self._tokenizer, self._schemas, self._template = tokenizer, schemas, template
+
+    def apply_chat_template(self, messages, **kwargs):
+        kwargs.setdefault("tools", self._schemas)
+        if self._template is not None:
+            kwargs.setdefault("chat_template", self._template)
+        return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __len__(self):
+        return len(self._tokenizer)
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], template: str | None) -> list[int]:
+    """The tokens that follow an assistant turn's end-of-turn token to put `tool_messages` in the conversation and
+    open the next assistant turn: TRL's `_get_tool_suffix_ids` (render a dummy conversation with and without the
+    tool messages, cut after the last EOS of the shorter)."""
+    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
+                                                chat_template=template))
+    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True,
+                                              chat_template=template))
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:
+        prefix = prefix[: eos[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise InputError("tools: the chat template is not prefix-preserving (adding a tool message re-renders the "
+                         "turns before it), so tool results cannot be appended to a conversation's tokens; use a "
+                         "template that only appends")
+    return full[len(prefix):]
+
+
+# ------------------------------------------------------------------------------------------ calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: Any            # a dict when well formed
+    error: str | None = None  # why the call could not be read (then it is answered with that error)
+
+
+def parse_tool_calls(text: str, tokenizer=None, prefix: list[int] | None = None,
+                     tools: list[dict] | None = None) -> list[ToolCall]:
+    """The calls in one assistant turn's text: through `tokenizer.parse_response` where the tokenizer declares a
+    response template or schema (transformers' parsing of its own format; `prefix`, the conversation's tokens
+    before the turn, and `tools`, the schemas, passed on as TRL does), else every
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block. A block that is not such JSON is a call
+    with an error (answered, counted), never an exception."""
+    if tokenizer is not None and (getattr(tokenizer, "response_template", None) is not None
+                                  or getattr(tokenizer, "response_schema", None) is not None):
+        try:
+            extra = {k: v for k, v in (("prefix", None if prefix is None else tokenizer.decode(prefix)),
+                                       ("tools", tools)) if v is not None}
+            parsed = tokenizer.parse_response(text, **extra)
+        except Exception as e:   # malformed output: one erroneous call, as TRL turns it into a tool failure
+            return [ToolCall("unknown", None, f"could not parse the reply's tool calls: {e}")]
+        return [ToolCall(c.get("function", c).get("name", "unknown"), c.get("function", c).get("arguments"))
+                for c in (parsed or {}).get("tool_calls") or []]
+    out = []
+    for block in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError as e:
+            out.append(ToolCall("unknown", None, f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            out.append(ToolCall("unknown", None, 'a tool call is {"name": ..., "arguments": {...}}'))
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):   # some models put the arguments' JSON in a string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append(ToolCall(call["name"], args))
+    return out
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str
+    content: str
+    error: bool
+    seconds: float
+
+
+def _render(value) -> str | None:
+    """A tool's return value as message text (TRL: str(result)); None for values that are not data."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, int, float)):
+        return str(value)
+    if isinstance(value, (dict, list, tuple)):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _invoke(fn, arguments: dict):
+    out = fn(**arguments)
+    return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: float) -> list[ToolResult]:
+    """Run every (tools of its episode, call) at once, each in its own daemon thread, so that the tools of
+    different episodes overlap. A call past `timeout_s` is answered with a timeout error and its thread is left
+    to finish on its own (Python cannot stop a thread); nothing a tool does stops the run."""
+    results: list[ToolResult | None] = [None] * len(calls)
+    slots: list[dict] = [{} for _ in calls]
+    threads = []
+    for i, (tools, call) in enumerate(calls):
+        fn = tools.get(call.name)
+        if call.error is not None or fn is None:
+            why = call.error or f"no tool named {call.name!r} (tools: {', '.join(sorted(tools)) or 'none'})"
+            results[i] = ToolResult(call.name, str({"error": why}), True, 0.0)
+            continue
+        if not isinstance(call.arguments, dict):
+            results[i] = ToolResult(call.name, str({"error": f"arguments must be a JSON object, got "
+                                                             f"{type(call.arguments).__name__}"}), True, 0.0)
+            continue
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as e:
+            results[i] = ToolResult(call.name, str({"error": f"bad arguments for {call.name}: {e}"}), True, 0.0)
+            continue
+        except ValueError:   # no signature to check against: let the call itself say
+            pass
+
+        def target(slot=slots[i], fn=fn, args=call.arguments):
+            try:
+                slot["value"] = _invoke(fn, args)
+            except BaseException as e:  # the tool's failure is its answer, whatever it raised
+                slot["raised"] = e
+
+        thread = threading.Thread(target=target, daemon=True, name=f"hetrl-tool-{call.name}")
+        threads.append((i, thread, time.perf_counter()))
+        thread.start()
+    deadline = time.perf_counter() + timeout_s
+    for i, thread, t0 in threads:
+        thread.join(max(0.0, deadline - time.perf_counter()))
+        name, slot, seconds = calls[i][1].name, slots[i], time.perf_counter() - t0
+        if thread.is_alive():
+            results[i] = ToolResult(name, str({"error": f"{name} timed out after {timeout_s:g} s (tool_timeout_s)"}),
+                                    True, seconds)
+        elif "raised" in slot:
+            e = slot["raised"]
+            results[i] = ToolResult(name, str({"error": f"{type(e).__name__}: {e}"}), True, seconds)
+        else:
+            text = _render(slot.get("value"))
+            if text is None:
+                results[i] = ToolResult(name, str({"error": f"{name} returned {type(slot.get('value')).__name__}, "
+                                                            "not text, a number or JSON"}), True, seconds)
+            else:
+                results[i] = ToolResult(name, text, False, seconds)
+    return results  # type: ignore[return-value]
+
+
+__all__ = ["HERMES_TEMPLATE", "ToolCall", "ToolResult", "ToolTokenizer", "check_environment", "environment_reward",
+           "environment_tools", "load_environment", "load_tools", "parse_tool_calls", "renders_tools", "run_calls",
+           "tool_schema", "tool_suffix_ids", "tool_template"]

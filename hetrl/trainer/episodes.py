@@ -1,0 +1,379 @@
+"""Multi-turn tool-use rollouts: every episode continues from its own KV cache across turns, tools run between.
+
+A round is: feed each live row its pending tokens (the prompt's last token, or the tool results and the next
+assistant header) in one forward over [rows, longest chunk], then decode until every row has ended its turn (EOS
+or the token budget); then parse each ended turn's calls, run the calls of all episodes at once
+(hetrl.data.tools.run_calls: a thread per call, `tool_timeout_s`), and drop the rows whose episode is over from
+the cache. The conversation is never prefilled again: the cache grows by the tool tokens only. Each distinct
+prompt is prefilled once and its K/V given to its N rows (`batch_select_indices`), as the single-turn worker's
+plain path does. Rows that ended their turn while others still decode ride along on a masked pad token (the 2-D
+attention mask holds those holes, position ids count real tokens only), so the cache stays one batch.
+
+Budget: `max_new_tokens` bounds the whole completion, model and tool tokens (TRL's `max_completion_length`); a
+tool result that would not leave room for one more model token ends the episode as truncated (TRL drops it too).
+`max_tool_calls` bounds the tool-calling turns of an episode (TRL's `max_tool_calling_iterations`). A sample's
+`loss_mask` is True on the model's own tokens only; the learner weights tool tokens 0 (they are context).
+
+Not here yet: the shared-prefix decode attention (hetrl.dualkv.decode reads a prompt's K/V once per step for
+its N rows) handles one token per row per step without holes, so episodes decode from the repeated prompt
+cache; branching at turn boundaries and Ray rollout actors (issue 38, items 3 and 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from hetrl.data.tools import (ToolTokenizer, check_environment, environment_tools, parse_tool_calls, run_calls,
+                              tool_schema, tool_suffix_ids, tool_template)
+from hetrl.schema import InputError
+from hetrl.trainer.learner import amp
+from hetrl.trainer.rollout import Sample, left_padded, sample, token_logprobs, warpers
+
+
+@dataclass(frozen=True)
+class Agent:
+    """What a run with tools decided once: the tools, the environment factory, the chat template that renders
+    them (None: the model's own) and the limits."""
+
+    tools: tuple[Callable, ...]
+    environment_factory: Callable | None
+    schemas: tuple[dict, ...]       # every tool's schema: the standalone tools', then the environment's methods'
+    template: str | None
+    max_tool_calls: int
+    tool_timeout_s: float
+    env_reward: bool                # the environment defines get_reward()
+
+    def render_tokenizer(self, tokenizer) -> ToolTokenizer:
+        """The tokenizer a data source renders prompts with: the tools in the system message."""
+        return ToolTokenizer(tokenizer, list(self.schemas), self.template)
+
+
+def make_agent(tokenizer, tools=(), environment_factory=None, max_tool_calls: int = 4,
+               tool_timeout_s: float = 10.0) -> Agent:
+    """Check the tools and environment (one probe instance, as TRL does) and choose the template."""
+    tools = tuple(tools)
+    schemas = [tool_schema(t) for t in tools]
+    env_reward = False
+    if environment_factory is not None:
+        env_schemas, env_reward = check_environment(environment_factory)
+        schemas += env_schemas
+    if not schemas:
+        raise InputError("tools: neither tools nor the environment define a tool; give tools=FILE.py:NAME or an "
+                         "environment class with public methods")
+    names = [s["function"]["name"] for s in schemas]
+    if len(set(names)) != len(names):
+        raise InputError(f"tools: two tools share a name ({', '.join(names)}); the model calls them by name")
+    return Agent(tools, environment_factory, tuple(schemas), tool_template(tokenizer), max_tool_calls,
+                 tool_timeout_s, env_reward)
+
+
+@dataclass
+class Episode:
+    """One rollout's state; `stats()` is what it logs."""
+
+    prompt: list[int]
+    tools: dict[str, Callable]
+    environment: object | None
+    tokens: list[int] = field(default_factory=list)
+    model_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)   # tokens to feed before the next model token
+    turn_start: int = 0
+    turns: int = 0
+    tool_turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    truncated: bool = False
+    last_text: str = ""
+    group_prompt_len: int = 0   # the prompt tokens its group shares (the rest of `prompt` starts its sample)
+
+    def stats(self) -> dict:
+        model = sum(self.model_mask)
+        return {"turns": self.turns, "tool_calls": self.calls, "tool_errors": self.errors,
+                "model_tokens": model, "tool_tokens": len(self.tokens) - model, "prompt_tokens": len(self.prompt)}
+
+
+def _start(agent: Agent, example, tokenizer, prompt_suffix: str) -> Episode:
+    """A new environment instance per rollout; reset(**row)'s string goes at the end of the last user message."""
+    env, tools = None, {t.__name__: t for t in agent.tools}
+    prompt = list(example.prompt_ids)
+    if agent.environment_factory is not None:
+        env = agent.environment_factory()
+        tools |= {m.__name__: m for m in environment_tools(env)}
+        observation = env.reset(**example.row)
+        if observation is not None:
+            messages = example.row["prompt"]
+            if not isinstance(messages, list) or not isinstance(observation, str):
+                raise InputError(f"environment {type(env).__name__}: reset() returned {type(observation).__name__} "
+                                 "for a prompt that is not chat messages; it may return None, or a string for chat "
+                                 "prompts")
+            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages = [{**m, "content": m["content"] + (prompt_suffix + observation)} if i == last else m
+                        for i, m in enumerate(messages)]
+            out = agent.render_tokenizer(tokenizer).apply_chat_template(messages, add_generation_prompt=True)
+            prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
+    return Episode(prompt=prompt, tools=tools, environment=env, pending=[prompt[-1]])
+
+
+def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_tokens: int, *,
+                      temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, logprobs: bool = False,
+                      batch_size: int = 64, precision: str = "fp32", prompt_suffix: str = "",
+                      clock: dict | None = None) -> list[list[Sample]]:
+    """examples (hetrl.data Example: prompt ids rendered with the tools, the row) -> n episodes each, as Samples
+    whose `loss_mask` marks the model's tokens and whose `episode` holds the Episode (environment, counts).
+    `clock`: seconds are added to its prefill_s (the prompts), decode_s (turns and tool tokens) and tool_s."""
+    clock = clock if clock is not None else {}
+    for k in ("prefill_s", "decode_s", "tool_s"):
+        clock.setdefault(k, 0.0)
+    if logprobs and greedy:
+        raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
+    for e in examples:
+        if not isinstance(e.row.get("prompt"), list):
+            raise InputError("tools need chat prompts (a list of messages): the tools are described in the chat "
+                             f"template's system turn; got a {type(e.row.get('prompt')).__name__} prompt")
+    episodes = [_start(agent, e, tokenizer, prompt_suffix) for e in examples for _ in range(n)]
+    warp = None if greedy else warpers(temperature, top_p)
+    was_training = model.training
+    model.eval()
+    try:
+        for s in range(0, len(episodes), max(1, batch_size)):
+            _run_batch(model, tokenizer, agent, episodes[s:s + batch_size], max_new_tokens, warp,
+                       temperature if logprobs else None, precision, clock)
+    finally:
+        model.train(was_training)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)   # the logits' log-softmax dtype
+    out = []
+    for i, example in enumerate(examples):
+        group = episodes[i * n:(i + 1) * n]
+        # reset() strings make a rollout's prompt its own: the group's samples continue the prompts' common
+        # prefix, and each one's own prompt tail is context (weight 0) at the start of its sample
+        base = _common_prefix([example.prompt_ids] + [ep.prompt for ep in group])
+        samples = []
+        for ep in group:
+            ep.group_prompt_len = base
+            tail = ep.prompt[base:]
+            mask = tuple([False] * len(tail) + ep.model_mask)
+            samples.append(Sample(tail + ep.tokens, ep.last_text, ep.truncated,
+                                  logprobs=torch.tensor([0.0] * len(tail) + ep.logprobs, dtype=dtype)
+                                  if logprobs else None,
+                                  loss_mask=None if all(mask) else mask, episode=ep))
+        out.append(samples)
+    return out
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    for j in range(n):
+        if any(s[j] != seqs[0][j] for s in seqs):
+            return j
+    return n
+
+
+def group_prompt(example, samples: list[Sample]):
+    """The Example whose prompt the group's samples continue (hetrl.data Example; its prompt shortened to the common
+    prefix where the environment's reset() gave rollouts prompts of their own)."""
+    ep = samples[0].episode if samples else None
+    if ep is None or ep.group_prompt_len == len(example.prompt_ids):
+        return example
+    return dataclasses.replace(example, prompt_ids=list(example.prompt_ids[:ep.group_prompt_len]))
+
+
+def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_tokens: int, warp,
+               scored: float | None, precision: str, clock: dict) -> None:
+    t0, tool_before = time.perf_counter(), clock["tool_s"]
+    device = model.get_input_embeddings().weight.device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_of = [distinct.setdefault(tuple(ep.prompt), len(distinct)) for ep in episodes]
+    ids, pmask = left_padded([list(p) for p in distinct], pad)
+    ids, pmask = ids.to(device), pmask.to(device)
+    rows = torch.tensor(prompt_of, device=device)
+    with torch.no_grad(), amp(model, precision):
+        if ids.shape[1] > 1:   # each distinct prompt but its last token, once; then its K/V given to its rows
+            pre = pmask[:, :-1]
+            positions = (pre.long().cumsum(-1) - 1).masked_fill(pre == 0, 0)
+            cache = model.get_decoder()(input_ids=ids[:, :-1], attention_mask=pre, position_ids=positions,
+                                        use_cache=True).past_key_values
+            cache.batch_select_indices(rows)
+        else:
+            cache = DynamicCache(config=model.config)
+        attn = pmask[rows, :-1]
+        t1 = time.perf_counter()
+        clock["prefill_s"] += t1 - t0
+        pos = torch.tensor([len(ep.prompt) - 1 for ep in episodes], device=device)
+        live = list(range(len(episodes)))      # batch row -> episode index
+        while live:
+            eps = [episodes[i] for i in live]
+            # 1. feed every row's pending chunk; the logits after its last token give the turn's first token
+            k = max(len(ep.pending) for ep in eps)
+            chunk = torch.full((len(eps), k), pad, dtype=torch.long, device=device)
+            real = torch.zeros((len(eps), k), dtype=attn.dtype, device=device)
+            for r, ep in enumerate(eps):
+                chunk[r, :len(ep.pending)] = torch.tensor(ep.pending, device=device)
+                real[r, :len(ep.pending)] = 1
+            attn = torch.cat([attn, real], dim=1)
+            positions = pos[:, None] + torch.arange(k, device=device)[None]
+            lens = real.sum(1).long()
+            # logits only where some row's chunk ends (not [rows, k, vocab]: 0.75 GB at 64 rows x 60 x 49k)
+            ends = torch.unique(lens - 1)
+            logits = model(input_ids=chunk, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=ends).logits
+            raw = logits[torch.arange(len(eps), device=device), torch.searchsorted(ends, lens - 1)]
+            pos = pos + lens
+            for ep in eps:
+                ep.pending, ep.turn_start = [], len(ep.tokens)
+                ep.turns += 1
+            # 2. decode until every row has ended its turn (EOS or the budget); ended rows ride on masked pads
+            active = torch.ones(len(eps), dtype=torch.bool, device=device)
+            while True:
+                logits = raw.float()
+                token = logits.argmax(-1) if warp is None else sample(warp(logits))
+                lp = token_logprobs(raw, torch.arange(raw.shape[0], device=device), token, scored, False) \
+                    if scored is not None else None
+                for r in active.nonzero().flatten().tolist():
+                    ep, t = eps[r], int(token[r])
+                    ep.tokens.append(t)
+                    ep.model_mask.append(True)
+                    if lp is not None:
+                        ep.logprobs.append(float(lp[r]))
+                    if t == eos or len(ep.tokens) >= max_new_tokens:
+                        active[r] = False
+                if not bool(active.any()):
+                    break
+                step = torch.where(active, token, torch.full_like(token, pad))[:, None]
+                attn = torch.cat([attn, active[:, None].to(attn.dtype)], dim=1)
+                raw = model(input_ids=step, attention_mask=attn, position_ids=pos[:, None], past_key_values=cache,
+                            use_cache=True).logits[:, -1]
+                pos = pos + active.long()
+            # 3. the turns' tool calls, every episode's at once; rows whose episode is over leave the cache
+            t2 = time.perf_counter()
+            _answer(tokenizer, agent, eps, eos, max_new_tokens)
+            clock["tool_s"] += time.perf_counter() - t2
+            keep = [r for r, ep in enumerate(eps) if ep.pending]
+            if len(keep) < len(eps):
+                index = torch.tensor(keep, device=device, dtype=torch.long)
+                if keep:
+                    cache.batch_select_indices(index)
+                attn, pos = attn[index], pos[index]
+            live = [live[r] for r in keep]
+    clock["decode_s"] += time.perf_counter() - t1 - clock["tool_s"] + tool_before
+
+
+def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_tokens: int) -> None:
+    """Parse each ended turn; give the rows that go on their tool results as `pending` tokens (context, not
+    trained); mark the others finished (pending stays empty)."""
+    jobs, owners = [], []
+    for ep in eps:
+        turn = ep.tokens[ep.turn_start:]
+        ep.last_text = tokenizer.decode(turn, skip_special_tokens=True)
+        ended = bool(turn) and turn[-1] == eos
+        if not ended:
+            ep.truncated = True
+            continue
+        calls = parse_tool_calls(tokenizer.decode(turn, skip_special_tokens=False), tokenizer,
+                                 ep.prompt + ep.tokens[:ep.turn_start], list(agent.schemas))
+        if not calls or ep.tool_turns >= agent.max_tool_calls:
+            continue
+        ep.tool_turns += 1
+        for call in calls:
+            jobs.append((ep.tools, call))
+            owners.append(ep)
+    results = run_calls(jobs, agent.tool_timeout_s) if jobs else []
+    answered: dict[int, list] = {}
+    for ep, res in zip(owners, results):
+        answered.setdefault(id(ep), []).append(res)
+        ep.calls += 1
+        ep.errors += int(res.error)
+    for ep in eps:
+        got = answered.get(id(ep))
+        if not got:
+            continue
+        suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": r.name, "content": r.content} for r in got],
+                                 agent.template)
+        if len(ep.tokens) + len(suffix) >= max_new_tokens:   # no room left for the model to answer: TRL drops it
+            ep.truncated = True
+            continue
+        ep.tokens += suffix
+        ep.model_mask += [False] * len(suffix)
+        ep.logprobs += [0.0] * len(suffix)   # never trained (weight 0); finite, so weight x value stays 0
+        ep.pending = [ep.tokens[len(ep.tokens) - len(suffix) - 1]] + suffix   # the turn's EOS is not in the cache yet
+
+
+def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
+    """Per-step means over episodes: turns, tool calls, tool errors; and the step's tokens by source."""
+    eps = [s.episode for s in samples if s.episode is not None]
+    if not eps:
+        return {}
+    st = [e.stats() for e in eps]
+    calls = sum(s["tool_calls"] for s in st)
+    out = {"turns_mean": float(np.mean([s["turns"] for s in st])),
+           "tool_calls": calls, "tool_calls_per_episode": calls / len(st),
+           "tool_errors": sum(s["tool_errors"] for s in st),
+           "tool_error_frac": sum(s["tool_errors"] for s in st) / calls if calls else 0.0,
+           "tokens_model": sum(s["model_tokens"] for s in st), "tokens_tool": sum(s["tool_tokens"] for s in st),
+           "tokens_prompt": sum(s["prompt_tokens"] for s in st)}
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def loss_mask(samples: list[Sample]) -> torch.Tensor | None:
+    """[K] bool over the samples' tokens in order: True where the model's own token is (None: all are)."""
+    if all(s.loss_mask is None for s in samples):
+        return None
+    return torch.tensor([m for s in samples for m in (s.loss_mask or [True] * len(s.tokens))], dtype=torch.bool)
+
+
+
+class EpisodeWorker:
+    """A local RolloutWorker's model and settings, rolling out episodes with `agent` (what the loop calls when the
+    run has tools)."""
+
+    def __init__(self, worker, agent: Agent, prompt_suffix: str = ""):
+        self.worker, self.agent, self.prompt_suffix = worker, agent, prompt_suffix
+        worker.phase_seconds.setdefault("tool_s", 0.0)   # reported per step beside prefill_s and decode_s
+
+    def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]:
+        w = self.worker
+        return generate_episodes(w.model, w.tokenizer, self.agent, examples, n, max_new_tokens,
+                                 temperature=temperature, top_p=top_p, greedy=greedy, logprobs=logprobs,
+                                 batch_size=w.batch_size, precision=w.precision, prompt_suffix=self.prompt_suffix,
+                                 clock=w.phase_seconds)
+
+def resolve_tools(cfg, tools=None, environment_factory=None) -> tuple[list[Callable], Callable | None]:
+    """The run's tools and environment factory from `tools=` / `environment=` (or as given from Python), loaded and
+    checked before anything heavy is (a bad spec is one line, before the model loads)."""
+    from hetrl.data.tools import load_environment, load_tools
+    from hetrl.trainer.config import PYTHON
+
+    if tools is None:
+        if any(s.startswith(PYTHON) for s in cfg.tool_specs):
+            raise InputError("this run's tools were passed from Python; pass them again: hetrl.train(..., tools=[...])")
+        tools = [t for spec in cfg.tool_specs for t in load_tools(spec)]
+    if environment_factory is None and cfg.environment is not None:
+        if cfg.environment.startswith(PYTHON):
+            raise InputError("this run's environment was passed from Python; pass it again: "
+                             "hetrl.train(..., environment_factory=...)")
+        environment_factory = load_environment(cfg.environment)
+    if environment_factory is not None:
+        check_environment(environment_factory)
+    for t in tools:
+        tool_schema(t)
+    return list(tools), environment_factory
+
+
+def agent_from_config(cfg, tokenizer, tools, environment_factory) -> Agent | None:
+    """The run's Agent (None without tools or an environment), from `resolve_tools`' result."""
+    if not tools and environment_factory is None:
+        return None
+    return make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s)
+
+__all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes",
+           "group_prompt", "loss_mask", "make_agent", "resolve_tools"]

@@ -1,0 +1,177 @@
+"""hetrl.data.tools: TRL-convention tools and environments load, are refused in one line when malformed, are
+described by transformers' schemas, parsed in the template's format, and run contained (errors, bad arguments,
+timeouts, non-data results become tool messages)."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import pytest
+
+from hetrl.cli import main
+from hetrl.data.tools import (HERMES_TEMPLATE, ToolCall, ToolTokenizer, check_environment, environment_tools,
+                              load_environment, load_tools, parse_tool_calls, renders_tools, run_calls, tool_schema,
+                              tool_suffix_ids, tool_template)
+from hetrl.models import tiny_tokenizer
+from hetrl.schema import InputError
+
+ROOT = pathlib.Path(__file__).parents[2]
+CALC = str(ROOT / "examples" / "tools" / "calculator.py")
+TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
+
+BAD = '''
+def good(x: int) -> int:
+    """Doubles.
+
+    Args:
+        x: A number.
+    """
+    return 2 * x
+
+def undocumented(x: int) -> int:
+    return x
+
+def unhinted(x):
+    """No hint.
+
+    Args:
+        x: A number.
+    """
+    return x
+
+not_callable = 3
+
+class NoReset:
+    def step(self, x: int) -> int:
+        """Step.
+
+        Args:
+            x: A number.
+        """
+        return x
+'''
+
+
+@pytest.fixture
+def bad_file(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(BAD)
+    return str(path)
+
+
+def test_the_trl_documentation_tools_and_environment_load():
+    mul, add = load_tools(f"{CALC}:multiply,add")
+    assert (mul(6, 7), add(1.5, 2)) == (42, 3.5)
+    assert tool_schema(mul)["function"]["parameters"]["required"] == ["a", "b"]
+    env_cls = load_environment(f"{CALC}:CalculatorEnv")
+    schemas, has_reward = check_environment(env_cls)
+    assert [s["function"]["name"] for s in schemas] == ["multiply"] and has_reward
+    env = env_cls()
+    assert env.reset(prompt="x") is None
+    assert [m.__name__ for m in environment_tools(env)] == ["multiply"]   # not reset, get_reward or _private
+
+
+@pytest.mark.parametrize("name, says", [("missing", "has no 'missing'"), ("not_callable", "not callable"),
+                                        ("undocumented", "no docstring"), ("unhinted", "type hint")])
+def test_bad_tool_specs_are_one_line(bad_file, name, says):
+    with pytest.raises(InputError, match=says) as e:
+        load_tools(f"{bad_file}:good,{name}")
+    assert "\n" not in str(e.value)
+
+
+def test_bad_specs_exit_2_in_one_line(bad_file, tmp_path, capsys):
+    for spec, says in ((f"tools={bad_file}:undocumented", "no docstring"),
+                       (f"tools={bad_file}:missing", "has no 'missing'"),
+                       (f"tools={tmp_path}/none.py:f", "no such file"),
+                       ("tools=nocolon", "expected FILE.py:NAME"),
+                       (f"environment={bad_file}:NoReset", "defines no reset()")):
+        assert main(["train", "--config", TINY, spec, f"out_dir={tmp_path / 'r'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_calls_are_parsed_in_the_hermes_format():
+    text = ('I will call.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+            '<tool_call>{"name": broken</tool_call><tool_call>[1, 2]</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [ToolCall("multiply", {"a": 6, "b": 7}), ToolCall("add", {"a": 1, "b": 2})]
+    assert calls[2].error.startswith("the tool call is not valid JSON") and calls[3].error
+    assert parse_tool_calls("no calls here") == []
+
+
+def test_a_template_with_response_parsing_is_asked_to_parse():
+    class Declares:
+        response_template = "x"
+
+        def decode(self, ids):
+            return "decoded"
+
+        def parse_response(self, text, prefix=None, tools=None):
+            assert prefix == "decoded" and tools == [{}]
+            if text == "bad":
+                raise ValueError("no")
+            return {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                "name": "f", "arguments": {"a": 1}}}]}
+
+    assert parse_tool_calls("anything", Declares(), [1, 2], [{}]) == [ToolCall("f", {"a": 1})]
+    assert parse_tool_calls("bad", Declares(), [1, 2], [{}])[0].error.startswith("could not parse")
+
+
+def _tools():
+    def ok(a: int) -> int:
+        return a + 1
+
+    def boom(a: int) -> int:
+        raise RuntimeError("kaput")
+
+    def slow(s: float) -> str:
+        time.sleep(s)
+        return "done"
+
+    def weird() -> object:
+        return object()
+
+    def data() -> dict:
+        return {"x": [1, 2]}
+
+    async def later(a: int) -> int:
+        return a * 10
+
+    return {f.__name__: f for f in (ok, boom, slow, weird, data, later)}
+
+
+def test_every_failure_becomes_a_tool_message():
+    tools = _tools()
+    calls = [ToolCall("ok", {"a": 1}), ToolCall("boom", {"a": 1}), ToolCall("ok", {"b": 1}),
+             ToolCall("nope", {}), ToolCall("weird", {}), ToolCall("data", {}), ToolCall("later", {"a": 2}),
+             ToolCall("ok", [1]), ToolCall("unknown", None, "the tool call is not valid JSON")]
+    got = run_calls([(tools, c) for c in calls], timeout_s=5.0)
+    assert [r.error for r in got] == [False, True, True, True, True, False, False, True, True]
+    assert got[0].content == "2" and got[5].content == '{"x": [1, 2]}' and got[6].content == "20"
+    assert "RuntimeError: kaput" in got[1].content and "bad arguments" in got[2].content
+    assert "no tool named 'nope'" in got[3].content and "returned object" in got[4].content
+    assert got[1].content.startswith("{'error': ")   # TRL's form
+
+
+def test_tools_of_different_episodes_run_at_once_and_time_out():
+    tools = _tools()
+    t0 = time.perf_counter()
+    got = run_calls([(tools, ToolCall("slow", {"s": 0.6})), (tools, ToolCall("slow", {"s": 0.6})),
+                     (tools, ToolCall("slow", {"s": 30.0}))], timeout_s=1.5)
+    took = time.perf_counter() - t0
+    assert [r.content for r in got[:2]] == ["done", "done"] and "timed out after 1.5 s" in got[2].content
+    assert took < 3.0, took   # concurrent: 0.6 + 0.6 + 30 s in sequence
+
+
+def test_a_model_without_tool_support_gets_the_chatml_tool_template():
+    tok = tiny_tokenizer()
+    assert not renders_tools(tok) and tool_template(tok) == HERMES_TEMPLATE
+    mul, = load_tools(f"{CALC}:multiply")
+    rendered = ToolTokenizer(tok, [tool_schema(mul)], HERMES_TEMPLATE).apply_chat_template(
+        [{"role": "user", "content": "6*7?"}], add_generation_prompt=True, tokenize=False)
+    assert '"name": "multiply"' in rendered and rendered.endswith("<|im_start|>assistant\n")
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}], HERMES_TEMPLATE)
+    assert tok.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n" \
+                                 "<|im_start|>assistant\n"

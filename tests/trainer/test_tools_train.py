@@ -1,0 +1,42 @@
+"""`hetrl train` with tools: the issue-38 acceptance line runs and metrics.jsonl carries the tool metrics; an
+environment's get_reward() is one more reward; the Python API takes tools= and environment_factory=."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import hetrl
+from hetrl.cli import main
+
+ROOT = pathlib.Path(__file__).parents[2]
+TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
+CALC = str(ROOT / "examples" / "tools" / "calculator.py")
+TOOL_KEYS = {"turns_mean", "tool_calls", "tool_calls_per_episode", "tool_errors", "tool_error_frac", "tokens_model",
+             "tokens_tool", "tokens_prompt", "tool_s"}
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_acceptance_line_logs_tool_metrics(tmp_path):
+    out = tmp_path / "t"
+    assert main(["train", "--config", TINY, f"tools={CALC}:multiply", "steps=2", f"out_dir={out}", "eval_size=4"]) == 0
+    rows = _rows(out)
+    assert len(rows) == 2 and all(TOOL_KEYS <= set(r) for r in rows)
+    assert all(r["tokens_model"] + r["tokens_tool"] == round(r["response_len_mean"] * 16) for r in rows)
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert all("eval_tool_calls" in e for e in evals)
+
+
+def test_an_environment_from_python_adds_its_reward(tmp_path):
+    from examples.tools.calculator import CalculatorEnv, add
+
+    out = tmp_path / "e"
+    summary = hetrl.train(TINY, tools=[add], environment_factory=CalculatorEnv, steps=1, out_dir=str(out),
+                          eval_size=4, max_prompt_tokens=2048, micro_batch_tokens=2048)
+    assert summary["config"]["tools"] == ["<python>:add"]
+    assert summary["config"]["environment"] == "<python>:CalculatorEnv"
+    (row,) = _rows(out)
+    assert "reward/CalculatorEnv" in row and TOOL_KEYS <= set(row)
