@@ -161,6 +161,160 @@ def gsm8k_runs() -> list[dict]:
     return runs
 
 
+# ------------------------------------------------------------------------------------------ published_runs.yaml
+# The 45 runs of benchmarks/published_runs.yaml (collected on another branch and committed there, and here,
+# before any was scored) written in hetrl's formats. Everything below is a reading of that file: what it states
+# is taken as stated, and what it leaves in prose (`assumed`: mean lengths, networks) is copied from its own
+# assumptions into the tables here, with no value chosen by how it scores.
+
+PUBLISHED = ROOT / "benchmarks" / "published_runs.yaml"
+# mean (prompt, response) tokens that the file states only in its `assumed` prose, per run id prefix
+ASSUMED_MEANS = {
+    "nemorl-v03-llama3.1": (125, None), "nemorl-v03-llama3.3": (125, None), "nemorl-v03-qwen3": (105, None),
+    "verl-onestep-doc-dapo-7b-fsdp2": (200, 4096), "verl-onestep-doc-dapo-7b-megatron": (200, 2048),
+    "verl-fullyasync-doc-dapo-7b-28k": (200, 7168), "verl-fullyasync-doc-grpo-qwen3-30b-a3b": (200, 2048),
+    "verl-dpsk-doc-dsv3": (200, None), "openrlhf-readme": (200, 300), "dschat-readme": (200, 300)}
+# per-node network, from the file's `hardware` section and assumptions (H20, A800: not stated by the sources)
+NETWORK_GBPS = {"H100": 3200, "H20": 1600, "A800-80G": 800}
+# GB200: one NVL72 NVLink domain holds up to 64 of a run's GPUs (the file: 128 GPUs as two 64-GPU domains);
+# domains joined by InfiniBand at 4x 400 Gb/s per 4-GPU tray, 16 trays per 64 GPUs
+GB200_DOMAIN, GB200_DOMAIN_GBPS = 64, 16 * 4 * 400
+NEMO_PROMPT_MAX = 512   # NeMo-RL rows state only the total length; as the 19 runs above: prompts up to 512
+
+
+def _model_ref(name: str, models: dict):
+    from hetrl.planner.spec import PRESETS
+    if name in PRESETS:
+        return name
+    m = models[name]
+    if "same_as" in m and "layers" not in m:
+        return m["same_as"]
+    keys = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "tied_embeddings")
+    return {**{k: m[k] for k in keys}, "name": name}
+
+
+def _published_cluster(s: dict) -> dict:
+    gpu, n = s["gpu"], s["gpus"]
+    if gpu == "GB200":
+        per = min(n, GB200_DOMAIN)
+        return {"name": f"{n}x GB200", "nodes": [{"name": f"nvl{i}", "region": "r1", "gpu": "GB200", "count": per,
+                                                  "intra_node": "nvlink", "network_gbps": GB200_DOMAIN_GBPS}
+                                                 for i in range(n // per)]}
+    per = s["gpus_per_node"]
+    return {"name": f"{n // per}x{per} {gpu}", "nodes": [
+        {"name": f"n{i}", "region": "r1", "gpu": gpu, "count": per, "intra_node": "nvlink",
+         "network_gbps": NETWORK_GBPS[gpu]} for i in range(n // per)]}
+
+
+def _published_workload(run: dict, models: dict) -> dict:
+    s, m, t = run["setup"], run["measured"], run["setup"]["train"]
+    prompt_mean = s.get("mean_prompt_tokens")
+    response_mean = m.get("mean_response_tokens")
+    for prefix, (p, r) in ASSUMED_MEANS.items():
+        if run["id"].startswith(prefix):
+            prompt_mean = prompt_mean if prompt_mean is not None else p
+            response_mean = response_mean if response_mean is not None else r
+    p_max = s.get("max_prompt_tokens") or NEMO_PROMPT_MAX
+    r_max = s.get("max_response_tokens") or s["max_total_tokens"] - p_max
+    roles = s.get("models") or {"actor": s["model"], "reference": s["model"] if s["reference"] else None}
+    # NeMo-RL's train_mb_tokens packs one micro-batch of a context-parallel group (split over its cp GPUs); verl's
+    # ppo_max_token_len_per_gpu is per GPU already (a Ulysses micro-batch holds sp times it)
+    budget = t["train_mb_tokens"] // t.get("cp", 1) if "train_mb_tokens" in t else t.get("max_tokens_per_micro_batch")
+    return {"algorithm": s["algorithm"].split()[0], "mode": "sync" if s["mode"] == "sync" else "async",
+            "models": {role: None if v is None else _model_ref(v, models) for role, v in roles.items()},
+            "prompts_per_step": s["prompts_per_step"], "responses_per_prompt": s["responses_per_prompt"],
+            "optimizer_steps": s["optimizer_steps"],
+            "prompt_tokens": {"max": p_max, "mean": prompt_mean},
+            "response_tokens": {"max": r_max, "mean": response_mean},
+            "micro_batch_responses": t.get("micro_batch_responses", 1), "dualkv": False,
+            **({"max_tokens_per_micro_batch": budget} if budget else {})}
+
+
+def _train_par(t: dict, n: int, train: bool, zero_infer: int | None = None) -> dict:
+    tp, pp = t.get("tp", 1), t.get("pp", 1)
+    sp = t.get("cp") or t.get("ulysses") or 1
+    zero = {"megatron": 1, "fsdp": 3}.get(t["engine"], t.get("zero", 1))
+    par = {"tp": tp, "pp": pp, "dp": n // (tp * pp * sp), "zero": zero if train else (zero_infer or
+                                                                                       (3 if zero == 3 else 1))}
+    if sp > 1:
+        par["sp"] = sp
+    if t.get("ep", 1) > 1:
+        par["ep"] = t["ep"]
+    par["engine"] = "megatron" if t["engine"] == "megatron" else "fsdp"   # DeepSpeed ZeRO: FSDP-style
+    if train:
+        par["recompute"] = bool(t.get("recompute"))
+        if t.get("adam_offload") or t.get("optimizer_cpu_offload"):
+            par["offload"] = "optimizer"
+    return par
+
+
+def _published_plan(run: dict, cluster: dict) -> dict:
+    s, t, r = run["setup"], run["setup"]["train"], run["setup"]["rollout"]
+    names = [f"{n['name']}:{k}" for n in cluster["nodes"] for k in range(n["count"])]
+    tasks_infer = ["actor_infer", *(["ref_infer"] if s["reference"] else [])]
+    if s["algorithm"] == "ppo":
+        place = s["placement"]
+        if "all_roles_on_all_gpus" in place:    # DeepSpeed-Chat: every role on every GPU, time-shared
+            n = len(names)
+            tasks = ["actor_gen", "actor_infer", "ref_infer", "reward_infer", "critic_infer", "actor_train",
+                     "critic_train"]
+            par = {tk: _train_par(t, n, tk.endswith("_train")) for tk in tasks[1:]}
+            # the file states hybrid-engine TP 1; a 70B's 140 GB of bf16 weights cannot generate on one 80 GB GPU,
+            # so its generation is stated at the smallest TP that holds it on one node (assumed, said in the md)
+            gen_tp = r["tp"] if s["model"] != "llama-2-70b" else 8
+            return {"groups": [{"tasks": tasks, "gpus": names, "swap": True,
+                                "parallelism": {"actor_gen": {"tp": gen_tp, "pp": 1, "dp": n // gen_tp}, **par}}]}
+        groups, k = [], 0
+        for role, tasks in (("vllm", ["actor_gen"]), ("actor", ["actor_infer", "actor_train"]),
+                            ("critic", ["critic_infer", "critic_train"]), ("reference", ["ref_infer"]),
+                            ("reward", ["reward_infer"])):
+            n = place[role]
+            gp = names[k:k + n]
+            k += n
+            if role == "vllm":
+                par = {"actor_gen": {"tp": r["tp"], "pp": 1, "dp": n // r["tp"]}}
+            elif role in ("actor", "critic"):
+                par = {tk: _train_par({**t, "tp": 1}, n, tk.endswith("_train")) for tk in tasks}
+            else:   # OpenRLHF's reference and reward models: DeepSpeed inference, ZeRO-3 where the run is ZeRO-3
+                par = {tk: _train_par({**t, "tp": 1}, n, False) for tk in tasks}
+            groups.append({"tasks": tasks, "gpus": gp, "parallelism": par})
+        return {"groups": groups}
+    n_gen = r.get("gpus") or len(names)
+    gen = {"actor_gen": {"tp": r["tp"], "pp": 1, "dp": n_gen // r["tp"]}}
+    if s["mode"] == "sync":
+        n = len(names)
+        par = {tk: _train_par(t, n, False) for tk in tasks_infer} | {"actor_train": _train_par(t, n, True)}
+        return {"groups": [{"tasks": ["actor_gen", *tasks_infer, "actor_train"], "gpus": names, "swap": True,
+                            "parallelism": {**gen, **par}}]}
+    n = t.get("gpus") or len(names) - n_gen
+    par = {tk: _train_par(t, n, False) for tk in tasks_infer} | {"actor_train": _train_par(t, n, True)}
+    return {"groups": [{"tasks": ["actor_gen"], "gpus": names[:n_gen], "parallelism": gen},
+                       {"tasks": [*tasks_infer, "actor_train"], "gpus": names[n_gen:n_gen + n], "parallelism": par}]}
+
+
+def published_runs() -> list[dict]:
+    import yaml
+    data = yaml.safe_load(PUBLISHED.read_text())
+    runs = []
+    for run in data["runs"]:
+        s, m = run["setup"], run["measured"]
+        cluster = _published_cluster(s)
+        phases = {}
+        if "gen_s" in m and s["mode"] == "sync":
+            phases["actor_gen"] = m["gen_s"]
+        if "update_s" in m:
+            phases["actor_train"] = m["update_s"]
+        if "logprob_s" in m:
+            phases["logprobs (actor_infer + ref_infer)"] = m["logprob_s"] + m.get("ref_s", 0)
+        runs.append({"system": run["system"], "run": run["id"], "source": run["source"].get("url", ""),
+                     "where": run["source"].get("where", ""), "measured_s": m["step_s"],
+                     "assumed": "; ".join(run.get("assumed", [])), "moe": "ep" in s["train"] or "a3b" in s["model"]
+                     or "235b" in s["model"] or "dsv3" in run["id"], "engine": s["train"]["engine"],
+                     "cluster": cluster, "workload": _published_workload(run, data["models"]),
+                     "plan": _published_plan(run, cluster), "measured_phases_s": phases, "new": True})
+    return runs
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=v.__getitem__)

@@ -62,6 +62,11 @@ GPUS: dict[str, GPUType] = {g.name: g for g in [
     GPUType("H20", 148e12, 96 * GB, 4.0 * TB, 450 * GB, True, "NVIDIA H20 spec sheet as quoted by RollMux/StreamRL-era reports"),
     GPUType("A100-80G", 312e12, 80 * GB, 2.039 * TB, 300 * GB, True, f"{_NVIDIA}: A100 80GB SXM"),
     GPUType("A100-40G", 312e12, 40 * GB, 1.555 * TB, 300 * GB, True, f"{_NVIDIA}: A100 40GB SXM"),
+    GPUType("A800-80G", 312e12, 80 * GB, 2.039 * TB, 200 * GB, True,
+            f"{_NVIDIA}: A800 80GB SXM (A100 compute and HBM, NVLink 400 GB/s bidirectional: 200 one way)"),
+    GPUType("GB200", 2.5e15, 186 * GB, 8 * TB, 900 * GB, True,
+            f"{_NVIDIA}: GB200 NVL72 (360 PF FP16/BF16 sparse / 2 / 72 GPUs; 13.4 TB HBM3e and 576 TB/s over 72; "
+            "NVLink 5 1.8 TB/s bidirectional per GPU)"),
     GPUType("L40S", 362e12, 48 * GB, 864 * GB, 0, True, f"{_NVIDIA}: L40S (733 TF sparse / 2)"),
     GPUType("L4", 121e12, 24 * GB, 300 * GB, 0, True, f"{_NVIDIA}: L4 (242 TF sparse / 2)"),
     GPUType("A10G", 70e12, 24 * GB, 600 * GB, 0, True, "AWS G5 A10G; tensor clocks below the A10's 125 TF (Baseten A10 vs A10G note; unverified)"),

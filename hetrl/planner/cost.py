@@ -275,6 +275,26 @@ def alltoall_s(cluster: ClusterSpec, ids, nbytes: float, busy_per_node: dict[str
     return worst
 
 
+def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int) -> float:
+    """Decode's TP all-reduces: `messages` calls moving `nbytes` in all. Inside one node a ring (allreduce_s). A TP
+    group that spans nodes sends messages of a few KB, for which NCCL picks its tree algorithm with the LL
+    protocol (NCCL's tuning model; Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the
+    node plus 2 ceil(log2 nodes) alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the
+    slowest link; bandwidth as the ring."""
+    ids = list(ids)
+    link = slowest_link(cluster, ids)
+    nodes: dict[str, list[int]] = {}
+    for i in ids:
+        nodes.setdefault(cluster.gpus[i].node, []).append(i)
+    if len(nodes) == 1:
+        return allreduce_s(nbytes, len(ids), link, messages)
+    k = len(ids)
+    k_node = max(len(v) for v in nodes.values())
+    lat_in = slowest_link(cluster, next(v for v in nodes.values() if len(v) == k_node))[0] if k_node > 1 else 0.0
+    latency = 2 * (k_node - 1) * lat_in + 2 * math.ceil(math.log2(len(nodes))) * link[0]
+    return 2 * (k - 1) / k * nbytes / link[1] + latency * messages
+
+
 def _busy(cluster: ClusterSpec, ids) -> dict[str, int]:
     """GPUs of each node among `ids` (they all send across the node's NIC at once in an all-to-all phase)."""
     out: dict[str, int] = {}
@@ -516,8 +536,8 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
         tp_comm = 0.0
         if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
-            tp_comm = max(allreduce_s(2 * model.layers * batch * r * model.hidden * vb, par.tp,
-                                      slowest_link(cluster, s), 2 * model.layers * steps) for s in stages)
+            tp_comm = max(_decode_allreduce_s(cluster, s, 2 * model.layers * batch * r * model.hidden * vb,
+                                              2 * model.layers * steps) for s in stages)
         pp_comm = sum(steps * lat + batch * r * model.hidden * vb / bw
                       for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
         terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
