@@ -114,6 +114,14 @@ GEMM_TILE_M = 128          # CUTLASS 3 / cuBLAS SM90 bf16 tile rows (128x128 and
 GEMM_SOURCE = "NVIDIA Matrix Multiplication Background User's Guide (arithmetic intensity, tile quantization)"
 
 
+# Collective bandwidth over NVLink: NCCL's protocol overhead leaves ~370 GB/s of an H100's 450 GB/s NVLink line rate
+# as bus bandwidth for collectives that do not use NVLink SHARP (all-to-all, ring all-gather / reduce-scatter):
+# S. Jeaugey (NCCL), NVIDIA/nccl-tests issue #212, 2024-05-06. Read by the all-to-all terms (ep_comm, sp_comm) on
+# NVLink paths; the ring all-reduces of TP/DP keep the line rate they had (the bit-identical default).
+NVLINK_BUS_EFFICIENCY = 370 / 450
+NVLINK_BUS_SOURCE = "NVIDIA/nccl-tests#212 (NCCL maintainer): ~370 GB/s busbw of 450 GB/s NVLink line rate, ~20% protocol"
+
+
 def attention_efficiency(seq_len: float) -> float:
     """Fraction of a GPU's dense peak an attention kernel reaches on sequences of `seq_len` tokens."""
     import math

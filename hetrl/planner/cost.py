@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .plan import ROLE_OF_TASK, Group, Parallelism, Plan, check_structure
-from .catalog import attention_efficiency, gemm_efficiency
+from .catalog import NVLINK_BUS_EFFICIENCY, attention_efficiency, gemm_efficiency
 from .spec import INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
 
 MFU_TRAIN = 0.45     # Megatron-style 3D parallelism on A100/H100: 35-55% (peers_schedulers.md §6.1)
@@ -262,6 +262,8 @@ def alltoall_s(cluster: ClusterSpec, ids, nbytes: float, busy_per_node: dict[str
     worst = 0.0
     for node, local in by_node.items():
         lat_in, bw_in = slowest_link(cluster, local) if len(local) > 1 else (0.0, math.inf)
+        if cluster.node(node).intra_node == "nvlink" and cluster.node(node).intra_node_gbps is None:
+            bw_in *= NVLINK_BUS_EFFICIENCY   # NCCL's protocol overhead on NVLink (catalog, sourced)
         inside = nbytes * (len(local) - 1) / k / bw_in if len(local) > 1 else 0.0
         outside = 0.0
         lat = lat_in
