@@ -252,29 +252,36 @@ def alltoall_s(cluster: ClusterSpec, ids, nbytes: float, busy_per_node: dict[str
     `ids`); one latency per call (NCCL groups the k - 1 point-to-point sends of a rank and runs them at once,
     unlike a ring's k - 1 sequential steps). Message size
     enters through that latency (the alpha-beta model), not through a measured bus-bandwidth curve."""
-    ids = list(ids)
-    k = len(ids)
-    if k <= 1:
+    ids = tuple(ids)
+    if len(ids) <= 1:
         return 0.0
+    busy = tuple(sorted((busy_per_node or {}).items()))
+    return max(per_byte * nbytes + lat * messages for per_byte, lat in _alltoall_coeffs(cluster, ids, busy))
+
+
+@functools.lru_cache(maxsize=100_000)
+def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple) -> tuple[tuple[float, float], ...]:
+    """Per node of an all-to-all group: (seconds per byte a GPU sends, latency per call); alltoall_s takes the
+    max over nodes of per_byte x bytes + latency x calls. Cached: the search prices the same groups many times."""
+    busy_of = dict(busy)
+    k = len(ids)
     by_node: dict[str, list[int]] = {}
     for i in ids:
         by_node.setdefault(cluster.gpus[i].node, []).append(i)
-    worst = 0.0
+    out = []
     for node, local in by_node.items():
         lat_in, bw_in = slowest_link(cluster, local) if len(local) > 1 else (0.0, math.inf)
         if cluster.node(node).intra_node == "nvlink" and cluster.node(node).intra_node_gbps is None:
             bw_in *= NVLINK_BUS_EFFICIENCY   # NCCL's protocol overhead on NVLink (catalog, sourced)
-        inside = nbytes * (len(local) - 1) / k / bw_in if len(local) > 1 else 0.0
-        outside = 0.0
-        lat = lat_in
+        inside = (len(local) - 1) / k / bw_in if len(local) > 1 else 0.0
+        outside, lat = 0.0, lat_in
         if len(local) < k:
-            others = [i for i in ids if cluster.gpus[i].node != node]
-            lat_out, bw_out = slowest_link(cluster, [local[0], others[0]])
-            busy = (busy_per_node or {}).get(node, len(local))
-            outside = nbytes * (k - len(local)) / k / (bw_out / busy)
+            other = next(i for i in ids if cluster.gpus[i].node != node)
+            lat_out, bw_out = slowest_link(cluster, [local[0], other])
+            outside = (k - len(local)) / k / (bw_out / busy_of.get(node, len(local)))
             lat = max(lat, lat_out)
-        worst = max(worst, max(inside, outside) + lat * messages)
-    return worst
+        out.append((max(inside, outside), lat))
+    return tuple(out)
 
 
 def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int) -> float:
@@ -439,15 +446,13 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     terms = {"compute": compute, "pipeline_bubble": bubble, "tp_comm": tp_comm, "pp_comm": pp_comm}
     directions = ((3 if par.recompute else 2) if train else 1)   # forward, (recomputed forward), backward
     if par.ep > 1:   # dispatch + combine per MoE layer and direction: each token's rows to its k experts and back
-        ep_comm = 0.0
-        for f, stages in zip(shares, shards):
-            rows = tokens * f / par.tp          # tokens of this GPU (TP ranks split them before dispatch)
-            nbytes = rows * model.experts_per_token * model.hidden * vb
-            for s in range(par.pp):
-                for ids in _ep_groups(shards, par, s):
-                    ep_comm = max(ep_comm, 2 * directions * model.moe_layers / par.pp
-                                  * alltoall_s(cluster, ids, nbytes, _busy(cluster, group.gpus), micro_batches))
-        terms["ep_comm"] = ep_comm
+        # the busiest replica's tokens (TP ranks split them before dispatch) over the slowest EP group: an
+        # all-to-all's seconds only grow with its bytes, so this is the max over every replica and group
+        nbytes = tokens * max(shares) / par.tp * model.experts_per_token * model.hidden * vb
+        busy = _busy(cluster, group.gpus)
+        terms["ep_comm"] = 2 * directions * model.moe_layers / par.pp * max(
+            alltoall_s(cluster, ids, nbytes, busy, micro_batches)
+            for s in range(par.pp) for ids in _ep_groups(shards, par, s))
     if par.sp > 1:   # Ulysses: q, k, v to head shards and the output back, per layer and direction
         sp_comm = 0.0
         qkvo = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / par.tp
@@ -511,6 +516,9 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
+    if par.ep > 1:
+        ep_groups = [g for s_ in range(par.pp) for g in _ep_groups(shards, par, s_)]
+        busy = _busy(cluster, group.gpus)
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
         batch = w.samples * share
@@ -543,11 +551,11 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         pp_comm = sum(steps * lat + batch * r * model.hidden * vb / bw
                       for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
         terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
-        if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the stage's EP groups
+        if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
             nbytes = batch * r / par.tp * model.experts_per_token * model.hidden * vb
-            terms["ep_comm"] = max(2 * model.moe_layers / par.pp * alltoall_s(cluster, ids_, nbytes,
-                                                                              _busy(cluster, group.gpus), round(steps))
-                                   for s_ in range(par.pp) for ids_ in _ep_groups(shards, par, s_))
+            mine = set(ids)
+            terms["ep_comm"] = max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy, round(steps))
+                                   for g in ep_groups if mine.intersection(g))
         if weights_read + kv_read >= decode_compute:
             terms["hbm"] = weights_read + kv_read
         else:
