@@ -52,6 +52,12 @@ class Draft:
         self.groups = [{"tasks": list(g.tasks), "gpus": list(g.gpus), "par": dict(g.parallelism),
                         "swap": g.swap, "split": g.data_split, "src": i} for i, g in enumerate(plan.groups)]
         self.gaps: list[Gap] = []
+        for g in self.groups:   # the exports write tp / pp / dp and memory options; the #37 dimensions not yet
+            for task, p in list(g["par"].items()):
+                if not p.default_layout:
+                    self.set_par(task, dataclasses.replace(p, ep=1, sp=1, vpp=1, engine=None, dp=p.dp * p.sp),
+                                 "ep, sp, vpp and engine are not exported yet: set expert / sequence parallelism "
+                                 "and virtual stages in the engine's config by hand")
 
     def where(self, task: str) -> dict | None:
         return next((g for g in self.groups if task in g["tasks"]), None)
@@ -121,6 +127,9 @@ def _show(p: Parallelism) -> str:
     out = f"tp {p.tp} pp {p.pp} dp {p.dp}"
     if not p.default_memory:
         out += f" zero {p.zero} offload {p.offload} recompute {str(p.recompute).lower()}"
+    for key, default in (("ep", 1), ("sp", 1), ("vpp", 1), ("engine", None)):
+        if getattr(p, key) != default:
+            out += f" {key} {getattr(p, key)}"
     return out
 
 

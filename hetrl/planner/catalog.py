@@ -62,6 +62,11 @@ GPUS: dict[str, GPUType] = {g.name: g for g in [
     GPUType("H20", 148e12, 96 * GB, 4.0 * TB, 450 * GB, True, "NVIDIA H20 spec sheet as quoted by RollMux/StreamRL-era reports"),
     GPUType("A100-80G", 312e12, 80 * GB, 2.039 * TB, 300 * GB, True, f"{_NVIDIA}: A100 80GB SXM"),
     GPUType("A100-40G", 312e12, 40 * GB, 1.555 * TB, 300 * GB, True, f"{_NVIDIA}: A100 40GB SXM"),
+    GPUType("A800-80G", 312e12, 80 * GB, 2.039 * TB, 200 * GB, True,
+            f"{_NVIDIA}: A800 80GB SXM (A100 compute and HBM, NVLink 400 GB/s bidirectional: 200 one way)"),
+    GPUType("GB200", 2.5e15, 186 * GB, 8 * TB, 900 * GB, True,
+            f"{_NVIDIA}: GB200 NVL72 (360 PF FP16/BF16 sparse / 2 / 72 GPUs; 13.4 TB HBM3e and 576 TB/s over 72; "
+            "NVLink 5 1.8 TB/s bidirectional per GPU)"),
     GPUType("L40S", 362e12, 48 * GB, 864 * GB, 0, True, f"{_NVIDIA}: L40S (733 TF sparse / 2)"),
     GPUType("L4", 121e12, 24 * GB, 300 * GB, 0, True, f"{_NVIDIA}: L4 (242 TF sparse / 2)"),
     GPUType("A10G", 70e12, 24 * GB, 600 * GB, 0, True, "AWS G5 A10G; tensor clocks below the A10's 125 TF (Baseten A10 vs A10G note; unverified)"),
@@ -80,3 +85,66 @@ def gpu(name: str) -> GPUType:
         raise ValueError(f"unknown GPU type {name!r}; known: {', '.join(GPUS)} "
                          f"(aliases: {', '.join(f'{a}->{b}' for a, b in ALIASES.items())})")
     return GPUS[key]
+
+
+# ---------------------------------------------------------------------------------------------- operator data
+# Efficiencies of single operators, from published operator benchmarks and vendor guides, never from the RL runs
+# that judge the cost model (benchmarks/cost_model_validation.py). Each is read only by the terms added for
+# MoE, long sequences and engine-specific plans (docs/cost_model.md, "Operator data"); plans that use none of
+# those fields keep the constant MFUs.
+
+# Attention kernel throughput by sequence length, as a fraction of the H100 SXM5's 989 TF dense bf16 peak:
+# FlashAttention-2 forward, head dim 128, bf16, non-causal, batch x seqlen = 16K tokens, 16 heads of 128.
+# Source: Shah et al., "FlashAttention-3" (2024), Figure 'Attention forward speed, head dim 128 (H100 80GB SXM5)':
+# FA2 191 / 260 / 298 / 319 / 333 / 335 TFLOPS at 512 / 1k / 2k / 4k / 8k / 16k (FA3: 292 / 423 / 521 / 579 /
+# 602 / 616). verl, NeMo-RL and OpenRLHF train with FlashAttention-2, so its column is the one used; the same
+# fractions of peak are used on every GPU (measured on H100 only), and for the backward (FA2's backward is
+# slower than its forward: not modelled). Between lengths: linear in log(length), the ends held beyond them.
+ATTENTION_EFFICIENCY_BY_SEQLEN: tuple[tuple[int, float], ...] = (
+    (512, 191 / 989), (1024, 260 / 989), (2048, 298 / 989), (4096, 319 / 989), (8192, 333 / 989),
+    (16384, 335 / 989))
+ATTENTION_SOURCE = "Shah et al. 2024 (FlashAttention-3), Fig. attention forward speed, hdim 128, H100 SXM5, FA2 column"
+
+# GEMM efficiency by shape (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
+# docs): a GEMM of M x K x N is (a) math-bound or memory-bound by its arithmetic intensity M*K*N / (M*K + K*N +
+# M*N) FLOPs per bf16 byte against the device's FLOP/s-to-bytes/s ratio, and (b) loses tile quantization:
+# cuBLAS / CUTLASS Hopper kernels compute output tiles of GEMM_TILE_M rows, so M rows cost ceil(M / tile) tiles.
+# A grouped GEMM (Megatron's TEGroupedMLP, DeepGEMM) runs each expert's tokens as its own M.
+GEMM_TILE_M = 128          # CUTLASS 3 / cuBLAS SM90 bf16 tile rows (128x128 and 128x256 CTA tiles)
+GEMM_SOURCE = "NVIDIA Matrix Multiplication Background User's Guide (arithmetic intensity, tile quantization)"
+
+
+# Collective bandwidth over NVLink: NCCL's protocol overhead leaves ~370 GB/s of an H100's 450 GB/s NVLink line rate
+# as bus bandwidth for collectives that do not use NVLink SHARP (all-to-all, ring all-gather / reduce-scatter):
+# S. Jeaugey (NCCL), NVIDIA/nccl-tests issue #212, 2024-05-06. Read by the all-to-all terms (ep_comm, sp_comm) on
+# NVLink paths; the ring all-reduces of TP/DP keep the line rate they had (the bit-identical default).
+NVLINK_BUS_EFFICIENCY = 370 / 450
+NVLINK_BUS_SOURCE = "NVIDIA/nccl-tests#212 (NCCL maintainer): ~370 GB/s busbw of 450 GB/s NVLink line rate, ~20% protocol"
+
+
+def attention_efficiency(seq_len: float) -> float:
+    """Fraction of a GPU's dense peak an attention kernel reaches on sequences of `seq_len` tokens."""
+    import math
+    xs = [math.log(n) for n, _ in ATTENTION_EFFICIENCY_BY_SEQLEN]
+    ys = [e for _, e in ATTENTION_EFFICIENCY_BY_SEQLEN]
+    x = math.log(max(seq_len, 1.0))
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    k = next(i for i in range(1, len(xs)) if x <= xs[i])
+    return ys[k - 1] + (ys[k] - ys[k - 1]) * (x - xs[k - 1]) / (xs[k] - xs[k - 1])
+
+
+def gemm_efficiency(m: float, k: float, n: float, flops_per_s: float, bytes_per_s: float) -> float:
+    """Fraction of a large GEMM's throughput a bf16 GEMM of M x K x N keeps: tile quantization of its M rows
+    times the memory roofline (arithmetic intensity against the device's `flops_per_s` / `bytes_per_s`, both as
+    achieved). 1 for large, well-shaped GEMMs; below 1 for an expert that receives few tokens."""
+    import math
+    if m <= 0:
+        return 1.0
+    tiles = math.ceil(m / GEMM_TILE_M)
+    quantization = m / (tiles * GEMM_TILE_M)
+    intensity = m * k * n / (m * k + k * n + m * n)        # FLOPs per byte: 2MKN FLOPs over 2(MK+KN+MN) bytes
+    roofline = min(1.0, intensity * bytes_per_s / flops_per_s)
+    return quantization * roofline

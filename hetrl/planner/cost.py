@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan import Group, Parallelism, Plan, check_structure
+from .plan import ROLE_OF_TASK, Group, Parallelism, Plan, check_structure
+from .catalog import NVLINK_BUS_EFFICIENCY, attention_efficiency, gemm_efficiency
 from .spec import INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
 
 MFU_TRAIN = 0.45     # Megatron-style 3D parallelism on A100/H100: 35-55% (peers_schedulers.md §6.1)
@@ -46,9 +47,14 @@ LOGIT_CHUNK_TOKENS = 4096    # log-probs computed over vocab chunks of this many
 CPU_ADAM_BYTES_PER_PARAM = 30
 HOST_BYTES_PER_S_PER_GPU = 25e9
 GATHERED_LAYERS = 2          # ZeRO-3 / FSDP keep the layer in use and the prefetched next one unsharded
+# MoE load imbalance under expert parallelism: tokens the busiest EP rank's experts receive over the mean. Routers
+# trained with a balancing loss (Qwen3-MoE's aux loss, DeepSeek-V3's bias-based balancing) keep it near 1;
+# Megatron's recipes bound it with moe_expert_capacity_factor where set, commonly 1.0-1.25 (dropless: no bound).
+# A stated assumption, not measured here and not fitted: 1.2. With ep = 1 every expert is on every GPU and the
+# imbalance changes nothing.
+MOE_LOAD_IMBALANCE = 1.2
 
-ROLE_OF = {"actor_gen": "actor", "actor_infer": "actor", "actor_train": "actor", "ref_infer": "reference",
-           "reward_infer": "reward", "critic_infer": "critic", "critic_train": "critic"}
+ROLE_OF = ROLE_OF_TASK
 TRAIN_TASKS = ("actor_train", "critic_train")
 INFER_TASKS = ("actor_infer", "ref_infer", "reward_infer", "critic_infer")
 
@@ -132,7 +138,7 @@ def _micro_batch_tokens(w: WorkloadSpec) -> float:
 def _shards(group: Group, par: Parallelism):
     """[replica][stage] -> GPU ids of that stage's tensor-parallel group."""
     g, tp, pp = group.gpus, par.tp, par.pp
-    return [[g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)] for r in range(par.dp)]
+    return [[g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)] for r in range(par.replicas)]
 
 
 def pooled(cluster: ClusterSpec, ids) -> dict[int, float]:
@@ -194,7 +200,7 @@ def _shares(group: Group, speeds: list[float]) -> list[float]:
 
 def _dp_groups(shards, par: Parallelism) -> list[list[int]]:
     """GPU ids of each data-parallel group: the replicas' GPUs holding the same stage and tensor slice."""
-    return [[shards[r][s][t] for r in range(par.dp)] for s in range(par.pp) for t in range(par.tp)]
+    return [[shards[r][s][t] for r in range(par.replicas)] for s in range(par.pp) for t in range(par.tp)]
 
 
 def _dp_links(cluster, dp_groups) -> list[tuple[float, float]]:
@@ -219,6 +225,168 @@ def _overlapped(seconds: float, compute: float, layers: float) -> float:
     return max(seconds - compute, seconds / max(1.0, layers))
 
 
+def param_split(model: ModelSpec, par: Parallelism) -> tuple[float, float, float, float]:
+    """(S, S_dp, layer, expert_share) per GPU: parameters held without ZeRO sharding, after sharding over the
+    task's data-parallel ranks, of the largest layer (what FSDP gathers at a time), and the routed experts' part
+    of S. Dense weights split over TP x PP and shard over dp x sp; with ep > 1 the routed experts split over
+    EP x PP (whole experts, expert tensor parallelism 1) and shard over the tp x sp x dp / ep ranks that hold the
+    same experts; with ep = 1 they split like dense weights (TP-sharded experts, FSDP gathers every expert)."""
+    tp, pp = par.tp, par.pp
+    if par.ep == 1:
+        shard = model.params / (tp * pp)
+        return shard, shard / par.replicas, (model.attn_params_per_layer + model.mlp_params_per_layer) / tp, \
+            model.expert_params / (tp * pp)
+    dense = (model.params - model.expert_params) / (tp * pp)
+    experts = model.expert_params / (par.ep * pp)
+    edp = tp * par.sp * par.dp // par.ep
+    layer = (model.attn_params_per_layer + model.mlp_params_per_layer - model.expert_params_per_layer) / tp \
+        + model.expert_params_per_layer / par.ep
+    return dense + experts, dense / par.replicas + experts / edp, layer, experts
+
+
+def alltoall_s(cluster: ClusterSpec, ids, nbytes: float, busy_per_node: dict[str, int] | None = None,
+               messages: int = 1) -> float:
+    """All-to-alls in which each of the GPUs `ids` sends `nbytes` in all, spread evenly over all of them (a 1/k
+    share stays home), in `messages` calls: the part to GPUs of its own node over the node's link, the rest over
+    its node's NIC, shared by the node's GPUs that send across at once (`busy_per_node`, default: those of
+    `ids`); one latency per call (NCCL groups the k - 1 point-to-point sends of a rank and runs them at once,
+    unlike a ring's k - 1 sequential steps). Message size
+    enters through that latency (the alpha-beta model), not through a measured bus-bandwidth curve."""
+    ids = tuple(ids)
+    if len(ids) <= 1:
+        return 0.0
+    busy = tuple(sorted((busy_per_node or {}).items()))
+    return max(per_byte * nbytes + lat * messages for per_byte, lat in _alltoall_coeffs(cluster, ids, busy))
+
+
+@functools.lru_cache(maxsize=100_000)
+def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple) -> tuple[tuple[float, float], ...]:
+    """Per node of an all-to-all group: (seconds per byte a GPU sends, latency per call); alltoall_s takes the
+    max over nodes of per_byte x bytes + latency x calls. Cached: the search prices the same groups many times."""
+    busy_of = dict(busy)
+    k = len(ids)
+    by_node: dict[str, list[int]] = {}
+    for i in ids:
+        by_node.setdefault(cluster.gpus[i].node, []).append(i)
+    out = []
+    for node, local in by_node.items():
+        lat_in, bw_in = slowest_link(cluster, local) if len(local) > 1 else (0.0, math.inf)
+        if cluster.node(node).intra_node == "nvlink" and cluster.node(node).intra_node_gbps is None:
+            bw_in *= NVLINK_BUS_EFFICIENCY   # NCCL's protocol overhead on NVLink (catalog, sourced)
+        inside = (len(local) - 1) / k / bw_in if len(local) > 1 else 0.0
+        outside, lat = 0.0, lat_in
+        if len(local) < k:
+            other = next(i for i in ids if cluster.gpus[i].node != node)
+            lat_out, bw_out = slowest_link(cluster, [local[0], other])
+            outside = (k - len(local)) / k / (bw_out / busy_of.get(node, len(local)))
+            lat = max(lat, lat_out)
+        out.append((max(inside, outside), lat))
+    return tuple(out)
+
+
+def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int) -> float:
+    """Decode's TP all-reduces: `messages` calls moving `nbytes` in all. Inside one node a ring (allreduce_s). A TP
+    group that spans nodes sends messages of a few KB, for which NCCL picks its tree algorithm with the LL
+    protocol (NCCL's tuning model; Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the
+    node plus 2 ceil(log2 nodes) alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the
+    slowest link; bandwidth as the ring."""
+    ids = list(ids)
+    link = slowest_link(cluster, ids)
+    nodes: dict[str, list[int]] = {}
+    for i in ids:
+        nodes.setdefault(cluster.gpus[i].node, []).append(i)
+    if len(nodes) == 1:
+        return allreduce_s(nbytes, len(ids), link, messages)
+    k = len(ids)
+    k_node = max(len(v) for v in nodes.values())
+    lat_in = slowest_link(cluster, next(v for v in nodes.values() if len(v) == k_node))[0] if k_node > 1 else 0.0
+    latency = 2 * (k_node - 1) * lat_in + 2 * math.ceil(math.log2(len(nodes))) * link[0]
+    return 2 * (k - 1) / k * nbytes / link[1] + latency * messages
+
+
+def _busy(cluster: ClusterSpec, ids) -> dict[str, int]:
+    """GPUs of each node among `ids` (they all send across the node's NIC at once in an all-to-all phase)."""
+    out: dict[str, int] = {}
+    for i in ids:
+        out[cluster.gpus[i].node] = out.get(cluster.gpus[i].node, 0) + 1
+    return out
+
+
+def _finish_new_layout(cluster, w, model, group, par, terms, compute, micro_batches, steps, passes, dp_links, train,
+                       vb, layers_per_stage) -> TaskCost:
+    """DP communication, optimizer and offload of a task that uses ep, sp, vpp or an engine: the same physics as
+    the default path, with parameters split by param_split (experts over EP, states over dp x sp)."""
+    shard, shard_dp, _, experts = param_split(model, par)
+    dense = shard - experts
+    edp = par.tp * par.sp * par.dp // par.ep if par.ep > 1 else par.replicas
+    if par.zero == 3 and par.replicas > 1:
+        halves = micro_batches * (3 if train else 1)
+        msgs = max(1, round(layers_per_stage))
+        gather = 0.0
+        for link in dp_links:
+            t = allreduce_s(vb * (dense if par.ep > 1 else shard), par.replicas, link, msgs)
+            if par.ep > 1:
+                t += allreduce_s(vb * experts, edp, link, msgs)
+            gather = max(gather, halves / 2 * t)
+        terms["dp_comm"] = _overlapped(gather, compute, layers_per_stage)
+    elif train:
+        dp_comm = 0.0
+        for link in dp_links:
+            t = allreduce_s(vb * (dense if par.ep > 1 else shard), par.replicas, link)
+            if par.ep > 1:
+                t += allreduce_s(vb * experts, edp, link)
+            dp_comm = max(dp_comm, steps * t)
+        terms["dp_comm"] = dp_comm
+    offload = 0.0
+    if par.offload == "params":
+        offload += _overlapped(passes * vb * shard_dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
+    if train:
+        share = pooled(cluster, group.gpus)
+        slowest_hbm = min(_hbm(cluster, i, share) for i in group.gpus)
+        if par.offload == "none":
+            written = shard_dp if par.zero == 3 else shard
+            terms["optimizer"] = steps * (16 * shard_dp + 4 * written) / (slowest_hbm * HBM_EFF)
+        else:
+            offload += steps * (2 * vb * shard_dp / PCIE_BYTES_PER_S
+                                + CPU_ADAM_BYTES_PER_PARAM * shard_dp / HOST_BYTES_PER_S_PER_GPU)
+    if offload:
+        terms["offload"] = offload
+    return TaskCost(sum(terms.values()), terms)
+
+
+def _ep_groups(shards, par: Parallelism, stage: int) -> list[list[int]]:
+    """GPU ids of each expert-parallel group of a pipeline stage: `ep` consecutive GPUs of the stage in
+    (replica, tensor rank) order (TP ranks of one replica first, then the next replicas: Megatron's order)."""
+    ids = [i for r in range(par.replicas) for i in shards[r][stage]]
+    return [ids[k:k + par.ep] for k in range(0, len(ids), par.ep)]
+
+
+def micro_batches_per_replica(w: WorkloadSpec, par: Parallelism, tokens: float, samples: float) -> int:
+    """Micro-batches each data-parallel replica (a group of sp GPUs) runs over `samples` (of `tokens` in all):
+    by responses (micro_batch_responses), or packed to max_tokens_per_micro_batch per GPU (sp of them share one)."""
+    if w.max_tokens_per_micro_batch is None:
+        return max(1, math.ceil(samples / par.dp / w.micro_batch_responses))
+    return max(1, math.ceil(tokens / par.dp / (w.max_tokens_per_micro_batch * par.sp)))
+
+
+def _moe_expert_time_factor(cluster, w: WorkloadSpec, model: ModelSpec, par: Parallelism, ids, mb_tokens: float,
+                            mfu: float) -> float:
+    """How much longer the routed experts' FLOPs take than at the pass's MFU: the grouped GEMM's efficiency at
+    the tokens each expert receives per micro-batch (catalog.gemm_efficiency, gate/up and down GEMMs weighted
+    by their FLOPs), times the load imbalance the busiest EP rank sees (MOE_LOAD_IMBALANCE, ep > 1 only).
+    1 exactly when neither applies."""
+    per_expert = mb_tokens * model.experts_per_token * par.ep / model.experts
+    share = pooled(cluster, ids)
+    i = min(ids, key=lambda g: _achieved(cluster, g, share, mfu))
+    flops, hbm = _achieved(cluster, i, share, mfu), _hbm(cluster, i, share) * HBM_EFF
+    split = 1 if par.ep > 1 else par.tp        # with ep = 1 experts are TP-sharded: narrower GEMMs
+    up = gemm_efficiency(per_expert, model.hidden, 2 * model.moe_intermediate / split, flops, hbm)
+    down = gemm_efficiency(per_expert, model.moe_intermediate / split, model.hidden, flops, hbm)
+    eff = 1.0 / ((2 / 3) / up + (1 / 3) / down)
+    imbalance = MOE_LOAD_IMBALANCE if par.ep > 1 else 1.0
+    return imbalance / eff
+
+
 def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: str, train: bool) -> TaskCost:
     par = group.par(task)
     shards = _shards(group, par)
@@ -234,12 +402,32 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
             (6 * model.active_params * tokens + 3 * attn)
     else:
         flops = 2 * model.active_params * tokens + attn
-    speeds = _replica_speeds(cluster, shards, MFU_TRAIN if train else MFU_INFER)
+    mfu = MFU_TRAIN if train else MFU_INFER
+    speeds = _replica_speeds(cluster, shards, mfu)
     shares = _shares(group, speeds)
-    compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
-    micro_batches = max(1, math.ceil(w.samples * passes_over / par.dp / w.micro_batch_responses))
+    micro_batches = micro_batches_per_replica(w, par, tokens, w.samples * passes_over)
+    mb_tokens = tokens / (par.dp * micro_batches)     # tokens of one micro-batch of one replica (its sp GPUs)
+    expert_factor = 1.0
+    if model.experts:   # the routed experts' share of the FLOPs at the grouped GEMM's efficiency
+        expert_factor = _moe_expert_time_factor(cluster, w, model, par, group.gpus, mb_tokens / (par.sp * par.tp)
+                                                if par.ep > 1 else mb_tokens / par.sp, mfu)
+    attn_eff = None
+    if par.engine is not None and all(cluster.gpus[i].type.mfu is None for i in group.gpus):
+        attn_eff = attention_efficiency(w.prompt_tokens.mean + w.response_tokens.mean)
+    if expert_factor == 1.0 and attn_eff is None:
+        compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
+    else:   # GEMMs at the pass's MFU, attention at its kernel's efficiency by length, experts at their factor
+        per_token = (8 if par.recompute else 6) if train else 2
+        attn_flops = (4 if par.recompute else 3) * attn if train else attn
+        expert_flops = per_token * model.expert_active_params * tokens
+        gemm_flops = flops - attn_flops - expert_flops
+        attn_scale = 1.0 if attn_eff is None else mfu / attn_eff     # seconds at attn_eff over seconds at mfu
+        compute = max(f * (gemm_flops + attn_flops * attn_scale + expert_flops * expert_factor) / v
+                      for f, v in zip(shares, speeds))
     steps = w.optimizer_steps if train else 1   # the pipeline drains before every optimizer step
     bubble = compute * (par.pp - 1) * steps / micro_batches
+    if par.vpp > 1:   # interleaved 1F1B: each GPU holds vpp virtual stages, the bubble shrinks by vpp
+        bubble /= par.vpp
     layers_per_stage = model.layers / par.pp
     tp_comm = pp_comm = 0.0
     for f, stages in zip(shares, shards):
@@ -253,11 +441,35 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
                                        for ids in stages))
         for a, b in zip(stages, stages[1:]):
             lat, bw = slowest_link(cluster, a + b)
-            pp_comm = max(pp_comm, (2 if train else 1) * (act_bytes / bw + micro_batches * lat))
+            hop = (2 if train else 1) * (act_bytes / bw + micro_batches * lat)
+            pp_comm = max(pp_comm, hop * par.vpp if par.vpp > 1 else hop)   # interleaving crosses vpp x the hops
     terms = {"compute": compute, "pipeline_bubble": bubble, "tp_comm": tp_comm, "pp_comm": pp_comm}
+    directions = ((3 if par.recompute else 2) if train else 1)   # forward, (recomputed forward), backward
+    if par.ep > 1:   # dispatch + combine per MoE layer and direction: each token's rows to its k experts and back
+        # the busiest replica's tokens (TP ranks split them before dispatch) over the slowest EP group: an
+        # all-to-all's seconds only grow with its bytes, so this is the max over every replica and group
+        nbytes = tokens * max(shares) / par.tp * model.experts_per_token * model.hidden * vb
+        busy = _busy(cluster, group.gpus)
+        terms["ep_comm"] = 2 * directions * model.moe_layers / par.pp * max(
+            alltoall_s(cluster, ids, nbytes, busy, micro_batches)
+            for s in range(par.pp) for ids in _ep_groups(shards, par, s))
+    if par.sp > 1:   # Ulysses: q, k, v to head shards and the output back, per layer and direction
+        sp_comm = 0.0
+        qkvo = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / par.tp
+        for d in range(par.dp):
+            f = sum(shares[d * par.sp:(d + 1) * par.sp])
+            for s in range(par.pp):
+                ids = [i for j in range(par.sp) for i in shards[d * par.sp + j][s][:1]]
+                nbytes = tokens * f / par.sp * qkvo * vb    # one GPU's tokens (of this replica's share)
+                sp_comm = max(sp_comm, directions * model.layers / par.pp
+                              * alltoall_s(cluster, ids, nbytes, messages=micro_batches))
+        terms["sp_comm"] = sp_comm
     shard_params = model.params / (par.tp * par.pp)
     passes = (3 if par.recompute else 2) if train else 1   # times the weights are read: fwd, recompute, bwd
-    dp_links = _dp_links(cluster, _dp_groups(shards, par)) if par.dp > 1 else []
+    dp_links = _dp_links(cluster, _dp_groups(shards, par)) if par.replicas > 1 else []
+    if not par.default_layout:
+        return _finish_new_layout(cluster, w, model, group, par, terms, compute, micro_batches, steps, passes,
+                                  dp_links, train, vb, layers_per_stage)
     if par.zero == 3 and par.dp > 1:
         # FSDP frees a layer's gathered weights after use, so every micro-batch all-gathers each layer's shards for
         # its forward and again for its backward (which also serves the recomputed forward), and reduce-scatters
@@ -294,6 +506,8 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     shards = _shards(group, par)
     vb = precision_bytes(w)[0]   # bytes of a weight, activation or KV value
     kv_token = model.kv_bytes_per_token * vb / 2 / par.tp   # one token's K and V on a TP shard (all layers; 16-bit / 2)
+    if model.kv_lora_rank:   # MLA's latent is not split over TP: every TP rank caches all of it
+        kv_token = model.kv_bytes_per_token * vb / 2
     # The N responses of a prompt hold its KV once (vLLM/SGLang prefix caching, hetrl's SharedPrefixCache: the
     # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache, its
     # layers spread over the PP stages.
@@ -302,6 +516,9 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
+    if par.ep > 1:
+        ep_groups = [g for s_ in range(par.pp) for g in _ep_groups(shards, par, s_)]
+        busy = _busy(cluster, group.gpus)
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
         batch = w.samples * share
@@ -320,16 +537,25 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         steps = max(r_max, batch * r * (p / n + r / 2) / (free / kv_stage))
         rows = batch * r / steps   # sequences a decode step runs, on average
         decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
-        weights_read = steps * model.params * vb / par.tp / hbm
+        if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
+            weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
+                * vb / par.tp / hbm
+        else:
+            weights_read = steps * model.params * vb / par.tp / hbm
         kv_read = batch * r * (p + r / 2) * kv_token / hbm
         decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
         tp_comm = 0.0
         if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
-            tp_comm = max(allreduce_s(2 * model.layers * batch * r * model.hidden * vb, par.tp,
-                                      slowest_link(cluster, s), 2 * model.layers * steps) for s in stages)
+            tp_comm = max(_decode_allreduce_s(cluster, s, 2 * model.layers * batch * r * model.hidden * vb,
+                                              2 * model.layers * steps) for s in stages)
         pp_comm = sum(steps * lat + batch * r * model.hidden * vb / bw
                       for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
         terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
+        if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
+            nbytes = batch * r / par.tp * model.experts_per_token * model.hidden * vb
+            mine = set(ids)
+            terms["ep_comm"] = max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy, round(steps))
+                                   for g in ep_groups if mine.intersection(g))
         if weights_read + kv_read >= decode_compute:
             terms["hbm"] = weights_read + kv_read
         else:
@@ -371,6 +597,8 @@ def task_memory(w: WorkloadSpec, task: str, par: Parallelism, micro_batch_tokens
     micro-batch the workload implies (the trainer packs micro-batches by tokens)."""
     model = w.model(ROLE_OF[task])
     b, adam = precision_bytes(w)
+    if not par.default_layout or w.max_tokens_per_micro_batch is not None:
+        return _task_memory_new(w, task, par, micro_batch_tokens)
     shard = model.params / (par.tp * par.pp)
     layer = (model.attn_params_per_layer + model.mlp_params_per_layer) / par.tp
     if par.offload == "params":
@@ -397,6 +625,82 @@ def task_memory(w: WorkloadSpec, task: str, par: Parallelism, micro_batch_tokens
     elif task in INFER_TASKS:
         working = act * mb * model.hidden / par.tp + logits
     return TaskMemory(weights, states, working, host)
+
+
+def in_flight_micro_batches(par: Parallelism, micro_batches: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once: 1 without a pipeline or outside
+    Megatron; Megatron's 1F1B keeps min(pp, m), and its interleaved schedule (vpp > 1) 1 + (pp-1)/(pp*vpp) times
+    that (Korthikanti et al. 2022, §4.2.3; Narayanan et al. 2021)."""
+    if par.engine != "megatron" or par.pp == 1:
+        return 1.0
+    inflight = float(min(par.pp, micro_batches))
+    if par.vpp > 1:
+        inflight *= 1 + (par.pp - 1) / (par.pp * par.vpp)
+    return inflight
+
+
+def sequence_tokens(w: WorkloadSpec) -> int:
+    """Tokens of the longest single sequence a training or log-prob micro-batch must hold at once: a prompt with
+    its response (DualKV: the prompt with the micro-batch's responses, which share it)."""
+    p, r = w.prompt_tokens.max, w.response_tokens.max
+    return p + w.micro_batch_responses * r if w.dualkv else p + r
+
+
+def _task_memory_new(w: WorkloadSpec, task: str, par: Parallelism, micro_batch_tokens: float | None) -> TaskMemory:
+    """task_memory for plans that use ep, sp, vpp, an engine or a token budget: the same rules, with parameters
+    split by param_split, micro-batches of max_tokens_per_micro_batch (or micro_batch_responses / sp) tokens per
+    GPU, and Megatron's sequence parallelism and in-flight micro-batches."""
+    model = w.model(ROLE_OF[task])
+    b, adam = precision_bytes(w)
+    shard, shard_dp, layer, _ = param_split(model, par)
+    if par.offload == "params":
+        weights, host = GATHERED_LAYERS * b * layer, b * shard_dp
+    elif par.zero == 3:
+        weights, host = b * shard_dp + GATHERED_LAYERS * b * layer, 0.0
+    else:
+        weights, host = b * shard, 0.0
+    if micro_batch_tokens is not None:
+        mb = micro_batch_tokens
+    elif w.max_tokens_per_micro_batch is not None:   # packed up to the budget on every GPU
+        mb = w.max_tokens_per_micro_batch
+    else:
+        mb = _micro_batch_tokens(w) / par.sp
+    logits = min(mb, LOGIT_CHUNK_TOKENS) * model.vocab * 4 / par.tp \
+        if task in ("actor_train", "actor_infer", "ref_infer") else 0
+    act = 34 * b // 2
+    # Megatron with TP shards the layer inputs it keeps too (sequence parallelism: Korthikanti et al. 34/t)
+    inputs_split = par.tp if par.engine == "megatron" else 1
+    states = working = 0.0
+    if task in TRAIN_TASKS:
+        grads = b * shard if par.zero == 1 else b * shard_dp
+        if par.offload == "none":
+            states = grads + adam * shard_dp
+        else:
+            states, host = grads, host + adam * shard_dp
+        tokens, _ = _tokens_and_pairs(w)
+        inflight = in_flight_micro_batches(par, micro_batches_per_replica(w, par, tokens / w.optimizer_steps,
+                                                                          w.samples / w.optimizer_steps))
+        if par.recompute:
+            working = inflight * mb * model.hidden * b * model.layers / par.pp / inputs_split \
+                + act * mb * model.hidden / par.tp + 2 * logits
+        else:
+            working = inflight * act * mb * model.hidden * model.layers / (par.pp * par.tp) + 2 * logits
+    elif task in INFER_TASKS:
+        working = act * mb * model.hidden / par.tp + logits
+    return TaskMemory(weights, states, working, host)
+
+
+def token_budget_error(w: WorkloadSpec, task: str, par: Parallelism) -> str:
+    """'' when one sequence fits the task's token budget per GPU (max_tokens_per_micro_batch x sp), else why not:
+    verl refuses a budget below the longest sequence (its dynamic batching never splits a sequence)."""
+    if w.max_tokens_per_micro_batch is None or task == "actor_gen":
+        return ""
+    need = sequence_tokens(w)
+    if need <= w.max_tokens_per_micro_batch * par.sp:
+        return ""
+    return (f"{task}: one sequence of {need} tokens does not fit max_tokens_per_micro_batch "
+            f"{w.max_tokens_per_micro_batch} x sp {par.sp}; raise the budget to >= {math.ceil(need / par.sp)} or sp to "
+            f">= {math.ceil(need / w.max_tokens_per_micro_batch)}")
 
 
 PHASES = (("actor_gen",), INFER_TASKS, TRAIN_TASKS)
@@ -459,6 +763,8 @@ def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
     fit (a constraint: a plan that does not fit is infeasible, whatever its speed)."""
     peak, free, swap_s, why = {}, {}, {}, ""
     host_of_node: dict[str, float] = {}
+    if w.max_tokens_per_micro_batch is not None:
+        why = next((e for g in plan.groups for t, p in g.parallelism if (e := token_budget_error(w, t, p))), "")
     for k, group in enumerate(plan.groups):
         by_usable: dict[float, GroupMemory] = {}
         swap_s[k] = 0.0
@@ -510,8 +816,17 @@ def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float
     """Seconds for actor training sharded with ZeRO-3 to all-gather its shards over its DP groups (half an
     all-reduce) before its weights can go to generation; 0 for every other training or a group without it."""
     par = train.par("actor_train") if "actor_train" in train.tasks else None
-    if par is None or par.zero != 3 or par.dp == 1:
+    if par is None or par.zero != 3 or par.replicas == 1:
         return 0.0
+    if not par.default_layout:   # dense shards over dp x sp, experts (ep > 1) over their own replicas
+        shard, _, _, experts = param_split(w.actor, par)
+        vb = precision_bytes(w)[0]
+        edp = par.tp * par.sp * par.dp // par.ep
+        links = _dp_links(cluster, _dp_groups(_shards(train, par), par))
+        if par.ep == 1:
+            return max(allreduce_s(vb * shard, par.replicas, link) / 2 for link in links)
+        return max((allreduce_s(vb * (shard - experts), par.replicas, link) + allreduce_s(vb * experts, edp, link)) / 2
+                   for link in links)
     shard = w.actor.params * precision_bytes(w)[0] / (par.tp * par.pp)
     return max(allreduce_s(shard, par.dp, link) / 2 for link in _dp_links(cluster, _dp_groups(_shards(train, par), par)))
 
@@ -596,7 +911,8 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     mem = memory(cluster, w, plan)
     peak = mem.peak
     if mem.why:
-        return Estimate(False, f"out of memory: {mem.why}", memory_bytes=peak)
+        what = "" if "max_tokens_per_micro_batch" in mem.why else "out of memory: "
+        return Estimate(False, f"{what}{mem.why}", memory_bytes=peak)
     costs: dict[str, TaskCost] = {}
     for k, group in enumerate(plan.groups):
         costs |= task_costs(cluster, w, group, mem.kv_free, mem.swap_s[k])

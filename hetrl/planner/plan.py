@@ -15,6 +15,8 @@ from hetrl.schema import (InputError, check, choice_error, from_mapping, read_js
 
 from .spec import ClusterSpec, WorkloadSpec
 
+ROLE_OF_TASK = {"actor_gen": "actor", "actor_infer": "actor", "actor_train": "actor", "ref_infer": "reference",
+                "reward_infer": "reward", "critic_infer": "critic", "critic_train": "critic"}
 TASKS = ("actor_gen", "actor_infer", "ref_infer", "reward_infer", "critic_infer", "actor_train", "critic_train")
 # Tasks that read the same weights as a training task run where it runs (old log-probs on the trainer,
 # critic values on the critic trainer), as in verl; the planner moves them together.
@@ -23,6 +25,9 @@ BOUND = {"actor_infer": "actor_train", "critic_infer": "critic_train"}
 # evenly, as verl / Megatron / vLLM data parallelism does (they assume identical GPUs).
 DATA_SPLITS = ("by_speed", "even")
 OFFLOADS = ("none", "optimizer", "params")
+# How a training or log-prob task runs where the two styles differ (memory and time); absent: the model before
+# engines were told apart (FSDP-style activations, no pipeline in-flight micro-batches)
+ENGINES = ("fsdp", "megatron")
 
 
 def workload_tasks(w: WorkloadSpec) -> tuple[str, ...]:
@@ -52,20 +57,51 @@ class Parallelism:
     zero: int = rule(1, choices=(1, 2, 3))
     offload: str = rule("none", choices=OFFLOADS)
     recompute: bool = True
+    # expert parallelism (MoE): the routed experts split over `ep` ranks of one pipeline stage's tp*sp*dp GPUs
+    # (Megatron's rule with expert tensor parallelism 1: ep divides tp*sp*dp and the experts); the experts are not
+    # TP-sharded when ep > 1. Tokens reach their experts by an all-to-all (dispatch) and come back (combine)
+    ep: int = rule(1, ge=1)
+    # sequence parallelism (Ulysses, verl's ulysses_sequence_parallel_size; Megatron's context parallelism sizes the
+    # same way): each sequence split over `sp` GPUs, heads exchanged by all-to-alls; size = tp * sp * pp * dp
+    sp: int = rule(1, ge=1)
+    # virtual pipeline stages per GPU (Megatron's interleaved 1F1B): bubble (pp-1)/(vpp*m), pp hops x vpp
+    vpp: int = rule(1, ge=1)
+    engine: str | None = rule(None, choices=ENGINES)
 
     def __post_init__(self):
         check(self)
         if self.offload == "params" and self.zero != 3:
             raise ValueError(f"offload: params needs zero: 3 (parameters are offloaded shard by shard, as FSDP and "
                              f"ZeRO-3 do), got zero: {self.zero}; set zero: 3 or offload: optimizer")
+        if self.ep > 1 and (self.tp * self.sp * self.dp) % self.ep:
+            raise ValueError(f"ep {self.ep} must divide tp*sp*dp = {self.tp}*{self.sp}*{self.dp} = "
+                             f"{self.tp * self.sp * self.dp} (the GPUs of one pipeline stage the experts are spread over); "
+                             f"valid: {', '.join(str(e) for e in _divisors(self.tp * self.sp * self.dp))}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp {self.vpp} (virtual pipeline stages) needs pp > 1; set vpp: 1 or pp >= 2")
 
     @property
     def default_memory(self) -> bool:
         return self.zero == 1 and self.offload == "none" and self.recompute
 
     @property
+    def default_layout(self) -> bool:
+        """None of the dimensions added for MoE, long sequences and Megatron is set."""
+        return self.ep == 1 and self.sp == 1 and self.vpp == 1 and self.engine is None
+
+    @property
     def size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.sp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel ranks of one (stage, tensor slice): dp x sp (FSDP and Megatron's distributed optimizer
+        shard over both; the gradient reduction spans both)."""
+        return self.dp * self.sp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -102,6 +138,9 @@ def _par_dict(p: Parallelism) -> dict:
     out = {"tp": p.tp, "pp": p.pp, "dp": p.dp}
     if not p.default_memory:
         out |= {"zero": p.zero, "offload": p.offload, "recompute": p.recompute}
+    for key, default in (("ep", 1), ("sp", 1), ("vpp", 1), ("engine", None)):
+        if getattr(p, key) != default:
+            out[key] = getattr(p, key)
     return out
 
 
@@ -202,8 +241,23 @@ def check_structure(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec) ->
     for g in plan.groups:
         for t, p in g.parallelism:
             if p.size != len(g.gpus):
-                raise ValueError(f"{t}: tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.size} must equal the group's "
-                                 f"{len(g.gpus)} GPUs")
+                names, values = ("tp*pp*dp*sp", f"{p.tp}*{p.pp}*{p.dp}*{p.sp}") if p.sp > 1 else \
+                    ("tp*pp*dp", f"{p.tp}*{p.pp}*{p.dp}")
+                raise ValueError(f"{t}: {names} = {values} = {p.size} must equal the group's {len(g.gpus)} GPUs")
+            model = workload.model(ROLE_OF_TASK[t])
+            if p.ep > 1 and (not model.experts or model.experts % p.ep):
+                raise ValueError(f"{t}: ep {p.ep} needs an MoE whose experts it divides; {model.name} has "
+                                 f"{model.experts} experts" + (f" (valid ep: {', '.join(str(e) for e in _divisors(model.experts) if (p.tp * p.sp * p.dp) % e == 0)})"
+                                                               if model.experts else " (a dense model: ep 1)"))
+            if p.sp > 1 and model.heads % (p.tp * p.sp):
+                raise ValueError(f"{t}: sp {p.sp} x tp {p.tp} must divide the {model.heads} attention heads (Ulysses "
+                                 "splits heads over the sequence-parallel group)")
+            if p.vpp > 1 and model.layers % (p.pp * p.vpp):
+                raise ValueError(f"{t}: pp {p.pp} x vpp {p.vpp} must divide the {model.layers} layers (each virtual "
+                                 "stage holds the same number of layers)")
+            if t == "actor_gen" and (p.sp > 1 or p.vpp > 1 or p.engine is not None):
+                raise ValueError(f"{t}: sp, vpp and engine apply to training and log-prob tasks; generation takes "
+                                 "tp, pp, dp and ep")
     for t, owner in BOUND.items():
         if t in got and plan.group_of(t) is not plan.group_of(owner):
             raise ValueError(f"{t} reads {owner}'s weights and must be in its group")

@@ -104,8 +104,9 @@ def format_report(r: dict) -> str:
         gpus = _compress(g["gpus"])
         for j, t in enumerate(g["tasks"]):
             p = g["parallelism"][t]
+            extra = " ".join(f"{k} {p[k]}" for k in ("ep", "sp", "vpp", "engine") if k in p)   # only where set
             lines.append(f"{i if j == 0 else '':<6}{gpus if j == 0 else '':<34}{t:<14}{p['tp']:>3}{p['pp']:>4}"
-                         f"{p['dp']:>4}{r['task_times_s'][t]:>9.1f}")
+                         f"{p['dp']:>4}{r['task_times_s'][t]:>9.1f}" + (f"  {extra}" if extra else ""))
     top = max(r["breakdown"].values(), default=0.0)   # parts under 1% of the largest are left out
     lines += ["", "time breakdown (critical path): " + ", ".join(
         f"{k} {_seconds(v)}" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1])

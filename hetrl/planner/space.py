@@ -105,16 +105,36 @@ def gpu_ids(cluster: ClusterSpec, counts: tuple[int, ...], offsets: list[int] | 
 # ------------------------------------------------------------------------------------------ level 4
 
 
-def parallelisms(w: WorkloadSpec, task: str, n: int) -> list[Parallelism]:
+MAX_EP = 64
+SP_DEGREES = (2, 4, 8)
+
+
+def expert_degrees(model, tp: int, dp: int, sp: int = 1) -> list[int]:
+    """ep > 1 the search tries for an MoE at these degrees: divisors of the experts that divide tp * sp * dp
+    (Megatron's rule, expert tensor parallelism 1), up to MAX_EP; none for a dense model."""
+    if not model.experts:
+        return []
+    return [e for e in range(2, min(MAX_EP, model.experts, tp * sp * dp) + 1)
+            if model.experts % e == 0 and (tp * sp * dp) % e == 0]
+
+
+def parallelisms(w: WorkloadSpec, task: str, n: int, long_sequences: bool = False) -> list[Parallelism]:
+    """TP/PP/DP options of a task on n GPUs, and for an MoE every admissible ep (expert_degrees). With
+    `long_sequences` (the memory ladder: nothing fit without it) also Ulysses sp in SP_DEGREES for training and
+    log-prob tasks, where sp x tp divides the heads."""
     model = w.model(ROLE_OF[task])
     out = []
-    for tp in (1, 2, 4, 8):
-        if tp > MAX_TP or n % tp or model.heads % tp:
-            continue
-        for pp in range(1, n // tp + 1):
-            if (n // tp) % pp or pp > model.layers:
+    sps = (1, *SP_DEGREES) if long_sequences and task != "actor_gen" else (1,)
+    for sp in sps:
+        for tp in (1, 2, 4, 8):
+            if tp > MAX_TP or n % (tp * sp) or model.heads % (tp * sp):
                 continue
-            out.append(Parallelism(tp, pp, n // (tp * pp)))
+            for pp in range(1, n // (tp * sp) + 1):
+                if (n // (tp * sp)) % pp or pp > model.layers:
+                    continue
+                dp = n // (tp * sp * pp)
+                out.append(Parallelism(tp, pp, dp, sp=sp))
+                out += [Parallelism(tp, pp, dp, sp=sp, ep=e) for e in expert_degrees(model, tp, dp, sp)]
     return out
 
 
@@ -161,12 +181,12 @@ def _variants(task: str, p: Parallelism, strategies: bool) -> list[Parallelism]:
         if task not in TRAIN_TASKS:
             return [p]
         out = [p, dataclasses.replace(p, recompute=False)]
-        if p.tp == p.pp == 1 and p.dp > 1:
+        if p.tp == p.pp == 1 and p.dp > 1 and p.sp == 1:
             out += [dataclasses.replace(p, zero=3), dataclasses.replace(p, zero=3, recompute=False)]
         return out
     ladder = TRAIN_STRATEGIES if task in TRAIN_TASKS else INFER_STRATEGIES
     # ZeRO-2/3 shard over the DP group: with one replica only offloading changes anything
-    return [dataclasses.replace(p, **s) for s in ladder if p.dp > 1 or not s or "offload" in s]
+    return [dataclasses.replace(p, **s) for s in ladder if p.replicas > 1 or not s or "offload" in s]
 
 
 @functools.lru_cache(maxsize=500_000)
@@ -191,7 +211,7 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
 def _options(cluster, w, task: str, gpus: tuple[int, ...], data_split: str, strategies: bool) -> tuple[Parallelism, ...]:
     """One task's options on these GPUs, fastest first (alone on them: a task's own seconds do not depend on
     the other tasks of its group). Cached: every block holding the task on the same counts shares them."""
-    opts = [v for p in parallelisms(w, task, len(gpus)) for v in _variants(task, p, strategies)]
+    opts = [v for p in parallelisms(w, task, len(gpus), strategies) for v in _variants(task, p, strategies)]
     return tuple(sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((task,), gpus, ((task, p),), data_split),
                                                            task), p.pp, p.tp)))
 

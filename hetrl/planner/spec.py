@@ -22,7 +22,16 @@ GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer by its architecture numbers (MoE when experts > 0)."""
+    """A decoder-only transformer by its architecture numbers (MoE when experts > 0).
+
+    MoE (all optional; absent = every layer's MLP is the routed experts, as Qwen3-MoE): `experts` routed experts
+    of `moe_intermediate` each, `experts_per_token` of them per token, `shared_intermediate` the FFN size of
+    the always-on shared expert(s) of an MoE layer (0: none), the first `first_k_dense` layers dense (FFN size
+    `intermediate`; DeepSeek-V3's first_k_dense_replace) and after them every `moe_every`-th layer an MoE
+    layer (the rest dense; Qwen's decoder_sparse_step). Multi-head latent attention (DeepSeek-V3) when
+    `kv_lora_rank` > 0: the KV cache holds kv_lora_rank + rope_head_dim values per token and layer, and the
+    attention weights are the low-rank projections (see attn_params_per_layer); its attention FLOPs are
+    counted as heads x head_dim (an approximation: MLA's scores use head_dim + rope_head_dim)."""
 
     layers: int = rule(ge=1)
     hidden: int = rule(ge=1)
@@ -36,6 +45,12 @@ class ModelSpec:
     experts_per_token: int = rule(0, ge=0)
     moe_intermediate: int = rule(0, ge=0)
     name: str = "custom"
+    shared_intermediate: int = rule(0, ge=0)
+    first_k_dense: int = rule(0, ge=0)
+    moe_every: int = rule(1, ge=1)
+    kv_lora_rank: int = rule(0, ge=0)
+    q_lora_rank: int = rule(0, ge=0)
+    rope_head_dim: int = rule(0, ge=0)
 
     def __post_init__(self):
         check(self)
@@ -45,22 +60,68 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: an MoE needs 0 < experts_per_token <= experts and moe_intermediate > 0")
         if not self.experts and self.intermediate < 1:
             raise ValueError(f"model {self.name}: intermediate must be >= 1 for a dense model")
+        if not self.experts and (self.shared_intermediate or self.first_k_dense or self.moe_every != 1
+                                 or self.experts_per_token or self.moe_intermediate):
+            raise ValueError(f"model {self.name}: shared_intermediate, first_k_dense, moe_every, experts_per_token "
+                             "and moe_intermediate describe an MoE; set experts > 0 or leave them out")
+        if self.experts and self.moe_layers == 0:
+            raise ValueError(f"model {self.name}: first_k_dense {self.first_k_dense} and moe_every {self.moe_every} "
+                             f"leave no MoE layer among its {self.layers}; lower first_k_dense (< layers)")
+        if self.dense_layers and self.intermediate < 1:
+            raise ValueError(f"model {self.name}: {self.dense_layers} dense layers (first_k_dense / moe_every) need "
+                             "intermediate >= 1 (their FFN size)")
+        if (self.q_lora_rank or self.rope_head_dim) and not self.kv_lora_rank:
+            raise ValueError(f"model {self.name}: q_lora_rank and rope_head_dim describe multi-head latent attention; "
+                             "set kv_lora_rank > 0 too or leave them out")
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is the routed experts: after the first `first_k_dense`, every `moe_every`-th."""
+        if not self.experts:
+            return 0
+        return len(range(self.first_k_dense + self.moe_every - 1, self.layers, self.moe_every))
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
 
     @property
     def attn_params_per_layer(self) -> int:
+        if self.kv_lora_rank:   # MLA: q down/up (or one q projection), kv down (+ rope key), kv up, output
+            qk = self.head_dim + self.rope_head_dim
+            q = (self.hidden * self.q_lora_rank + self.q_lora_rank * self.heads * qk) if self.q_lora_rank \
+                else self.hidden * self.heads * qk
+            return (q + self.hidden * (self.kv_lora_rank + self.rope_head_dim)
+                    + self.kv_lora_rank * self.heads * 2 * self.head_dim + self.heads * self.head_dim * self.hidden)
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
     @property
-    def mlp_params_per_layer(self) -> int:
-        if self.experts:
-            return self.experts * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
+    def dense_mlp_params(self) -> int:
         return 3 * self.hidden * self.intermediate
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """Routed experts' weights of one MoE layer (what expert parallelism shards)."""
+        return self.experts * 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """MLP weights of the largest layer (an MoE layer when there are experts): routed + shared experts + router."""
+        if self.experts:
+            return self.expert_params_per_layer + self.hidden * self.experts + 3 * self.hidden * self.shared_intermediate
+        return self.dense_mlp_params
 
     @property
     def active_mlp_params_per_layer(self) -> int:
         if self.experts:
-            return self.experts_per_token * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
+            return (self.experts_per_token * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
+                    + 3 * self.hidden * self.shared_intermediate)
         return self.mlp_params_per_layer
+
+    @property
+    def expert_params(self) -> int:
+        """Routed experts' weights of every MoE layer."""
+        return self.moe_layers * self.expert_params_per_layer
 
     @property
     def embedding_params(self) -> int:
@@ -69,21 +130,34 @@ class ModelSpec:
     @property
     def params(self) -> int:
         """All parameters (what memory holds)."""
-        return self.layers * (self.attn_params_per_layer + self.mlp_params_per_layer) + self.embedding_params
+        if not self.dense_layers or not self.experts:   # one kind of layer (the only form before MoE patterns)
+            return self.layers * (self.attn_params_per_layer + self.mlp_params_per_layer) + self.embedding_params
+        return (self.layers * self.attn_params_per_layer + self.moe_layers * self.mlp_params_per_layer
+                + self.dense_layers * self.dense_mlp_params + self.embedding_params)
 
     @property
     def active_params(self) -> int:
         """Parameters each token touches (what FLOPs scale with)."""
-        return self.layers * (self.attn_params_per_layer + self.active_mlp_params_per_layer) + self.embedding_params
+        if not self.dense_layers or not self.experts:
+            return self.layers * (self.attn_params_per_layer + self.active_mlp_params_per_layer) + self.embedding_params
+        return (self.layers * self.attn_params_per_layer + self.moe_layers * self.active_mlp_params_per_layer
+                + self.dense_layers * self.dense_mlp_params + self.embedding_params)
+
+    @property
+    def expert_active_params(self) -> int:
+        """Routed-expert weights each token touches over all layers (the grouped-GEMM part of its FLOPs)."""
+        return self.moe_layers * self.experts_per_token * 3 * self.hidden * self.moe_intermediate
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in bf16."""
+        """K and V of one token over all layers, in bf16 (MLA: its latent and rope key)."""
+        if self.kv_lora_rank:
+            return self.layers * (self.kv_lora_rank + self.rope_head_dim) * 2
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
 
-def _preset(name, layers, hidden, heads, kv, inter, vocab, tied=False, **moe):
-    return ModelSpec(layers, hidden, heads, kv, 128, inter, vocab, tied, name=name, **moe)
+def _preset(name, layers, hidden, heads, kv, inter, vocab, tied=False, head_dim=128, **moe):
+    return ModelSpec(layers, hidden, heads, kv, head_dim, inter, vocab, tied, name=name, **moe)
 
 
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
@@ -93,6 +167,20 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _preset("qwen3-14b", 40, 5120, 40, 8, 17408, 151936),
     _preset("qwen3-32b", 64, 5120, 64, 8, 25600, 151936),
     _preset("qwen3-30b-a3b", 48, 2048, 32, 4, 0, 151936, experts=128, experts_per_token=8, moe_intermediate=768),
+    # Qwen/Qwen3-235B-A22B: 94 layers, all MoE (decoder_sparse_step 1), no shared expert
+    _preset("qwen3-235b-a22b", 94, 4096, 64, 4, 0, 151936, experts=128, experts_per_token=8, moe_intermediate=1536),
+    # deepseek-ai/DeepSeek-V3: MLA (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, rope 64, v 128), 256 routed
+    # experts of 2048 + 1 shared of 2048, 8 per token, first 3 layers dense (18432). MLA is approximated: its
+    # attention FLOPs counted at heads x 128 (the scores use 192 per head); the MTP module is left out.
+    # kv_heads is not used under MLA (the cache holds the latent); 128 keeps heads % kv_heads valid.
+    _preset("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, experts=256, experts_per_token=8,
+            moe_intermediate=2048, shared_intermediate=2048, first_k_dense=3, kv_lora_rank=512, q_lora_rank=1536,
+            rope_head_dim=64),
+    # openai/gpt-oss-120b shape: 36 layers, hidden 2880, 64 query heads of 64, 8 KV heads, 128 experts of 2880,
+    # 4 per token, vocab 201088. Approximated: its alternating 128-token sliding-window layers are counted as
+    # full attention, and its MXFP4 expert weights as bf16 (memory and reads are those of a bf16 checkpoint)
+    _preset("gpt-oss-120b", 36, 2880, 64, 8, 0, 201088, head_dim=64, experts=128, experts_per_token=4,
+            moe_intermediate=2880),
     _preset("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064),
     _preset("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
     _preset("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256),
@@ -299,6 +387,10 @@ class WorkloadSpec:
     # (hetrl async on Ray where its sampling logits are bf16, or old_logprobs=recompute); false where they come
     # with the tokens (vLLM and SGLang return them; hetrl's fp32 rollout reads them off its sampling logits)
     rollout_logprob_pass: bool = False
+    # training and log-prob micro-batches packed by tokens per GPU instead of by responses (verl's
+    # use_dynamic_bsz with ppo_max_token_len_per_gpu, remove-padding; NeMo-RL's sequence packing): a micro-batch
+    # holds at most this many tokens on one GPU (x sp over a sequence-parallel group); absent: micro_batch_responses
+    max_tokens_per_micro_batch: int | None = rule(None, ge=1)
 
     def __post_init__(self):
         check(self)
@@ -343,7 +435,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
-                 "old_logprob_share", "rollout_logprob_pass")
+                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

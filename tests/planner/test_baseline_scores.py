@@ -1,0 +1,44 @@
+"""Plans that do not use the fields added for issue #37 (MoE layer pattern, ep, sp, engine, vpp, token budgets,
+operator tables) price BIT-IDENTICALLY to the cost model before them.
+
+The fixture (fixtures/baseline_scores.json, written by fixtures/make_baseline_scores.py at ddf2dd2, before the
+change) holds every examples/plans/*.json with a GPU workload, the 19 published runs of
+benchmarks/cost_model_validation.py and 10 exhaustive optima of the random small cases, as cluster / workload /
+plan dicts, with the iteration time, every task's seconds and terms, and every GPU's peak bytes they scored.
+The one MoE run (Qwen3-30B-A3B, FSDP, ep 1) is among them: with ep 1 and 1,536 tokens per expert per micro-batch
+its grouped GEMMs lose nothing to tile quantization or the memory roofline (catalog.gemm_efficiency = 1), so it
+prices as before.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+from hetrl.planner import estimate
+from hetrl.planner.plan import plan_from_dict
+from hetrl.planner.spec import cluster_from_dict, workload_from_dict
+
+ENTRIES = json.loads((pathlib.Path(__file__).parent / "fixtures" / "baseline_scores.json").read_text())
+def _score(e):
+    c = cluster_from_dict(e["cluster"], e["name"])
+    w = workload_from_dict(e["workload"], e["name"])
+    return estimate(c, w, plan_from_dict(e["plan"], c, w, e["name"]))
+
+
+def test_fixture_covers_examples_and_validation_runs():
+    names = [e["name"] for e in ENTRIES]
+    assert sum(n.startswith("examples/plans/") for n in names) == 4
+    assert sum(n.startswith("validation: ") for n in names) == 19
+    assert sum(n.startswith("random small case") for n in names) == 10
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e["name"])
+def test_scores_are_bit_identical_without_the_new_fields(entry):
+    got, want = _score(entry), entry["scores"]
+    assert got.feasible == want["feasible"]
+    assert got.iteration_time_s == want["iteration_time_s"]      # exact: no tolerance
+    assert got.task_times_s == want["task_times_s"]
+    assert got.task_terms == want["task_terms"]
+    assert got.breakdown == want["breakdown"]
+    assert {str(k): v for k, v in got.memory_bytes.items()} == want["memory_bytes"]
