@@ -122,7 +122,10 @@ class RunConfig:
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
     out_dir: str = "runs/default"
-    report_to: str = rule("none", choices=REPORT_TO)   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
+    report_to: str = rule("none", choices=REPORT_TO)
+    # a non-finite reward total, advantage, loss or gradient norm (hetrl/trainer/guards.py): stop the run before
+    # the step's checkpoint, or skip what it poisons (the step's update, or one optimizer step) and log it
+    nonfinite: str = rule("stop", choices=("stop", "skip"))   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
     seed: int = rule(0, ge=0)
     # execution (README "hetrl train on Ray"); the local executor runs every role in this process
     executor: str = rule("local", choices=EXECUTORS)
@@ -217,7 +220,7 @@ _TYPES = typing.get_type_hints(RunConfig)
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address", "reward_workers", "report_to", "device")
+                     "emulate_cluster", "ray_address", "reward_workers", "report_to", "device", "nonfinite")
 
 
 def _check_keys(keys, where: str) -> None:

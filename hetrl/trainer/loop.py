@@ -37,7 +37,7 @@ from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
 from hetrl.data.rewards import nested
 from hetrl.models import load_model
 from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, files, memory
+from hetrl.trainer import allocator, build, checkpoint, files, guards, memory
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
@@ -110,7 +110,7 @@ def rollout_logprobs(cfg: RunConfig, worker) -> bool:
 
 def _reward_stats(scored: list[Scores]) -> dict:
     total = [v for s in scored for v in s.total]
-    out = {"reward_mean": float(np.mean(total))}
+    out = {"reward_mean": guards.mean(total)}
     if scored[0].correct is not None:
         out["accuracy"] = float(np.mean([c for s in scored for c in s.correct]))
     merged = Scores(total, {k: [v for s in scored for v in s.per_function[k]] for k in scored[0].per_function},
@@ -139,7 +139,7 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Rollout
             row["correct"] = scores.correct[i]
         rows.append(row)
     files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
-    means = {"eval_reward": float(np.mean(scores.total))}
+    means = {"eval_reward": guards.mean(scores.total)}
     if scores.correct is not None:
         means["eval_accuracy"] = float(np.mean(scores.correct))
     means |= {f"eval_{k}": v for k, v in scores.means().items()}
@@ -195,7 +195,7 @@ def _finite(x: float) -> float | None:
 
 
 def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, critic=None,
-                  train_policy: bool = True) -> dict:
+                  train_policy: bool = True, step: int = 0) -> dict:
     """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups.
     Async: the importance ratio is taken against the behaviour policy that sampled each response (its
     log-probs come with the samples), not the learner's current weights. PPO: the critic's values, GAE, and a
@@ -220,8 +220,16 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             old_logp = old_logp.to(later.dtype)
             old_logp[~first] = later
     ref_logp = reference.logprobs(groups) if reference is not None else None
+    skipped: list[str] = []       # guards: what nonfinite=skip dropped
     if critic is not None:
         old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
+        sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
+        if guards.act(cfg.nonfinite, guards.check_advantages(step, torch.cat([ppo_adv, returns]), sizes * 2), skipped):
+            return {"skipped": skipped}
+    else:
+        sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
+        if guards.act(cfg.nonfinite, guards.check_advantages(step, _per_token(kept, cfg)[0], sizes), skipped):
+            return {"skipped": skipped}
     t_update = time.perf_counter()
     stats, critic_stats = [], []
     for j, part in enumerate(parts):
@@ -233,10 +241,14 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             advantages = ppo_adv[tok]
             weights = token_weights(*_responses([kept[i] for i in part], cfg), cfg.loss_agg)
             critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
+            c = critic_stats[-1]
+            guards.act(cfg.nonfinite, guards.check_update(step, "critic", j, c.value_loss, c.grad_norm), skipped)
         if train_policy:
             on_policy = j == 0 and cfg.mode != "async"
             stats.append(learner.update(mb, advantages, weights, None if on_policy else old_logp[tok],
                                         None if ref_logp is None else ref_logp[tok]))
+            s = stats[-1]
+            guards.act(cfg.nonfinite, guards.check_update(step, "policy", j, s.loss, s.grad_norm), skipped)
     row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
         "logprob_s": t_update - t0, "update_s": time.perf_counter() - t_update}
     if critic is not None:
@@ -248,7 +260,7 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
                 "return_mean": float(returns.mean()) if returns.numel() else 0.0,
                 "explained_variance": _finite(explained_variance(old_values, returns)),
                 "policy_updated": train_policy}
-    return row
+    return row | ({"skipped": skipped} if skipped else {})
 
 
 class _StopAfterStep:
@@ -520,7 +532,7 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
     stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start), next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
-    with _StopAfterStep() as stop:
+    with _StopAfterStep() as stop, contextlib.closing(bar):    # an error's line starts below the bar
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
             kept, sampled, next_problem, reward_stats = stream.next()
@@ -532,15 +544,20 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
             if versions:
                 row["staleness"] = version - min(versions)
                 assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
+            skipped: list[str] = []
+            if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
+                row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
             if kept:
                 row |= update_policy(cfg, engine.learner, kept, engine.reference, getattr(engine, "critic", None),
-                                     train_policy=step >= cfg.critic_warmup_steps)
+                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1)
                 version += 1
                 row |= engine.sync_weights(version)
             step += 1
             row["step_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
             metrics.write(row)
+            for reason in row.get("skipped", []):
+                tqdm.write(f"nonfinite=skip: {reason}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl")
                 evals.write({"step": step, **means})
@@ -550,7 +567,6 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
                             **({"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}),
                             tok_s=f"{row['tokens_per_s']:.0f}")
-    bar.close()
     stream.close()
     if stop.requested and step < cfg.steps:
         tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
@@ -571,7 +587,7 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
                "checkpoint": str(final),
                **({"merged_model": str(merged)} if merged else {}),
                "config": cfg.to_dict()}
-    files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    files.write_text(run_dir / "summary.json", json.dumps(guards.finite_or_none(summary), indent=2))
     plot_curves(rows, evals.read(), run_dir / "curves.png")
     tqdm.write(f"held-out {_score_name(after_means)}: before {_headline(before_means):.3f}, after "
                f"{_headline(after_means):.3f} ({len(after)} prompts, greedy; {summary['gained']} "

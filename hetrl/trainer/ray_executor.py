@@ -442,7 +442,7 @@ class LearnerGroup(ShardedScorer):
         stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp)
         return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
-                           entropy=sum(s.entropy for s in stats), grad_norm=max(s.grad_norm for s in stats),
+                           entropy=sum(s.entropy for s in stats), grad_norm=guards.worst(s.grad_norm for s in stats),
                            packed_tokens=sum(s.packed_tokens for s in stats),
                            standard_tokens=sum(s.standard_tokens for s in stats))
 
@@ -459,7 +459,7 @@ class CriticGroup(ShardedScorer):
             return CriticStats(0.0, 0.0, 0.0)
         stats = self._spread("update", groups, returns, old_values, weights)
         return CriticStats(value_loss=sum(s.value_loss for s in stats), vf_clip_frac=sum(s.vf_clip_frac for s in stats),
-                           grad_norm=max(s.grad_norm for s in stats))
+                           grad_norm=guards.worst(s.grad_norm for s in stats))
 
 
 class RolloutPool:
