@@ -24,17 +24,17 @@ import importlib
 import importlib.util
 import inspect
 import math
-import multiprocessing
 import pathlib
 import pickle
 import re
 import sys
-import traceback
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hetrl.schema import InputError
+
+from .containment import Failure, UserAbort, WorkerPool, contained
+from .containment import where as _where
 
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -138,14 +138,13 @@ def load_reward(spec: str) -> Callable:
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except InputError:
+    except (InputError, UserAbort):
         raise
     except SyntaxError as e:
         raise InputError(f"reward {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:  # the user's module failed while importing: say where
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise InputError(f"reward {spec!r}: importing it failed at {frame.filename}:{frame.lineno}: "
-                         f"{type(e).__name__}: {e}") from None
+    except BaseException as e:  # noqa: BLE001 - the user's module failed (or exited) while importing: say where
+        detail = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        raise InputError(f"reward {spec!r}: importing it failed at {_where(e)}: {detail}") from None
     fn = getattr(module, name, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -203,24 +202,16 @@ def _number(value, fn_name: str, row: int, allow_none: bool) -> float | None:
     return value
 
 
-def _where(e: BaseException) -> str:
-    frame = traceback.extract_tb(e.__traceback__)[-1]
-    return f"{frame.filename}:{frame.lineno}"
-
-
 def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: int = 0) -> list[float | None]:
     chat = [isinstance(p, list) for p in prompts]
     comps = [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(completions, chat)]
     columns = {k for r in rows for k in r if k not in ("prompt", "completion", "completion_ids")}
     kwargs = {k: [r.get(k) for r in rows] for k in sorted(columns)}
-    try:
-        out = fn(prompts=prompts, completions=comps,
-                 completion_ids=completion_ids if completion_ids is not None else [None] * len(comps), **kwargs)
-    except InputError:
-        raise
-    except Exception as e:
-        raise InputError(f"reward {name}: raised {type(e).__name__}: {e} ({_where(e)}) on a batch of {len(comps)} "
-                         f"completions (rows {first_row}..{first_row + len(comps) - 1})") from None
+    out = contained(lambda: fn(prompts=prompts, completions=comps, completion_ids=completion_ids if completion_ids
+                               is not None else [None] * len(comps), **kwargs))
+    if isinstance(out, Failure):
+        raise InputError(f"reward {name}: {out.why} on a batch of {len(comps)} completions "
+                         f"({_rows(first_row, len(comps))})")
     try:
         out = list(out)
     except TypeError:
@@ -234,11 +225,10 @@ def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: in
 def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[float], dict[str, list]]:
     out, extra = [], {}
     for i, (row, text) in enumerate(zip(rows, completions)):
-        try:
-            got = fn(row.get("data_source"), text, nested(row, "reward_model.ground_truth"), row.get("extra_info"))
-        except Exception as e:
-            raise InputError(f"reward {name}: row {first_row + i}: raised {type(e).__name__}: {e} ({_where(e)})") \
-                from None
+        got = contained(lambda: fn(row.get("data_source"), text, nested(row, "reward_model.ground_truth"),
+                                   row.get("extra_info")))
+        if isinstance(got, Failure):
+            raise InputError(f"reward {name}: row {first_row + i}: {got.why}")
         if isinstance(got, dict):
             if "score" not in got:
                 raise InputError(f"reward {name}: row {first_row + i}: returned a dict without 'score' "
@@ -249,6 +239,17 @@ def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[flo
             got = got["score"]
         out.append(_number(got, name, first_row + i, False))
     return out, extra
+
+
+def _rows(first: int, n: int) -> str:
+    return f"row {first}" if n == 1 else f"rows {first}..{first + n - 1}"
+
+
+def _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row):
+    """One chunk of one function -> (rewards, verl extras); a bad return or anything raised is an InputError."""
+    if kind == "trl":
+        return call_trl(fn, name, rows, prompts, completions, completion_ids, first_row), {}
+    return call_verl(fn, name, rows, completions, first_row)
 
 
 # ------------------------------------------------------------------------------------------ worker processes
@@ -265,9 +266,7 @@ def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, firs
         fn = _LOADED[ref]
     else:
         fn = pickle.loads(ref)
-    if kind == "trl":
-        return call_trl(fn, name, rows, prompts, completions, completion_ids, first_row), {}
-    return call_verl(fn, name, rows, completions, first_row)
+    return _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row)
 
 
 @dataclass
@@ -276,6 +275,8 @@ class Scores:
     per_function: dict[str, list[float | None]]          # each function's raw reward (None: not applicable)
     extra: dict[str, list[Any]] = field(default_factory=dict)   # verl dict keys other than `score`
     correct: list[bool] | None = None                    # the first correctness check's value >= 1 (built-ins)
+    failed: list[int] = field(default_factory=list)      # rows a reward failed on (reward_errors=skip): dropped
+    errors: list[str] = field(default_factory=list)      # what each failure was, one line each
 
     def means(self) -> dict[str, float]:
         """metrics: `reward/<function>` (mean over the rows it applied to) and numeric verl extras."""
@@ -291,7 +292,7 @@ class RewardSet:
     """Several reward functions with weights (default 1 each), applied to a batch of completions."""
 
     def __init__(self, funcs: list, weights: list[float] | None = None, workers: int = 0,
-                 builtins: dict[str, Callable] | None = None):
+                 builtins: dict[str, Callable] | None = None, errors: str = "stop", timeout_s: float | None = None):
         if not funcs:
             raise InputError("reward: give at least one reward function")
         loaded = resolve(funcs, builtins or {})
@@ -311,7 +312,12 @@ class RewardSet:
                              f"({', '.join(self.names)})")
         self.weights = [_number(w, "reward_weights", i, False) for i, w in enumerate(weights)]
         self.correctness = next((n for f, n in zip(self.funcs, self.names) if getattr(f, "correctness", False)), None)
-        self.workers = workers
+        self.workers, self.errors, self.timeout_s = workers, errors, timeout_s
+        if errors not in ("stop", "skip"):
+            raise InputError(f"reward_errors must be stop or skip, got {errors!r}")
+        if timeout_s is not None and not workers:
+            raise InputError(f"reward_timeout_s={timeout_s:g} needs reward_workers >= 1: a function running in this "
+                             "process cannot be stopped; set reward_workers=1 (or more)")
         self._refs = [self._worker_ref(f, s, n) if workers and not hasattr(f, "correctness") else None
                       for f, s, n in zip(self.funcs, self.specs, self.names)]
         self._pool = None
@@ -336,44 +342,71 @@ class RewardSet:
             raise ValueError(f"reward: {len(rows)} rows, {len(prompts)} prompts, {n} completions")
         per: dict[str, list[float | None]] = {}
         extra: dict[str, list[Any]] = {}
-        pending = {}
-        for fn, kind, name, ref in zip(self.funcs, self.kinds, self.names, self._refs):
-            if ref is not None and n:
-                pending[name] = self._submit(ref, kind, name, rows, prompts, completions, completion_ids)
-            elif kind == "trl":
-                per[name] = call_trl(fn, name, rows, prompts, completions, completion_ids)
-            else:
-                per[name], got = call_verl(fn, name, rows, completions)
-                extra.update(got)
-        for name, futures in pending.items():
-            per[name] = []
-            for future, start in futures:
-                values, got = future.result()
+        failed: set[int] = set()
+        errors: list[str] = []
+        args = (rows, prompts, completions, completion_ids)
+        chunks = [(i, a, b) for i, ref in enumerate(self._refs) if n
+                  for a, b in (self._chunks(n) if ref is not None else [(0, n)])]
+        outs = self._run(chunks, args)
+        for (i, a, b), out in zip(chunks, outs):
+            name = self.names[i]
+            values = per.setdefault(name, [None] * n)
+            parts = [(a, b, out)]
+            if isinstance(out, Failure):
+                bad, good = self._salvage(i, a, b, out, args)
+                failed |= bad.keys()
+                errors += bad.values()
+                parts = [(r, r + 1, o) for r, o in good.items()]
+            for a, b, (got_values, got) in parts:
+                values[a:b] = got_values
                 for k, v in got.items():
-                    extra.setdefault(k, [None] * n)[start:start + len(v)] = v
-                per[name] += values
-        per = {name: per[name] for name in self.names}
+                    extra.setdefault(k, [None] * n)[a:b] = v
+        per = {name: per.get(name, []) for name in self.names}
         total = [sum(w * per[name][i] for w, name in zip(self.weights, self.names) if per[name][i] is not None)
                  for i in range(n)]
         correct = [v is not None and v >= 1.0 for v in per[self.correctness]] if self.correctness else None
-        return Scores(total, per, extra, correct)
+        return Scores(total, per, extra, correct, sorted(failed), errors)
 
-    def _submit(self, ref, kind, name, rows, prompts, completions, completion_ids):
-        if self._pool is None:
-            # spawn: the workers start clean (no copy of the trainer's threads or model memory)
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        n = len(completions)
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
         size = math.ceil(n / self.workers)
-        out = []
-        for start in range(0, n, size):
-            sl = slice(start, start + size)
-            out.append((self._pool.submit(_in_worker, ref, kind, name, rows[sl], prompts[sl], completions[sl],
-                                          None if completion_ids is None else completion_ids[sl], start), start))
+        return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+    def _run(self, chunks: list[tuple[int, int, int]], args) -> list:
+        """Each (function, first row, end row) chunk's (rewards, extras) or Failure: the user's functions in the
+        worker pool when there is one (all chunks at once), the rest here."""
+        rows, prompts, completions, ids = args
+        jobs = [(i, (self._refs[i], self.kinds[i], self.names[i], rows[a:b], prompts[a:b], completions[a:b],
+                     None if ids is None else ids[a:b], a)) for i, a, b in chunks]
+        pooled = [k for k, (i, _) in enumerate(jobs) if self._refs[i] is not None]
+        out: list = [None] * len(jobs)
+        if pooled:
+            if self._pool is None:
+                self._pool = WorkerPool(self.workers, _in_worker, self.timeout_s)
+            for k, got in zip(pooled, self._pool.map([jobs[k][1] for k in pooled])):
+                out[k] = got
+        for k, (i, job) in enumerate(jobs):
+            if self._refs[i] is None:
+                out[k] = contained(lambda: _call(self.funcs[i], *job[1:]))
         return out
+
+    def _salvage(self, i: int, a: int, b: int, failure: Failure, args) -> tuple[dict[int, str], dict[int, Any]]:
+        """A failed chunk. reward_errors=stop: raise the failure as one line. skip: ({row: why} of the rows that
+        fail alone, {row: (rewards, extras)} of the others): a chunk that raised is retried row by row, one whose
+        worker died or hung is dropped whole."""
+        name = self.names[i]
+        why = failure.why if failure.why.startswith(f"reward {name}") else \
+            f"reward {name}: {_rows(a, b - a)}: {failure.why}"
+        if self.errors == "stop":
+            raise InputError(f"{why}; fix the function, or set reward_errors=skip to drop the rows it fails on")
+        if b - a == 1 or not failure.raised:
+            return {r: why for r in range(a, b)}, {}
+        single = dict(zip(range(a, b), self._run([(i, r, r + 1) for r in range(a, b)], args)))
+        return ({r: o.why for r, o in single.items() if isinstance(o, Failure)},
+                {r: o for r, o in single.items() if not isinstance(o, Failure)})
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
             self._pool = None
 
 

@@ -65,6 +65,10 @@ class RunConfig:
     reward: str | tuple[str, ...] = "verifier"
     reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each)
     reward_workers: int = rule(0, ge=0)   # processes for your reward functions (0: in this process)
+    # a reward function that raises, exits or (in a worker) dies or hangs: stop the run with one line naming it
+    # and the row, or skip: drop the groups of the rows it failed on (docs/train_failures.md)
+    reward_errors: str = rule("stop", choices=("stop", "skip"))
+    reward_timeout_s: float | None = rule(None, gt=0)   # a reward call in a worker taking longer fails (workers only)
     format_reward: float = rule(0.0, ge=0)  # bonus when the reply is exactly the extracted answer (built-in format)
     # LoRA through peft (0: full fine-tuning); the reference is the base model with the adapter off
     lora_rank: int = rule(0, ge=0)
@@ -201,6 +205,9 @@ class RunConfig:
                 raise ValueError(f"reward {r!r} is a reasoning-gym task's own check, and this run trains on "
                                  f"data={self.data}; use exact_match or math_verify (on answer_key="
                                  f"{self.answer_key}) or your own function FILE.py:NAME")
+        if self.reward_timeout_s is not None and not self.reward_workers:
+            raise ValueError(f"reward_timeout_s={self.reward_timeout_s:g} needs reward_workers >= 1: a function "
+                             "running in the trainer's process cannot be stopped; set reward_workers=1 (or more)")
         if self.reward_weights is not None and len(self.reward_weights) != len(rewards):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {len(rewards)} rewards "
                              f"({', '.join(rewards)}); give one weight per reward")
@@ -220,7 +227,8 @@ _TYPES = typing.get_type_hints(RunConfig)
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address", "reward_workers", "report_to", "device", "nonfinite")
+                     "emulate_cluster", "ray_address", "reward_workers", "report_to", "device", "nonfinite",
+                     "reward_errors", "reward_timeout_s")
 
 
 def _check_keys(keys, where: str) -> None:

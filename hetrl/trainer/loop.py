@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
+from hetrl.data.containment import UserAbort
 from hetrl.data.rewards import nested
 from hetrl.models import load_model
 from hetrl.schema import InputError
@@ -89,12 +90,13 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
                                   cfg.temperature, cfg.top_p, **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs)
         scored.append(scores)
-        offset = 0
+        offset, failed = 0, set(scores.failed)
         for example, samples in zip(examples, outputs):
             r = Rollout(example, samples, scores.total[offset:offset + len(samples)])
+            dropped = any(offset + k in failed for k in range(len(samples)))   # reward_errors=skip
             offset += len(samples)
             sampled.append(r)
-            if not cfg.dynamic_sampling or len(set(r.rewards)) > 1:
+            if (not cfg.dynamic_sampling or len(set(r.rewards)) > 1) and not dropped:
                 kept.append(r)
     split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split}
@@ -111,6 +113,10 @@ def rollout_logprobs(cfg: RunConfig, worker) -> bool:
 def _reward_stats(scored: list[Scores]) -> dict:
     total = [v for s in scored for v in s.total]
     out = {"reward_mean": guards.mean(total)}
+    errors = [e for s in scored for e in s.errors]
+    if errors:     # reward_errors=skip: their groups were dropped
+        out["reward_errors"] = len(errors)
+        log.warning("reward_errors=skip: %d row(s) dropped; the first: %s", len(errors), errors[0])
     if scored[0].correct is not None:
         out["accuracy"] = float(np.mean([c for s in scored for c in s.correct]))
     merged = Scores(total, {k: [v for s in scored for v in s.per_function[k]] for k in scored[0].per_function},
@@ -266,8 +272,8 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
 class _StopAfterStep:
     """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once."""
 
-    def __init__(self):
-        self.requested = False
+    def __init__(self, resume: str):
+        self.requested, self.resume = False, resume
 
     def __enter__(self):
         self._previous = signal.signal(signal.SIGINT, self._handle)
@@ -275,7 +281,8 @@ class _StopAfterStep:
 
     def _handle(self, *_):
         if self.requested:
-            raise KeyboardInterrupt
+            raise UserAbort(f"second Ctrl-C: aborted without saving this step; continue from the last checkpoint "
+                            f"with: {self.resume}")
         self.requested = True
         tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
 
@@ -406,7 +413,8 @@ def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None) -> RewardSe
     if cfg.format_reward > 0:
         funcs.append("format")
         weights.append(cfg.format_reward)
-    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key))
+    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key),
+                     errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s)
 
 
 def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs) -> dict:
@@ -532,7 +540,7 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
     stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start), next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
-    with _StopAfterStep() as stop, contextlib.closing(bar):    # an error's line starts below the bar
+    with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
             kept, sampled, next_problem, reward_stats = stream.next()

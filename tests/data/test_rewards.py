@@ -177,3 +177,80 @@ def test_a_failing_function_in_a_worker_is_still_one_line(tmp_path):
             rewards.score([{}] * 4, ["p"] * 4, ["a"] * 4)
     finally:
         rewards.close()
+
+
+# ------------------------------------------------------------------ containment (hetrl/data/containment.py)
+
+MISBEHAVING = textwrap.dedent("""
+    import os, sys, time
+    def exits(completions, **kw):
+        sys.exit(0)
+    def interrupts(completions, **kw):
+        raise KeyboardInterrupt
+    def dies(completions, **kw):
+        os._exit(0)
+    def hangs(completions, **kw):
+        time.sleep(600)
+    def fine(completions, **kw):
+        return [float(len(c)) for c in completions]
+    def some_rows(completions, **kw):
+        if any(c == "bad" for c in completions):
+            raise ValueError("bad row")
+        return [1.0] * len(completions)
+""")
+
+
+@pytest.mark.parametrize("name, workers, match", [
+    ("exits", 0, r"reward exits: raised SystemExit\(0\) \(.*bad\.py:4\) on a batch of 4 completions \(rows 0\.\.3\)"),
+    ("interrupts", 0, r"reward interrupts: raised KeyboardInterrupt .* \(rows 0\.\.3\)"),
+    ("exits", 1, r"reward exits: raised SystemExit\(0\) .*\(rows 0\.\.3\)"),
+    ("dies", 1, r"reward dies: rows 0\.\.3: its worker process exited \(exit code 0\) without returning"),
+])
+def test_exits_interrupts_and_dying_workers_are_that_rewards_error(tmp_path, name, workers, match):
+    (tmp_path / "bad.py").write_text(MISBEHAVING)
+    rewards = RewardSet([f"{tmp_path / 'bad.py'}:{name}", f"{tmp_path / 'bad.py'}:fine"], workers=workers)
+    try:
+        with pytest.raises(InputError, match=match):
+            rewards.score([{}] * 4, ["p"] * 4, ["a", "bb", "ccc", "dddd"])
+        if workers:     # the pool lives on: the next call gets a fresh worker
+            assert RewardSet([f"{tmp_path / 'bad.py'}:fine"], workers=1).score(
+                [{}] * 2, ["p"] * 2, ["a", "bb"]).total == [1.0, 2.0]
+    finally:
+        rewards.close()
+
+
+def test_a_hung_reward_in_a_worker_times_out_and_the_worker_is_replaced(tmp_path):
+    import time
+
+    (tmp_path / "bad.py").write_text(MISBEHAVING)
+    hangs = RewardSet([f"{tmp_path / 'bad.py'}:hangs"], workers=1, timeout_s=2.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(InputError, match=r"reward hangs: rows 0\.\.1: did not return within reward_timeout_s=2 s"):
+            hangs.score([{}] * 2, ["p"] * 2, ["a", "b"])
+        assert time.monotonic() - t0 < 30
+    finally:
+        hangs.close()
+    with pytest.raises(InputError, match="reward_timeout_s=2 needs reward_workers >= 1"):
+        RewardSet([f"{tmp_path / 'bad.py'}:hangs"], timeout_s=2.0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reward_errors_skip_drops_only_the_rows_that_fail(tmp_path, workers):
+    (tmp_path / "bad.py").write_text(MISBEHAVING)
+    rewards = RewardSet([f"{tmp_path / 'bad.py'}:some_rows", f"{tmp_path / 'bad.py'}:fine"], workers=workers,
+                        errors="skip")
+    try:
+        got = rewards.score([{}] * 4, ["p"] * 4, ["a", "bad", "ccc", "dd"])
+    finally:
+        rewards.close()
+    assert got.failed == [1]
+    assert len(got.errors) == 1 and "reward some_rows" in got.errors[0] and "bad row" in got.errors[0]
+    assert got.per_function["some_rows"] == [1.0, None, 1.0, 1.0]
+    assert got.total == [2.0, 3.0, 4.0, 3.0]
+
+
+def test_a_module_that_exits_while_importing_is_one_line(tmp_path):
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\ndef f(completions, **kw):\n    return []\n")
+    with pytest.raises(InputError, match=r"importing it failed at .*quits\.py:2: SystemExit\(0\)"):
+        RewardSet([f"{tmp_path / 'quits.py'}:f"])

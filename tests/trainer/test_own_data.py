@@ -175,6 +175,9 @@ BAD_REWARDS = {
              "reward f: row 0: returned 'good', not a number"),
     "missing": ("def g(completions, **kw):\n    return []\n", "f", r"has no 'f' \(callables there: g\)"),
     "signature": ("def f(x, y):\n    return []\n", "f", "fit neither TRL's"),
+    "sys_exit_0": ("import sys\ndef f(completions, **kw):\n    sys.exit(0)\n", "f",
+                   r"reward f: raised SystemExit\(0\) .* \(rows 0\.\.3\); fix the function, or set reward_errors=skip"),
+    "exit_at_import": ("import sys\nsys.exit(0)\n", "f", r"importing it failed at .*reward\.py:2: SystemExit\(0\)"),
     "verl_raises": ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    return 1 / 0\n", "compute_score", r"reward compute_score: row 0: raised ZeroDivisionError"),
 }
@@ -210,3 +213,16 @@ def test_bad_data_is_one_line(tmp_path, capsys, setup, message):
                  *QUICK]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_reward_worker_that_calls_os_exit_is_one_line_and_skip_goes_on(tmp_path, capsys):
+    (tmp_path / "reward.py").write_text("import os\ndef f(completions, **kw):\n    os._exit(0)\n")
+    data = _write_jsonl(tmp_path / "data.jsonl", _chat_rows())
+    args = ["train", "--config", TINY, f"data={data}", f"reward={tmp_path / 'reward.py'}:f", "reward_workers=1", *QUICK]
+    assert main([*args, f"out_dir={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward f: rows 0..3: its worker process exited (exit code 0) without returning" in err[0]
+    # reward_errors=skip: every row fails, so every group is dropped and nothing is trained, said in metrics
+    assert main([*args, f"out_dir={tmp_path / 'b'}", "reward_errors=skip"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_errors"] for r in rows] == [8, 8] and all(r["groups_kept"] == 0 for r in rows)
