@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 
 def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=None, resume: bool = False,
-          **overrides) -> dict:
+          allow_config_change: bool = False, **overrides) -> dict:
     """`hetrl train` from Python.
 
     config: a RunConfig, a mapping of its fields, a run YAML path, or None (the built-in defaults); `overrides`
@@ -16,6 +16,8 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
     reward_funcs: callables in TRL's `f(completions, **columns) -> list[float | None]` or verl's
       `compute_score(data_source, solution_str, ground_truth, extra_info=None)` convention, built-in names
       ("exact_match", "math_verify", ...) or "FILE.py:NAME" specs; weighted by the config's `reward_weights`.
+    resume / allow_config_change: as `hetrl train --resume --allow-config-change` (a changed config or changed
+      data is accepted on resume and logged in out_dir/resumes.jsonl).
     Returns the run's summary (as summary.json).
     """
     from hetrl.trainer.config import RunConfig, load_config
@@ -31,5 +33,5 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
         raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
     fields |= overrides
     fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs)
-    return _train(RunConfig(**fields), resume=resume, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                  reward_funcs=reward_funcs)
+    return _train(RunConfig(**fields), resume=resume, allow_config_change=allow_config_change,
+                  train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs)

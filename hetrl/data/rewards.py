@@ -23,7 +23,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
+import os
 import pathlib
 import pickle
 import re
@@ -37,6 +39,8 @@ from .containment import Failure, UserAbort, WorkerPool, contained
 from .containment import where as _where
 
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+VERL_SOURCE_PARAMS = ("solution_str", "ground_truth")    # verl's per-source scorers, e.g. gsm8k.compute_score
+log = logging.getLogger(__name__)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -103,6 +107,7 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
         texts = [completion_text(c) for c in completions]
         return [float(bool(extract_answer(t)) and t.strip() == extract_answer(t)) for t in texts]
 
+    exact_match.answer_key = math_verify.answer_key = answer_key     # checked at the first step (RewardSet)
     return {"exact_match": builtin("exact_match", exact_match, True),
             "math_verify": builtin("math_verify", math_verify, True),
             "format": builtin("format", format, False)}
@@ -137,7 +142,7 @@ def load_reward(spec: str) -> Callable:
             sys.modules[module_name] = module
             loader.loader.exec_module(module)
         else:
-            module = importlib.import_module(where)
+            module = _import_here(where)
     except (InputError, UserAbort):
         raise
     except SyntaxError as e:
@@ -152,6 +157,20 @@ def load_reward(spec: str) -> Callable:
     if not callable(fn):
         raise InputError(f"reward {spec!r}: {name} is not callable")
     return fn
+
+
+def _import_here(name: str):
+    """import `name` as `python -c` would: the current directory first on the path (the `hetrl` console script,
+    unlike `python -m hetrl`, does not put it there)."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
 
 
 def resolve(specs, builtins: dict[str, Callable]) -> list[tuple[Callable, str | None]]:
@@ -179,18 +198,30 @@ def convention(fn: Callable) -> str:
     except (TypeError, ValueError):
         return "trl"   # a builtin or C callable: assume TRL's keyword call
     names = [p.name for p in params]
-    if tuple(names[:3]) == VERL_PARAMS:
+    if tuple(names[:3]) == VERL_PARAMS or tuple(names[:2]) == VERL_SOURCE_PARAMS:
         return "verl"
     if "completions" in names or any(p.kind is p.VAR_KEYWORD for p in params):
         return "trl"
-    raise InputError(f"reward {getattr(fn, '__name__', fn)!r}: its parameters ({', '.join(names)}) fit neither "
-                     "TRL's f(completions, **kwargs) nor verl's compute_score(data_source, solution_str, "
-                     "ground_truth, extra_info=None)")
+    raise InputError(f"reward {getattr(fn, '__name__', fn)!r}: its parameters ({', '.join(names)}) fit none of "
+                     "TRL's f(completions, **kwargs), verl's compute_score(data_source, solution_str, ground_truth, "
+                     "extra_info=None) or a verl per-source scorer compute_score(solution_str, ground_truth, ...)")
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether fn takes keyword `name` (by name, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _number(value, fn_name: str, row: int, allow_none: bool) -> float | None:
     if value is None and allow_none:
         return None
+    if isinstance(value, (str, bytes)):     # float("1") would take it: a reward is a number, not text
+        raise InputError(f"reward {fn_name}: row {row}: returned the text {value!r}, not a number; return "
+                         "float(...) of it if it is one")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:   # numpy / torch scalars
             value = float(value)
@@ -202,16 +233,34 @@ def _number(value, fn_name: str, row: int, allow_none: bool) -> float | None:
     return value
 
 
-def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: int = 0) -> list[float | None]:
+def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: int = 0, trainer_state=None,
+             logged: dict | None = None) -> tuple[list[float | None], dict[str, list]]:
+    """TRL's call: every column as a list, plus `trainer_state`, `log_extra(column, values)` and
+    `log_metric(name, value)` to a function that takes them (by name or **kwargs). -> (rewards, log_extra's
+    columns); log_metric's values are appended to `logged` (name -> values)."""
     chat = [isinstance(p, list) for p in prompts]
     comps = [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(completions, chat)]
     columns = {k for r in rows for k in r if k not in ("prompt", "completion", "completion_ids")}
     kwargs = {k: [r.get(k) for r in rows] for k in sorted(columns)}
+    extra: dict[str, list] = {}
+
+    def log_extra(column: str, values: list) -> None:
+        extra[f"{name}/{column}"] = list(values)
+
+    def log_metric(metric: str, value: float) -> None:
+        (logged if logged is not None else {}).setdefault(str(metric), []).append(_number(value, name, first_row,
+                                                                                          False))
+
+    offered = {"trainer_state": trainer_state, "log_extra": log_extra, "log_metric": log_metric}
+    kwargs |= {k: v for k, v in offered.items() if k not in columns and _accepts(fn, k)}
     out = contained(lambda: fn(prompts=prompts, completions=comps, completion_ids=completion_ids if completion_ids
                                is not None else [None] * len(comps), **kwargs))
     if isinstance(out, Failure):
         raise InputError(f"reward {name}: {out.why} on a batch of {len(comps)} completions "
                          f"({_rows(first_row, len(comps))})")
+    if isinstance(out, (str, bytes, dict)):
+        raise InputError(f"reward {name}: returned {type(out).__name__} {show_value(out)}, expected a list of "
+                         f"{len(comps)} numbers")
     try:
         out = list(out)
     except TypeError:
@@ -219,14 +268,22 @@ def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: in
                          f"{len(comps)} numbers") from None
     if len(out) != len(comps):
         raise InputError(f"reward {name}: returned {len(out)} rewards for {len(comps)} completions")
-    return [_number(v, name, first_row + i, True) for i, v in enumerate(out)]
+    bad = next((k for k, v in extra.items() if len(v) != len(comps)), None)
+    if bad is not None:
+        raise InputError(f"reward {name}: log_extra({bad.split('/', 1)[1]!r}, ...) got {len(extra[bad])} values "
+                         f"for {len(comps)} completions")
+    return [_number(v, name, first_row + i, True) for i, v in enumerate(out)], extra
+
+
+def show_value(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[float], dict[str, list]]:
     out, extra = [], {}
     for i, (row, text) in enumerate(zip(rows, completions)):
-        got = contained(lambda: fn(row.get("data_source"), text, nested(row, "reward_model.ground_truth"),
-                                   row.get("extra_info")))
+        got = contained(lambda: _verl_call(fn, row, text))
         if isinstance(got, Failure):
             raise InputError(f"reward {name}: row {first_row + i}: {got.why}")
         if isinstance(got, dict):
@@ -241,15 +298,38 @@ def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[flo
     return out, extra
 
 
+def _verl_call(fn, row: dict, text: str):
+    """verl's call: compute_score(data_source, solution_str, ground_truth, extra_info) or a per-source scorer's
+    compute_score(solution_str, ground_truth, ...) (its own defaults for method / format_score / score);
+    extra_info only to a function that takes it."""
+    gt = nested(row, "reward_model.ground_truth")
+    extra = {"extra_info": row.get("extra_info")} if _accepts(fn, "extra_info") else {}
+    if _accepts_positional(fn, 0, "data_source"):
+        return fn(row.get("data_source"), text, gt, **extra)
+    return fn(solution_str=text, ground_truth=gt, **extra)
+
+
+def _accepts_positional(fn, i: int, name: str) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    return len(params) > i and params[i].name == name
+
+
 def _rows(first: int, n: int) -> str:
     return f"row {first}" if n == 1 else f"rows {first}..{first + n - 1}"
 
 
-def _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row):
-    """One chunk of one function -> (rewards, verl extras); a bad return or anything raised is an InputError."""
+def _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state=None):
+    """One chunk of one function -> (rewards, extras per row, log_metric's values); a bad return or anything
+    raised is an InputError."""
     if kind == "trl":
-        return call_trl(fn, name, rows, prompts, completions, completion_ids, first_row), {}
-    return call_verl(fn, name, rows, completions, first_row)
+        logged: dict[str, list] = {}
+        values, extra = call_trl(fn, name, rows, prompts, completions, completion_ids, first_row, trainer_state,
+                                 logged)
+        return values, extra, logged
+    return (*call_verl(fn, name, rows, completions, first_row), {})
 
 
 # ------------------------------------------------------------------------------------------ worker processes
@@ -257,7 +337,7 @@ def _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row)
 _LOADED: dict[str, Callable] = {}
 
 
-def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, first_row):
+def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state=None):
     """One chunk of one function, in a reward worker process. `ref` is a spec (loaded once per process) or a
     pickled function."""
     if isinstance(ref, str):
@@ -266,7 +346,15 @@ def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, firs
         fn = _LOADED[ref]
     else:
         fn = pickle.loads(ref)
-    return _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row)
+    return _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a TRL-style reward gets as `trainer_state` (the fields of TRL's TrainerState that hetrl has)."""
+
+    global_step: int
+    max_steps: int
 
 
 @dataclass
@@ -277,6 +365,7 @@ class Scores:
     correct: list[bool] | None = None                    # the first correctness check's value >= 1 (built-ins)
     failed: list[int] = field(default_factory=list)      # rows a reward failed on (reward_errors=skip): dropped
     errors: list[str] = field(default_factory=list)      # what each failure was, one line each
+    logged: dict[str, list[float]] = field(default_factory=dict)   # TRL's log_metric(name, value) calls
 
     def means(self) -> dict[str, float]:
         """metrics: `reward/<function>` (mean over the rows it applied to) and numeric verl extras."""
@@ -292,7 +381,8 @@ class RewardSet:
     """Several reward functions with weights (default 1 each), applied to a batch of completions."""
 
     def __init__(self, funcs: list, weights: list[float] | None = None, workers: int = 0,
-                 builtins: dict[str, Callable] | None = None, errors: str = "stop", timeout_s: float | None = None):
+                 builtins: dict[str, Callable] | None = None, errors: str = "stop", timeout_s: float | None = None,
+                 strict: bool = False):
         if not funcs:
             raise InputError("reward: give at least one reward function")
         loaded = resolve(funcs, builtins or {})
@@ -321,6 +411,9 @@ class RewardSet:
         self._refs = [self._worker_ref(f, s, n) if workers and not hasattr(f, "correctness") else None
                       for f, s, n in zip(self.funcs, self.specs, self.names)]
         self._pool = None
+        self.strict, self._checked = strict, False
+        # what TRL-style functions get as `trainer_state`; the loop sets it at each step
+        self.trainer_state = TrainerState(global_step=0, max_steps=0)
 
     @staticmethod
     def _worker_ref(fn, spec, name):
@@ -334,9 +427,10 @@ class RewardSet:
                              f"cannot be sent there ({type(e).__name__}: {e})") from None
 
     def score(self, rows: list[dict], prompts: list, completions: list[str],
-              completion_ids: list[list[int]] | None = None) -> Scores:
+              completion_ids: list[list[int]] | None = None, check: bool = False) -> Scores:
         """Rewards of `completions[i]`, sampled for `prompts[i]` from dataset row `rows[i]` (the whole row; its
-        `prompt` column is passed as `prompts`). A chat prompt (a list of messages) gets chat completions."""
+        `prompt` column is passed as `prompts`). A chat prompt (a list of messages) gets chat completions.
+        `check`: the first such call looks for silent zeros (check_silent_zeros)."""
         n = len(completions)
         if not (len(rows) == len(prompts) == n):
             raise ValueError(f"reward: {len(rows)} rows, {len(prompts)} prompts, {n} completions")
@@ -344,6 +438,7 @@ class RewardSet:
         extra: dict[str, list[Any]] = {}
         failed: set[int] = set()
         errors: list[str] = []
+        logged: dict[str, list[float]] = {}
         args = (rows, prompts, completions, completion_ids)
         chunks = [(i, a, b) for i, ref in enumerate(self._refs) if n
                   for a, b in (self._chunks(n) if ref is not None else [(0, n)])]
@@ -357,15 +452,50 @@ class RewardSet:
                 failed |= bad.keys()
                 errors += bad.values()
                 parts = [(r, r + 1, o) for r, o in good.items()]
-            for a, b, (got_values, got) in parts:
+            for a, b, (got_values, got, metrics) in parts:
                 values[a:b] = got_values
                 for k, v in got.items():
                     extra.setdefault(k, [None] * n)[a:b] = v
+                for k, v in metrics.items():
+                    logged.setdefault(k, []).extend(v)
         per = {name: per.get(name, []) for name in self.names}
         total = [sum(w * per[name][i] for w, name in zip(self.weights, self.names) if per[name][i] is not None)
                  for i in range(n)]
         correct = [v is not None and v >= 1.0 for v in per[self.correctness]] if self.correctness else None
-        return Scores(total, per, extra, correct, sorted(failed), errors)
+        if check and not self._checked and n > 1:
+            self._checked = True
+            self.check_silent_zeros(rows, per, failed)
+        return Scores(total, per, extra, correct, sorted(failed), errors, logged)
+
+    def check_silent_zeros(self, rows: list[dict], per: dict[str, list[float | None]], failed: set[int]) -> None:
+        """The first training step's rewards: a function that is None, 0 or one constant for every row, a verl
+        scorer given no ground truth, or a built-in check whose answer_key is missing in the rows, trains on zeros
+        (or nothing) without a word. Each is a warning, or with `strict` an error."""
+        n = len(rows)
+        found = []
+        for fn, kind, name in zip(self.funcs, self.kinds, self.names):
+            values = [v for r, v in enumerate(per[name]) if r not in failed]
+            if values and all(v is None for v in values):
+                found.append(f"reward {name} returned None (not applicable) for every one of the {len(values)} "
+                             "rows of the first step, so it adds nothing")
+            elif values and len(set(values)) == 1:
+                found.append(f"reward {name} is {values[0]:g} for every one of the {len(values)} rows of the first "
+                             "step: no learning signal from it")
+            if kind == "verl":
+                missing = sum(nested(r, "reward_model.ground_truth") is None for r in rows)
+                if missing:
+                    found.append(f"reward {name} (verl convention) was called with ground_truth=None for {missing} "
+                                 f"of {n} rows: they have no reward_model.ground_truth column (verl's layout)")
+            key = getattr(fn, "answer_key", None)
+            if key is not None:
+                missing = sum(nested(r, key) is None for r in rows)
+                if missing:
+                    found.append(f"reward {name}: answer_key={key} is missing in {missing} of {n} rows, which score "
+                                 "0; set answer_key to the column (dotted for nested) that holds the answer")
+        if found and self.strict:
+            raise InputError("strict=true: " + "; ".join(found))
+        for why in found:
+            log.warning("warning: %s (strict=true makes this an error)", why)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         size = math.ceil(n / self.workers)
@@ -376,7 +506,7 @@ class RewardSet:
         worker pool when there is one (all chunks at once), the rest here."""
         rows, prompts, completions, ids = args
         jobs = [(i, (self._refs[i], self.kinds[i], self.names[i], rows[a:b], prompts[a:b], completions[a:b],
-                     None if ids is None else ids[a:b], a)) for i, a, b in chunks]
+                     None if ids is None else ids[a:b], a, self.trainer_state)) for i, a, b in chunks]
         pooled = [k for k, (i, _) in enumerate(jobs) if self._refs[i] is not None]
         out: list = [None] * len(jobs)
         if pooled:

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
 from hetrl.data.containment import UserAbort
-from hetrl.data.rewards import nested
+from hetrl.data.rewards import TrainerState, convention, load_reward, nested
+from hetrl.data.sources import read_checked
 from hetrl.models import load_model
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files, guards, memory
@@ -62,11 +63,13 @@ class Rollout:
         return self.example.prompt_ids
 
 
-def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]]) -> Scores:
-    """Every sample of every group in one call of each reward function (TRL's batch convention)."""
+def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]], check: bool = False
+                 ) -> Scores:
+    """Every sample of every group in one call of each reward function (TRL's batch convention). `check`: the
+    first training step's rewards are looked at for silent zeros (RewardSet.check_silent_zeros)."""
     rows = [e.row for e, samples in zip(examples, outputs) for _ in samples]
     return rewards.score(rows, [r["prompt"] for r in rows], [s.text for g in outputs for s in g],
-                         [s.tokens for g in outputs for s in g])
+                         [s.tokens for g in outputs for s in g], check=check)
 
 
 def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int):
@@ -88,7 +91,7 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
         too_long += skipped
         outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt, cfg.max_new_tokens,
                                   cfg.temperature, cfg.top_p, **({"logprobs": True} if want_logprobs else {}))
-        scores = score_groups(rewards, examples, outputs)
+        scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
         offset, failed = 0, set(scores.failed)
         for example, samples in zip(examples, outputs):
@@ -113,6 +116,8 @@ def rollout_logprobs(cfg: RunConfig, worker) -> bool:
 def _reward_stats(scored: list[Scores]) -> dict:
     total = [v for s in scored for v in s.total]
     out = {"reward_mean": guards.mean(total)}
+    for name in {k for s in scored for k in s.logged}:     # TRL's log_metric(name, value): the step's mean
+        out[name] = guards.mean([v for s in scored for v in s.logged.get(name, [])])
     errors = [e for s in scored for e in s.errors]
     if errors:     # reward_errors=skip: their groups were dropped
         out["reward_errors"] = len(errors)
@@ -380,7 +385,8 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
         if not allow_config_change:
             raise InputError(f"--resume: the config differs from the checkpoint's ({ckpt.name}) in what the run "
                              f"computes: {listed}. Resume with the run's own config ({resume_command(cfg)}), start "
-                             "a new run in another out_dir, or pass --allow-config-change to continue with the new values")
+                             "a new run in another out_dir, or pass --allow-config-change (from Python: "
+                             "hetrl.train(..., resume=True, allow_config_change=True)) to continue with the new values")
         tqdm.write(f"--allow-config-change: resuming {ckpt.name} with {listed} (logged in {run_dir / 'resumes.jsonl'})")
         MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
             k: [a, b] for k, (a, b) in changes.items()}})
@@ -406,20 +412,42 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
                      prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
 
 
+def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
+    """What can fail in the user's data and reward code, found before the model loads (hetrl.data.checks): the
+    rows read and checked (then handed on as rows, so they are read once), each reward function imported and
+    its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
+    if cfg.critic_model is not None:
+        build.critic_model_problem(cfg)
+    for f in (reward_list(reward_funcs) if reward_funcs is not None else cfg.rewards):
+        if callable(f) or ":" in f:
+            convention(f if callable(f) else load_reward(f))
+    if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
+        return train_dataset, eval_dataset
+    train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
+    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    return train, evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
+
+
 def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None) -> RewardSet:
     """The run's reward functions (the config's, or those passed from Python), plus the format bonus."""
-    funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
+    funcs = reward_list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
     weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
     if cfg.format_reward > 0:
         funcs.append("format")
         weights.append(cfg.format_reward)
     return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key),
-                     errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s)
+                     errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s, strict=cfg.strict)
+
+
+def reward_list(reward_funcs) -> list:
+    """reward_funcs from Python: a list, or one reward (a name, spec or callable) as TRL's reward_funcs takes it."""
+    return [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs)
 
 
 def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs) -> dict:
     """The config fields recorded for data or rewards given from Python: `<python>` where no path names them."""
     changes = {}
+    reward_funcs = None if reward_funcs is None else reward_list(reward_funcs)
     if train_dataset is not None:
         if cfg_data not in (None, PYTHON):
             raise InputError(f"give the data once: data={cfg_data} in the config and train_dataset from Python")
@@ -457,7 +485,8 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
             # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
             on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
             with allocator.freed_memory_kept(on_cpu):
-                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs)
+                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
+                                        allow_config_change)
         finally:
             if metrics.tracker is not None:
                 metrics.tracker.close()
@@ -470,11 +499,13 @@ def run_precision_name(cfg: RunConfig) -> str:
     return "bf16-mixed" if run_precision(cfg) == "bf16" else "fp32"
 
 
-def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs) -> dict:
+def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
+                     allow_config_change: bool = False) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
     if device.type == "cuda":
         build.fast_fp32_matmuls(cfg)
+    train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     model = model.to(device)
     source = build_source(cfg, tokenizer, train_dataset, eval_dataset)
@@ -491,31 +522,39 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
         engine = make_engine(cfg, model, tokenizer, prompt_len)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
-            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt)
+            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt, allow_config_change)
         finally:
             engine.close()
     finally:
         rewards.close()
 
 
-def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path) -> None:
+def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path,
+                     allow_config_change: bool = False) -> None:
     """A checkpoint continues only on the data and rewards it was trained with (a path's file may have changed,
-    and data or rewards from Python have no path to compare)."""
+    and data or rewards from Python have no path to compare), unless the user allows the change (data that was
+    fixed after a run stopped on it), which is logged in resumes.jsonl."""
     if state.get("data_fingerprint") not in (None, source.fingerprint):
+        if allow_config_change:
+            tqdm.write(f"--allow-config-change: resuming {ckpt.name} on changed data ({source.description})")
+            MetricsLog(ckpt.parents[1] / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
+                "data_fingerprint": [state["data_fingerprint"], source.fingerprint]}})
+            return
         raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
-                         "held-out split or the prompt columns differ); resume with the run's own data, or start a "
-                         "new run in another out_dir")
+                         "held-out split or the prompt columns differ); resume with the run's own data, pass "
+                         "--allow-config-change (hetrl.train(..., resume=True, allow_config_change=True)) to "
+                         "continue on the changed data (logged), or start a new run in another out_dir")
     if state.get("reward_names") not in (None, rewards.names):
         raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
                          f"{', '.join(rewards.names)}; pass the same reward functions")
 
 
-def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) -> dict:
+def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, allow_config_change=False) -> dict:
     step, next_problem, before, version = 0, 0, None, 0
     last_saved: pathlib.Path | None = None
     if ckpt is not None:
         state = engine.load(ckpt)
-        _check_same_data(state, source, rewards, ckpt)
+        _check_same_data(state, source, rewards, ckpt, allow_config_change)
         step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
         # checkpoints written before rewards were pluggable held correctness flags only
         before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
@@ -543,6 +582,7 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt) ->
     with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
+            rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
             kept, sampled, next_problem, reward_stats = stream.next()
             t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
             row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
