@@ -193,6 +193,8 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
         raise InputError(f"{what}={path}: no such file or directory")
     progress = datasets.utils.logging.is_progress_bar_enabled()
     datasets.utils.logging.disable_progress_bar()
+    verbosity = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)   # its own error lines: ours says it once
     try:
         if p.is_dir():
             try:
@@ -220,6 +222,7 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
                                      f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
         rows = ds.to_list()
     finally:
+        datasets.utils.logging.set_verbosity(verbosity)
         if progress:
             datasets.utils.logging.enable_progress_bar()
     if not rows:

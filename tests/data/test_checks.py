@@ -125,3 +125,19 @@ def test_a_resume_on_fixed_data_proceeds_with_allow_config_change_and_is_logged(
     assert summary["steps"] == 2
     logged = [json.loads(x) for x in (out / "resumes.jsonl").read_text().splitlines()]
     assert logged[-1]["checkpoint"] == "step_000001" and "data_fingerprint" in logged[-1]["changed"]
+
+
+def test_a_bad_parquet_file_is_said_once(tmp_path):
+    (tmp_path / "d.parquet").write_bytes(b"garbage")
+    (tmp_path / "run.yaml").write_text(f"model: tiny\ndata: {tmp_path / 'd.parquet'}\nreward: exact_match\n")
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[2]      # a process of its own: datasets' log handler writes to its stderr
+    done = subprocess.run([sys.executable, "-m", "hetrl", "validate", str(tmp_path / "run.yaml")], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, err
+    assert "d.parquet: cannot be read as .parquet (ArrowInvalid" in err[0], err
