@@ -68,14 +68,14 @@ def check_rewards(step: int, groups) -> str | None:
     return None
 
 
-def check_advantages(step: int, advantages: torch.Tensor, sizes: list[int]) -> str | None:
-    """advantages [K or M] for groups of `sizes` responses (or tokens) each -> None or the one-line reason."""
+def check_advantages(step: int, advantages: torch.Tensor, sizes: list[int], what: str = "advantages") -> str | None:
+    """advantages (or PPO's returns) [K] for groups of `sizes` tokens each -> None or the one-line reason."""
     bad_at = torch.nonzero(~torch.isfinite(advantages)).flatten().tolist()
     if not bad_at:
         return None
     bounds = torch.cumsum(torch.tensor(sizes), 0).tolist()
     groups = sorted({next(g for g, b in enumerate(bounds) if i < b) for i in bad_at})
-    return (f"step {step}: {len(bad_at)} non-finite advantages in prompt(s) {', '.join(map(str, groups[:8]))}"
+    return (f"step {step}: {len(bad_at)} non-finite {what} in prompt(s) {', '.join(map(str, groups[:8]))}"
             f"{' ...' if len(groups) > 8 else ''}; keep rewards in a sane range (e.g. [-10, 10])")
 
 

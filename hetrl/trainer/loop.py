@@ -231,16 +231,15 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             old_logp = old_logp.to(later.dtype)
             old_logp[~first] = later
     ref_logp = reference.logprobs(groups) if reference is not None else None
-    skipped: list[str] = []       # guards: what nonfinite=skip dropped
     if critic is not None:
         old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
-        sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
-        if guards.act(cfg.nonfinite, guards.check_advantages(step, torch.cat([ppo_adv, returns]), sizes * 2), skipped):
-            return {"skipped": skipped}
-    else:
-        sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
-        if guards.act(cfg.nonfinite, guards.check_advantages(step, _per_token(kept, cfg)[0], sizes), skipped):
-            return {"skipped": skipped}
+    # guards: every advantage (and PPO's return) finite before the first optimizer step; [K] per group's tokens
+    skipped: list[str] = []
+    sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
+    targets = {"advantages": ppo_adv, "returns": returns} if critic is not None else {
+        "advantages": _per_token(kept, cfg)[0]}
+    if any(guards.act(cfg.nonfinite, guards.check_advantages(step, v, sizes, k), skipped) for k, v in targets.items()):
+        return {"skipped": skipped}
     t_update = time.perf_counter()
     stats, critic_stats = [], []
     for j, part in enumerate(parts):

@@ -105,3 +105,10 @@ def test_metrics_values_are_strict_json(row, expected):
     assert guards.finite_or_none(row) == expected
     assert guards.worst([1.0, float("nan")]) != guards.worst([1.0, float("nan")])   # NaN kept, whatever its place
     assert math.isinf(guards.worst([2.0, float("inf"), 1.0]))
+
+
+def test_nonfinite_advantages_and_returns_name_their_prompts():
+    values = torch.tensor([0.0, 1.0, float("nan"), 2.0, 3.0, float("inf")])
+    why = guards.check_advantages(3, values, [2, 3, 1], "returns")
+    assert why.startswith("step 3: 2 non-finite returns in prompt(s) 1, 2;"), why
+    assert guards.check_advantages(3, torch.zeros(6), [2, 3, 1]) is None
