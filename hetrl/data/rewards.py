@@ -248,8 +248,14 @@ def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: in
         extra[f"{name}/{column}"] = list(values)
 
     def log_metric(metric: str, value: float) -> None:
-        (logged if logged is not None else {}).setdefault(str(metric), []).append(_number(value, name, first_row,
-                                                                                          False))
+        try:   # numpy / torch scalars too, but never text
+            number = None if isinstance(value, (bool, str, bytes)) else float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not math.isfinite(number):
+            raise InputError(f"log_metric({metric!r}, {show_value(value)}): the value must be a finite number")
+        if logged is not None:
+            logged.setdefault(str(metric), []).append(number)
 
     offered = {"trainer_state": trainer_state, "log_extra": log_extra, "log_metric": log_metric}
     kwargs |= {k: v for k, v in offered.items() if k not in columns and _accepts(fn, k)}

@@ -356,3 +356,13 @@ def test_a_module_spec_imports_from_the_current_directory(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
     assert load_reward("mypkg.scores:f")(["a"]) == [2.0]
     assert str(tmp_path) not in sys.path           # the path is as it was
+
+
+def test_a_bad_log_metric_value_is_the_rewards_error():
+    def logs(completions, log_metric, **kw):
+        log_metric("len", "long")
+        return [0.0] * len(completions)
+
+    with pytest.raises(InputError, match=r"^reward logs: log_metric\('len', 'long'\): the value must be a finite "
+                                         r"number on a batch of 2 completions \(rows 0\.\.1\)"):
+        RewardSet([logs]).score([{}] * 2, ["p"] * 2, ["a", "b"])
