@@ -137,10 +137,21 @@ def load_reward(spec: str) -> Callable:
             if not path.is_file():
                 raise InputError(f"reward {spec!r}: no such file {where}")
             module_name = f"hetrl_reward_{abs(hash(str(path.resolve())))}"
-            loader = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[module_name] = module
-            loader.loader.exec_module(module)
+            stat = path.stat()
+            version = (stat.st_mtime_ns, stat.st_size)
+            module = sys.modules.get(module_name)
+            if module is None or getattr(module, "__hetrl_version__", None) != version:
+                # executed once per version of the file, as Python imports a module once: the check before the
+                # model loads and the run then share it (a file changed since is executed again)
+                loader = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(loader)
+                sys.modules[module_name] = module
+                try:
+                    loader.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
+                module.__hetrl_version__ = version
         else:
             module = _import_here(where)
     except (InputError, UserAbort):

@@ -366,3 +366,19 @@ def test_a_bad_log_metric_value_is_the_rewards_error():
     with pytest.raises(InputError, match=r"^reward logs: log_metric\('len', 'long'\): the value must be a finite "
                                          r"number on a batch of 2 completions \(rows 0\.\.1\)"):
         RewardSet([logs]).score([{}] * 2, ["p"] * 2, ["a", "b"])
+
+
+def test_a_reward_file_is_executed_once_per_version(tmp_path):
+    import os
+
+    f = tmp_path / "counted.py"
+    f.write_text("import pathlib\nLOG = pathlib.Path(__file__).with_suffix('.runs')\n"
+                 "LOG.write_text(LOG.read_text() + 'x' if LOG.exists() else 'x')\n"
+                 "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    load_reward(f"{f}:f")
+    load_reward(f"{f}:f")           # `hetrl train` checks it before the model loads, then the run loads it
+    assert (tmp_path / "counted.runs").read_text() == "x"
+    f.write_text(f.read_text() + "\n# changed\n")
+    os.utime(f, ns=(1, 2))
+    load_reward(f"{f}:f")
+    assert (tmp_path / "counted.runs").read_text() == "xx"
