@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 
 def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tools=None,
-          environment_factory=None, resume: bool = False, **overrides) -> dict:
+          environment_factory=None, resume: bool = False, allow_config_change: bool = False, **overrides) -> dict:
     """`hetrl train` from Python.
 
     config: a RunConfig, a mapping of its fields, a run YAML path, or None (the built-in defaults); `overrides`
@@ -18,6 +18,8 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
       ("exact_match", "math_verify", ...) or "FILE.py:NAME" specs; weighted by the config's `reward_weights`.
     tools / environment_factory: TRL's conventions (docs/agents.md): functions with type hints and a Google
       docstring; a class whose instances (one per rollout) have reset(), tool methods and optionally get_reward().
+    resume / allow_config_change: as `hetrl train --resume --allow-config-change` (a changed config or changed
+      data is accepted on resume and logged in out_dir/resumes.jsonl).
     Returns the run's summary (as summary.json).
     """
     from hetrl.trainer.config import RunConfig, load_config
@@ -34,5 +36,6 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
     fields |= overrides
     fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs,
                             tools, environment_factory)
-    return _train(RunConfig(**fields), resume=resume, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                  reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory)
+    return _train(RunConfig(**fields), resume=resume, allow_config_change=allow_config_change,
+                  train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs, tools=tools,
+                  environment_factory=environment_factory)

@@ -107,6 +107,12 @@ def _train(args) -> int:
             raise
         print(f"hetrl train: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:   # the second Ctrl-C (or one before training started): no traceback
+        if args.debug:
+            raise
+        print(f"hetrl train: {_one_line(e)}" if str(e) else "hetrl train: interrupted (Ctrl-C) outside the training "
+              "steps; the checkpoints already written are intact", file=sys.stderr)
+        return 130
     return 130 if result.get("interrupted") else 0
 
 

@@ -111,7 +111,9 @@ def _coerce(name: str, value, tp, meta: dict):
         raise InputError(f"{name} must be {' or '.join(getattr(a, '__name__', str(a)) for a in rest)}, "
                          f"got {show(value)}")
     if "choices" in meta:
-        if value not in meta["choices"]:
+        # true == 1 in Python: a bool is a choice only where the choices are bools
+        if value not in meta["choices"] or (isinstance(value, bool) and not any(isinstance(c, bool)
+                                                                                 for c in meta["choices"])):
             raise InputError(choice_error(name, value, meta["choices"]))
         return value
     origin = typing.get_origin(tp) or tp

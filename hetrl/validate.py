@@ -59,28 +59,39 @@ def _validate_run_config(path: str) -> str:
     why = unknown_model(cfg.model)
     if why:
         raise InputError(f"{path}: {why}", located=True)
-    data = ""
-    if cfg.data is not None:   # the rows (read, prompt column present) and the user's reward functions (import)
-        from hetrl.data import load_rows
+    # the same checks `hetrl train` makes before the model loads (loop.up_front): every file and every reward is
+    # checked, and all their problems are said together
+    from hetrl.data.rewards import convention, load_reward
+    from hetrl.data.sources import read_checked
 
-        rows = {key: load_rows(getattr(cfg, key), key) for key in ("data", "eval_data") if getattr(cfg, key)}
-        for key, got in rows.items():
-            missing = next((i for i, r in enumerate(got) if cfg.prompt_key not in r), None)
-            if missing is not None:
-                raise InputError(f"{path}: {key}: row {missing} has no prompt column {cfg.prompt_key!r} (columns: "
-                                 f"{', '.join(map(str, got[missing]))}); set prompt_key=COLUMN", located=True)
-        data = f", {len(rows['data'])} rows of {cfg.data}"
+    problems, counts = [], {}
+    for key in ("data", "eval_data"):
+        if getattr(cfg, key) not in (None, "<python>"):
+            try:
+                counts[key] = len(read_checked(getattr(cfg, key), key, cfg.prompt_key))
+            except InputError as e:
+                problems.append(str(e))
     for spec in cfg.rewards:
         if ":" in spec:
-            from hetrl.data import load_reward
-
-            load_reward(spec)
+            try:
+                convention(load_reward(spec))
+            except InputError as e:
+                problems.append(str(e))
     if cfg.tool_specs or cfg.environment is not None:   # the tools and environment the run names (import, schemas)
         from hetrl.data.tools import check_environment, load_environment, load_tools
 
         for spec in cfg.tool_specs:
-            load_tools(spec)
+            try:
+                load_tools(spec)
+            except InputError as e:
+                problems.append(str(e))
         if cfg.environment is not None:
-            check_environment(load_environment(cfg.environment))
+            try:
+                check_environment(load_environment(cfg.environment))
+            except InputError as e:
+                problems.append(str(e))
+    if problems:
+        raise InputError(f"{path}: " + "; ".join(problems), located=True)
+    data = f", {counts['data']} rows of {cfg.data}" if "data" in counts else ""
     return f"run config: {cfg.algorithm} on {cfg.model}, {cfg.steps} steps, executor {cfg.executor}{data}"
 

@@ -2,6 +2,7 @@
 file and the field (no traceback); `hetrl validate` says the same without running anything."""
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -159,6 +160,11 @@ TRAIN_CASES = [
     ("lora-rank", ["lora_rank=-1"], ["lora_rank must be an int >= 0"]),
     ("reward-weights", ["reward=[verifier, format]", "reward_weights=[1]"], ["reward_weights has 1 weights for 2"]),
     ("report-to", ["report_to=mlflow"], ["report_to must be one of none, tensorboard, wandb"]),
+    ("lora-no-targets", ["lora_rank=4", "lora_target_modules=[]"], ["lora_target_modules is empty"]),
+    ("nonfinite", ["nonfinite=ignore"], ["nonfinite must be one of stop, skip"]),
+    ("reward-errors", ["reward_errors=retry"], ["reward_errors must be one of stop, skip"]),
+    ("timeout-in-process", ["reward_timeout_s=5"], ["reward_timeout_s=5 needs reward_workers >= 1"]),
+    ("strict-text", ["strict=maybe"], ["strict must be true or false"]),
 ]
 
 
@@ -220,3 +226,34 @@ def test_cluster_with_no_ray_running_is_one_line(tmp_path, capsys):
     rc = main(["train", "--config", TINY, "executor=ray", "cluster=examples/clusters/cpu-local.yaml",
                "ray_address=auto", f"out_dir={tmp_path / 'r'}"])
     one_line_error(capsys, rc, "no Ray cluster answers at ray_address=auto", "emulate_cluster=")
+
+
+def test_a_plan_with_zero_true_is_refused_not_read_as_1():
+    from hetrl.planner.plan import Parallelism
+    from hetrl.schema import InputError
+
+    with pytest.raises(InputError, match="zero must be one of 1, 2, 3, got True"):
+        Parallelism(zero=True)
+
+
+def test_a_missing_critic_model_is_named_as_critic_model(tmp_path, capsys):
+    rc = main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", "algorithm=ppo",
+               f"critic_model={tmp_path / 'nope'}"])
+    one_line_error(capsys, rc, f"critic_model={tmp_path / 'nope'}:")
+
+
+def test_rays_session_files_go_under_out_dir(tmp_path, capsys):
+    from hetrl.trainer.config import load_config
+    from hetrl.trainer.ray_executor import ray_temp_dir
+
+    short = tmp_path.parent / "r"    # pytest's own tmp_path is deep; a short one as a user's runs/x would be
+    cfg = load_config(TINY, ["executor=ray", "emulate_cluster=examples/clusters/cpu-2x2.yaml", f"out_dir={short}"])
+    assert ray_temp_dir(cfg) == str((short / "ray").resolve()) and (short / "ray").is_dir()
+    deep = tmp_path / ("d" * 80)
+    cfg = load_config(TINY, ["executor=ray", "emulate_cluster=examples/clusters/cpu-2x2.yaml", f"out_dir={deep}"])
+    got = ray_temp_dir(cfg)
+    assert "hetrl-ray-" in got and f"Ray's session files are in {got}" in capsys.readouterr().out
+    os.rmdir(got)
+    with pytest.raises(ValueError, match="too long for Ray's unix sockets"):
+        ray_temp_dir(load_config(TINY, ["executor=ray", "emulate_cluster=examples/clusters/cpu-2x2.yaml",
+                                        f"ray_temp_dir={deep}"]))

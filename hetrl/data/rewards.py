@@ -23,20 +23,24 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
-import multiprocessing
+import os
 import pathlib
 import pickle
 import re
 import sys
-import traceback
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hetrl.schema import InputError
 
+from .containment import Failure, UserAbort, WorkerPool, contained
+from .containment import where as _where
+
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+VERL_SOURCE_PARAMS = ("solution_str", "ground_truth")    # verl's per-source scorers, e.g. gsm8k.compute_score
+log = logging.getLogger(__name__)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -103,6 +107,7 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
         texts = [completion_text(c) for c in completions]
         return [float(bool(extract_answer(t)) and t.strip() == extract_answer(t)) for t in texts]
 
+    exact_match.answer_key = math_verify.answer_key = answer_key     # checked at the first step (RewardSet)
     return {"exact_match": builtin("exact_match", exact_match, True),
             "math_verify": builtin("math_verify", math_verify, True),
             "format": builtin("format", format, False)}
@@ -132,20 +137,30 @@ def load_reward(spec: str) -> Callable:
             if not path.is_file():
                 raise InputError(f"reward {spec!r}: no such file {where}")
             module_name = f"hetrl_reward_{abs(hash(str(path.resolve())))}"
-            loader = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[module_name] = module
-            loader.loader.exec_module(module)
+            stat = path.stat()
+            version = (stat.st_mtime_ns, stat.st_size)
+            module = sys.modules.get(module_name)
+            if module is None or getattr(module, "__hetrl_version__", None) != version:
+                # executed once per version of the file, as Python imports a module once: the check before the
+                # model loads and the run then share it (a file changed since is executed again)
+                loader = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(loader)
+                sys.modules[module_name] = module
+                try:
+                    loader.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
+                module.__hetrl_version__ = version
         else:
-            module = importlib.import_module(where)
-    except InputError:
+            module = _import_here(where)
+    except (InputError, UserAbort):
         raise
     except SyntaxError as e:
         raise InputError(f"reward {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:  # the user's module failed while importing: say where
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise InputError(f"reward {spec!r}: importing it failed at {frame.filename}:{frame.lineno}: "
-                         f"{type(e).__name__}: {e}") from None
+    except BaseException as e:  # noqa: BLE001 - the user's module failed (or exited) while importing: say where
+        detail = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        raise InputError(f"reward {spec!r}: importing it failed at {_where(e)}: {detail}") from None
     fn = getattr(module, name, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -153,6 +168,20 @@ def load_reward(spec: str) -> Callable:
     if not callable(fn):
         raise InputError(f"reward {spec!r}: {name} is not callable")
     return fn
+
+
+def _import_here(name: str):
+    """import `name` as `python -c` would: the current directory first on the path (the `hetrl` console script,
+    unlike `python -m hetrl`, does not put it there)."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
 
 
 def resolve(specs, builtins: dict[str, Callable]) -> list[tuple[Callable, str | None]]:
@@ -180,18 +209,30 @@ def convention(fn: Callable) -> str:
     except (TypeError, ValueError):
         return "trl"   # a builtin or C callable: assume TRL's keyword call
     names = [p.name for p in params]
-    if tuple(names[:3]) == VERL_PARAMS:
+    if tuple(names[:3]) == VERL_PARAMS or tuple(names[:2]) == VERL_SOURCE_PARAMS:
         return "verl"
     if "completions" in names or any(p.kind is p.VAR_KEYWORD for p in params):
         return "trl"
-    raise InputError(f"reward {getattr(fn, '__name__', fn)!r}: its parameters ({', '.join(names)}) fit neither "
-                     "TRL's f(completions, **kwargs) nor verl's compute_score(data_source, solution_str, "
-                     "ground_truth, extra_info=None)")
+    raise InputError(f"reward {getattr(fn, '__name__', fn)!r}: its parameters ({', '.join(names)}) fit none of "
+                     "TRL's f(completions, **kwargs), verl's compute_score(data_source, solution_str, ground_truth, "
+                     "extra_info=None) or a verl per-source scorer compute_score(solution_str, ground_truth, ...)")
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether fn takes keyword `name` (by name, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _number(value, fn_name: str, row: int, allow_none: bool) -> float | None:
     if value is None and allow_none:
         return None
+    if isinstance(value, (str, bytes)):     # float("1") would take it: a reward is a number, not text
+        raise InputError(f"reward {fn_name}: row {row}: returned the text {value!r}, not a number; return "
+                         "float(...) of it if it is one")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:   # numpy / torch scalars
             value = float(value)
@@ -203,24 +244,40 @@ def _number(value, fn_name: str, row: int, allow_none: bool) -> float | None:
     return value
 
 
-def _where(e: BaseException) -> str:
-    frame = traceback.extract_tb(e.__traceback__)[-1]
-    return f"{frame.filename}:{frame.lineno}"
-
-
-def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: int = 0) -> list[float | None]:
+def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: int = 0, trainer_state=None,
+             logged: dict | None = None) -> tuple[list[float | None], dict[str, list]]:
+    """TRL's call: every column as a list, plus `trainer_state`, `log_extra(column, values)` and
+    `log_metric(name, value)` to a function that takes them (by name or **kwargs). -> (rewards, log_extra's
+    columns); log_metric's values are appended to `logged` (name -> values)."""
     chat = [isinstance(p, list) for p in prompts]
     comps = [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(completions, chat)]
     columns = {k for r in rows for k in r if k not in ("prompt", "completion", "completion_ids")}
     kwargs = {k: [r.get(k) for r in rows] for k in sorted(columns)}
-    try:
-        out = fn(prompts=prompts, completions=comps,
-                 completion_ids=completion_ids if completion_ids is not None else [None] * len(comps), **kwargs)
-    except InputError:
-        raise
-    except Exception as e:
-        raise InputError(f"reward {name}: raised {type(e).__name__}: {e} ({_where(e)}) on a batch of {len(comps)} "
-                         f"completions (rows {first_row}..{first_row + len(comps) - 1})") from None
+    extra: dict[str, list] = {}
+
+    def log_extra(column: str, values: list) -> None:
+        extra[f"{name}/{column}"] = list(values)
+
+    def log_metric(metric: str, value: float) -> None:
+        try:   # numpy / torch scalars too, but never text
+            number = None if isinstance(value, (bool, str, bytes)) else float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not math.isfinite(number):
+            raise InputError(f"log_metric({metric!r}, {show_value(value)}): the value must be a finite number")
+        if logged is not None:
+            logged.setdefault(str(metric), []).append(number)
+
+    offered = {"trainer_state": trainer_state, "log_extra": log_extra, "log_metric": log_metric}
+    kwargs |= {k: v for k, v in offered.items() if k not in columns and _accepts(fn, k)}
+    out = contained(lambda: fn(prompts=prompts, completions=comps, completion_ids=completion_ids if completion_ids
+                               is not None else [None] * len(comps), **kwargs))
+    if isinstance(out, Failure):
+        raise InputError(f"reward {name}: {out.why} on a batch of {len(comps)} completions "
+                         f"({_rows(first_row, len(comps))})")
+    if isinstance(out, (str, bytes, dict)):
+        raise InputError(f"reward {name}: returned {type(out).__name__} {show_value(out)}, expected a list of "
+                         f"{len(comps)} numbers")
     try:
         out = list(out)
     except TypeError:
@@ -228,17 +285,24 @@ def call_trl(fn, name, rows, prompts, completions, completion_ids, first_row: in
                          f"{len(comps)} numbers") from None
     if len(out) != len(comps):
         raise InputError(f"reward {name}: returned {len(out)} rewards for {len(comps)} completions")
-    return [_number(v, name, first_row + i, True) for i, v in enumerate(out)]
+    bad = next((k for k, v in extra.items() if len(v) != len(comps)), None)
+    if bad is not None:
+        raise InputError(f"reward {name}: log_extra({bad.split('/', 1)[1]!r}, ...) got {len(extra[bad])} values "
+                         f"for {len(comps)} completions")
+    return [_number(v, name, first_row + i, True) for i, v in enumerate(out)], extra
+
+
+def show_value(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[float], dict[str, list]]:
     out, extra = [], {}
     for i, (row, text) in enumerate(zip(rows, completions)):
-        try:
-            got = fn(row.get("data_source"), text, nested(row, "reward_model.ground_truth"), row.get("extra_info"))
-        except Exception as e:
-            raise InputError(f"reward {name}: row {first_row + i}: raised {type(e).__name__}: {e} ({_where(e)})") \
-                from None
+        got = contained(lambda: _verl_call(fn, row, text))
+        if isinstance(got, Failure):
+            raise InputError(f"reward {name}: row {first_row + i}: {got.why}")
         if isinstance(got, dict):
             if "score" not in got:
                 raise InputError(f"reward {name}: row {first_row + i}: returned a dict without 'score' "
@@ -251,12 +315,46 @@ def call_verl(fn, name, rows, completions, first_row: int = 0) -> tuple[list[flo
     return out, extra
 
 
+def _verl_call(fn, row: dict, text: str):
+    """verl's call: compute_score(data_source, solution_str, ground_truth, extra_info) or a per-source scorer's
+    compute_score(solution_str, ground_truth, ...) (its own defaults for method / format_score / score);
+    extra_info only to a function that takes it."""
+    gt = nested(row, "reward_model.ground_truth")
+    extra = {"extra_info": row.get("extra_info")} if _accepts(fn, "extra_info") else {}
+    if _accepts_positional(fn, 0, "data_source"):
+        return fn(row.get("data_source"), text, gt, **extra)
+    return fn(solution_str=text, ground_truth=gt, **extra)
+
+
+def _accepts_positional(fn, i: int, name: str) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    return len(params) > i and params[i].name == name
+
+
+def _rows(first: int, n: int) -> str:
+    return f"row {first}" if n == 1 else f"rows {first}..{first + n - 1}"
+
+
+def _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state=None):
+    """One chunk of one function -> (rewards, extras per row, log_metric's values); a bad return or anything
+    raised is an InputError."""
+    if kind == "trl":
+        logged: dict[str, list] = {}
+        values, extra = call_trl(fn, name, rows, prompts, completions, completion_ids, first_row, trainer_state,
+                                 logged)
+        return values, extra, logged
+    return (*call_verl(fn, name, rows, completions, first_row), {})
+
+
 # ------------------------------------------------------------------------------------------ worker processes
 
 _LOADED: dict[str, Callable] = {}
 
 
-def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, first_row):
+def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state=None):
     """One chunk of one function, in a reward worker process. `ref` is a spec (loaded once per process) or a
     pickled function."""
     if isinstance(ref, str):
@@ -265,9 +363,15 @@ def _in_worker(ref, kind, name, rows, prompts, completions, completion_ids, firs
         fn = _LOADED[ref]
     else:
         fn = pickle.loads(ref)
-    if kind == "trl":
-        return call_trl(fn, name, rows, prompts, completions, completion_ids, first_row), {}
-    return call_verl(fn, name, rows, completions, first_row)
+    return _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a TRL-style reward gets as `trainer_state` (the fields of TRL's TrainerState that hetrl has)."""
+
+    global_step: int
+    max_steps: int
 
 
 @dataclass
@@ -276,6 +380,9 @@ class Scores:
     per_function: dict[str, list[float | None]]          # each function's raw reward (None: not applicable)
     extra: dict[str, list[Any]] = field(default_factory=dict)   # verl dict keys other than `score`
     correct: list[bool] | None = None                    # the first correctness check's value >= 1 (built-ins)
+    failed: list[int] = field(default_factory=list)      # rows a reward failed on (reward_errors=skip): dropped
+    errors: list[str] = field(default_factory=list)      # what each failure was, one line each
+    logged: dict[str, list[float]] = field(default_factory=dict)   # TRL's log_metric(name, value) calls
 
     def means(self) -> dict[str, float]:
         """metrics: `reward/<function>` (mean over the rows it applied to) and numeric verl extras."""
@@ -291,7 +398,8 @@ class RewardSet:
     """Several reward functions with weights (default 1 each), applied to a batch of completions."""
 
     def __init__(self, funcs: list, weights: list[float] | None = None, workers: int = 0,
-                 builtins: dict[str, Callable] | None = None):
+                 builtins: dict[str, Callable] | None = None, errors: str = "stop", timeout_s: float | None = None,
+                 strict: bool = False):
         if not funcs:
             raise InputError("reward: give at least one reward function")
         loaded = resolve(funcs, builtins or {})
@@ -311,10 +419,18 @@ class RewardSet:
                              f"({', '.join(self.names)})")
         self.weights = [_number(w, "reward_weights", i, False) for i, w in enumerate(weights)]
         self.correctness = next((n for f, n in zip(self.funcs, self.names) if getattr(f, "correctness", False)), None)
-        self.workers = workers
+        self.workers, self.errors, self.timeout_s = workers, errors, timeout_s
+        if errors not in ("stop", "skip"):
+            raise InputError(f"reward_errors must be stop or skip, got {errors!r}")
+        if timeout_s is not None and not workers:
+            raise InputError(f"reward_timeout_s={timeout_s:g} needs reward_workers >= 1: a function running in this "
+                             "process cannot be stopped; set reward_workers=1 (or more)")
         self._refs = [self._worker_ref(f, s, n) if workers and not hasattr(f, "correctness") else None
                       for f, s, n in zip(self.funcs, self.specs, self.names)]
         self._pool = None
+        self.strict, self._checked = strict, False
+        # what TRL-style functions get as `trainer_state`; the loop sets it at each step
+        self.trainer_state = TrainerState(global_step=0, max_steps=0)
 
     @staticmethod
     def _worker_ref(fn, spec, name):
@@ -328,52 +444,116 @@ class RewardSet:
                              f"cannot be sent there ({type(e).__name__}: {e})") from None
 
     def score(self, rows: list[dict], prompts: list, completions: list[str],
-              completion_ids: list[list[int]] | None = None) -> Scores:
+              completion_ids: list[list[int]] | None = None, check: bool = False) -> Scores:
         """Rewards of `completions[i]`, sampled for `prompts[i]` from dataset row `rows[i]` (the whole row; its
-        `prompt` column is passed as `prompts`). A chat prompt (a list of messages) gets chat completions."""
+        `prompt` column is passed as `prompts`). A chat prompt (a list of messages) gets chat completions.
+        `check`: the first such call looks for silent zeros (check_silent_zeros)."""
         n = len(completions)
         if not (len(rows) == len(prompts) == n):
             raise ValueError(f"reward: {len(rows)} rows, {len(prompts)} prompts, {n} completions")
         per: dict[str, list[float | None]] = {}
         extra: dict[str, list[Any]] = {}
-        pending = {}
-        for fn, kind, name, ref in zip(self.funcs, self.kinds, self.names, self._refs):
-            if ref is not None and n:
-                pending[name] = self._submit(ref, kind, name, rows, prompts, completions, completion_ids)
-            elif kind == "trl":
-                per[name] = call_trl(fn, name, rows, prompts, completions, completion_ids)
-            else:
-                per[name], got = call_verl(fn, name, rows, completions)
-                extra.update(got)
-        for name, futures in pending.items():
-            per[name] = []
-            for future, start in futures:
-                values, got = future.result()
+        failed: set[int] = set()
+        errors: list[str] = []
+        logged: dict[str, list[float]] = {}
+        args = (rows, prompts, completions, completion_ids)
+        chunks = [(i, a, b) for i, ref in enumerate(self._refs) if n
+                  for a, b in (self._chunks(n) if ref is not None else [(0, n)])]
+        outs = self._run(chunks, args)
+        for (i, a, b), out in zip(chunks, outs):
+            name = self.names[i]
+            values = per.setdefault(name, [None] * n)
+            parts = [(a, b, out)]
+            if isinstance(out, Failure):
+                bad, good = self._salvage(i, a, b, out, args)
+                failed |= bad.keys()
+                errors += bad.values()
+                parts = [(r, r + 1, o) for r, o in good.items()]
+            for a, b, (got_values, got, metrics) in parts:
+                values[a:b] = got_values
                 for k, v in got.items():
-                    extra.setdefault(k, [None] * n)[start:start + len(v)] = v
-                per[name] += values
-        per = {name: per[name] for name in self.names}
+                    extra.setdefault(k, [None] * n)[a:b] = v
+                for k, v in metrics.items():
+                    logged.setdefault(k, []).extend(v)
+        per = {name: per.get(name, []) for name in self.names}
         total = [sum(w * per[name][i] for w, name in zip(self.weights, self.names) if per[name][i] is not None)
                  for i in range(n)]
         correct = [v is not None and v >= 1.0 for v in per[self.correctness]] if self.correctness else None
-        return Scores(total, per, extra, correct)
+        if check and not self._checked and n > 1:
+            self._checked = True
+            self.check_silent_zeros(rows, per, failed)
+        return Scores(total, per, extra, correct, sorted(failed), errors, logged)
 
-    def _submit(self, ref, kind, name, rows, prompts, completions, completion_ids):
-        if self._pool is None:
-            # spawn: the workers start clean (no copy of the trainer's threads or model memory)
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        n = len(completions)
+    def check_silent_zeros(self, rows: list[dict], per: dict[str, list[float | None]], failed: set[int]) -> None:
+        """The first training step's rewards: a function that is None, 0 or one constant for every row, a verl
+        scorer given no ground truth, or a built-in check whose answer_key is missing in the rows, trains on zeros
+        (or nothing) without a word. Each is a warning, or with `strict` an error."""
+        n = len(rows)
+        found = []
+        for fn, kind, name in zip(self.funcs, self.kinds, self.names):
+            values = [v for r, v in enumerate(per[name]) if r not in failed]
+            if values and all(v is None for v in values):
+                found.append(f"reward {name} returned None (not applicable) for every one of the {len(values)} "
+                             "rows of the first step, so it adds nothing")
+            elif values and len(set(values)) == 1:
+                found.append(f"reward {name} is {values[0]:g} for every one of the {len(values)} rows of the first "
+                             "step: no learning signal from it")
+            if kind == "verl":
+                missing = sum(nested(r, "reward_model.ground_truth") is None for r in rows)
+                if missing:
+                    found.append(f"reward {name} (verl convention) was called with ground_truth=None for {missing} "
+                                 f"of {n} rows: they have no reward_model.ground_truth column (verl's layout)")
+            key = getattr(fn, "answer_key", None)
+            if key is not None:
+                missing = sum(nested(r, key) is None for r in rows)
+                if missing:
+                    found.append(f"reward {name}: answer_key={key} is missing in {missing} of {n} rows, which score "
+                                 "0; set answer_key to the column (dotted for nested) that holds the answer")
+        if found and self.strict:
+            raise InputError("strict=true: " + "; ".join(found))
+        for why in found:
+            log.warning("warning: %s (strict=true makes this an error)", why)
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
         size = math.ceil(n / self.workers)
-        out = []
-        for start in range(0, n, size):
-            sl = slice(start, start + size)
-            out.append((self._pool.submit(_in_worker, ref, kind, name, rows[sl], prompts[sl], completions[sl],
-                                          None if completion_ids is None else completion_ids[sl], start), start))
+        return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+    def _run(self, chunks: list[tuple[int, int, int]], args) -> list:
+        """Each (function, first row, end row) chunk's (rewards, extras) or Failure: the user's functions in the
+        worker pool when there is one (all chunks at once), the rest here."""
+        rows, prompts, completions, ids = args
+        jobs = [(i, (self._refs[i], self.kinds[i], self.names[i], rows[a:b], prompts[a:b], completions[a:b],
+                     None if ids is None else ids[a:b], a, self.trainer_state)) for i, a, b in chunks]
+        pooled = [k for k, (i, _) in enumerate(jobs) if self._refs[i] is not None]
+        out: list = [None] * len(jobs)
+        if pooled:
+            if self._pool is None:
+                self._pool = WorkerPool(self.workers, _in_worker, self.timeout_s)
+            for k, got in zip(pooled, self._pool.map([jobs[k][1] for k in pooled])):
+                out[k] = got
+        for k, (i, job) in enumerate(jobs):
+            if self._refs[i] is None:
+                out[k] = contained(lambda: _call(self.funcs[i], *job[1:]))
         return out
+
+    def _salvage(self, i: int, a: int, b: int, failure: Failure, args) -> tuple[dict[int, str], dict[int, Any]]:
+        """A failed chunk. reward_errors=stop: raise the failure as one line. skip: ({row: why} of the rows that
+        fail alone, {row: (rewards, extras)} of the others): a chunk that raised is retried row by row, one whose
+        worker died or hung is dropped whole."""
+        name = self.names[i]
+        why = failure.why if failure.why.startswith(f"reward {name}") else \
+            f"reward {name}: {_rows(a, b - a)}: {failure.why}"
+        if self.errors == "stop":
+            raise InputError(f"{why}; fix the function, or set reward_errors=skip to drop the rows it fails on")
+        if b - a == 1 or not failure.raised:
+            return {r: why for r in range(a, b)}, {}
+        single = dict(zip(range(a, b), self._run([(i, r, r + 1) for r in range(a, b)], args)))
+        return ({r: o.why for r, o in single.items() if isinstance(o, Failure)},
+                {r: o for r, o in single.items() if not isinstance(o, Failure)})
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
             self._pool = None
 
 

@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 
 from hetrl.schema import InputError, show
 
+from .checks import READERS, check_prompts
 from .rewards import builtin, builtin_rewards, completion_text, extract_answer
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -174,8 +175,15 @@ class TaskSource(_Stream):
 
 
 def load_rows(path: str, what: str = "data") -> list[dict]:
-    """Rows of a JSONL / JSON / Parquet / CSV file or a `save_to_disk` directory, read with `datasets` (offline,
-    its cache in a temporary directory that is removed: nothing is written outside out_dir)."""
+    """Rows of a JSONL / JSON / CSV file (hetrl.data.checks: values as written, bounded lines, strict UTF-8), or
+    of a Parquet file or `save_to_disk` directory read with `datasets` (offline, its cache in a temporary directory
+    that is removed: nothing is written outside out_dir)."""
+    p = pathlib.Path(path)
+    if p.is_file() and p.suffix.lower() in READERS:
+        rows = READERS[p.suffix.lower()](p, what)
+        if not rows:
+            raise InputError(f"{what}={path}: holds no rows")
+        return rows
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
@@ -185,6 +193,8 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
         raise InputError(f"{what}={path}: no such file or directory")
     progress = datasets.utils.logging.is_progress_bar_enabled()
     datasets.utils.logging.disable_progress_bar()
+    verbosity = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)   # its own error lines: ours says it once
     try:
         if p.is_dir():
             try:
@@ -212,6 +222,7 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
                                      f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
         rows = ds.to_list()
     finally:
+        datasets.utils.logging.set_verbosity(verbosity)
         if progress:
             datasets.utils.logging.enable_progress_bar()
     if not rows:
@@ -237,6 +248,14 @@ def as_rows(data, what: str) -> list[dict]:
     return rows
 
 
+def read_checked(data, what: str, prompt_key: str) -> list[dict]:
+    """as_rows, then every row's prompt checked (present, text or chat, not empty), naming the file and rows.
+    The loop calls it before the model loads and hands the rows on, so they are read once."""
+    rows = as_rows(data, what)
+    check_prompts(rows, prompt_key, f"{what}={data}" if isinstance(data, (str, os.PathLike)) else what)
+    return rows
+
+
 def _fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -247,11 +266,12 @@ class RowSource(_Stream):
     def __init__(self, data, eval_data, *, eval_size: int, seed: int, tokenizer, prompt_key: str = "prompt",
                  max_prompt_tokens: int | None = None, prompt_suffix: str = "", name: str | None = None):
         super().__init__(tokenizer, max_prompt_tokens)
-        rows = [self._normalise(r, i, prompt_key, "data", prompt_suffix) for i, r in enumerate(as_rows(data, "data"))]
+        rows = read_checked(data, "data", prompt_key)
+        rows = [self._normalise(r, i, prompt_key, "data", prompt_suffix) for i, r in enumerate(rows)]
         self.seed = seed
         if eval_data is not None:
             evals = [self._normalise(r, i, prompt_key, "eval_data", prompt_suffix)
-                     for i, r in enumerate(as_rows(eval_data, "eval_data"))]
+                     for i, r in enumerate(read_checked(eval_data, "eval_data", prompt_key))]
             split = "eval_data"
         else:
             if eval_size >= len(rows):

@@ -204,11 +204,21 @@ def frozen(cfg: RunConfig, model):
     return model
 
 
+def critic_model_problem(cfg: RunConfig) -> None:
+    """A critic_model that cannot be loaded, said as critic_model's problem (not the policy's `model`)."""
+    from hetrl.models import unknown_model
+
+    why = unknown_model(cfg.critic_model) if cfg.critic_model is not None else None
+    if why:
+        raise InputError(f"critic_model={cfg.critic_model}: {why}")
+
+
 def critic_model(cfg: RunConfig, policy_model=None):
     """The critic's decoder: critic_model's weights when given, else the initial policy's (a copy of
     `policy_model`, or loaded again from cfg.model), on the device and in the dtype of the policy."""
     from hetrl.models import load_model
 
+    critic_model_problem(cfg)
     if cfg.critic_model is None and policy_model is not None:
         return copy.deepcopy(policy_model)
     dtype = policy_model.get_input_embeddings().weight.dtype if policy_model is not None else DTYPES[cfg.dtype]

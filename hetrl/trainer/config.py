@@ -65,6 +65,13 @@ class RunConfig:
     reward: str | tuple[str, ...] = "verifier"
     reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each)
     reward_workers: int = rule(0, ge=0)   # processes for your reward functions (0: in this process)
+    # a reward function that raises, exits or (in a worker) dies or hangs: stop the run with one line naming it
+    # and the row, or skip: drop the groups of the rows it failed on (docs/train_failures.md)
+    reward_errors: str = rule("stop", choices=("stop", "skip"))
+    reward_timeout_s: float | None = rule(None, gt=0)   # a reward call in a worker taking longer fails (workers only)
+    # silent zeros (a reward None / 0 / constant for every row of the first step, a verl scorer without
+    # ground_truth, answer_key missing in the rows): a warning, or with strict an error
+    strict: bool = False
     format_reward: float = rule(0.0, ge=0)  # bonus when the reply is exactly the extracted answer (built-in format)
     # tools and environments in TRL's conventions (docs/agents.md): each rollout is a multi-turn tool-use episode
     tools: str | tuple[str, ...] = ()     # FILE.py:f1,f2 or package.module:NAME; type hints and a Google docstring each
@@ -127,7 +134,10 @@ class RunConfig:
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
     out_dir: str = "runs/default"
-    report_to: str = rule("none", choices=REPORT_TO)   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
+    report_to: str = rule("none", choices=REPORT_TO)
+    # a non-finite reward total, advantage, loss or gradient norm (hetrl/trainer/guards.py): stop the run before
+    # the step's checkpoint, or skip what it poisons (the step's update, or one optimizer step) and log it
+    nonfinite: str = rule("stop", choices=("stop", "skip"))   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
     seed: int = rule(0, ge=0)
     # execution (README "hetrl train on Ray"); the local executor runs every role in this process
     executor: str = rule("local", choices=EXECUTORS)
@@ -137,6 +147,7 @@ class RunConfig:
     cluster: str | None = None            # ray: the cluster YAML of the running Ray cluster at ray_address
     emulate_cluster: str | None = None    # ray: start a local Ray that declares this cluster's GPUs
     ray_address: str = "auto"             # ray with cluster=: the Ray cluster to join
+    ray_temp_dir: str | None = None       # ray with emulate_cluster=: Ray's session files (default: out_dir/ray)
 
     def __post_init__(self):
         if self.algorithm in _PRESETS:
@@ -205,6 +216,12 @@ class RunConfig:
                 raise ValueError(f"reward {r!r} is a reasoning-gym task's own check, and this run trains on "
                                  f"data={self.data}; use exact_match or math_verify (on answer_key="
                                  f"{self.answer_key}) or your own function FILE.py:NAME")
+        if not isinstance(self.lora_target_modules, str) and not self.lora_target_modules:
+            raise ValueError("lora_target_modules is empty; name the modules to adapt (e.g. [q_proj, v_proj]) or "
+                             "use all-linear (every Linear but the LM head)")
+        if self.reward_timeout_s is not None and not self.reward_workers:
+            raise ValueError(f"reward_timeout_s={self.reward_timeout_s:g} needs reward_workers >= 1: a function "
+                             "running in the trainer's process cannot be stopped; set reward_workers=1 (or more)")
         if self.reward_weights is not None and len(self.reward_weights) != len(rewards):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {len(rewards)} rewards "
                              f"({', '.join(rewards)}); give one weight per reward")
@@ -239,7 +256,8 @@ _TYPES = typing.get_type_hints(RunConfig)
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address", "reward_workers", "report_to", "device")
+                     "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers", "report_to", "device", "nonfinite",
+                     "reward_errors", "reward_timeout_s", "strict")
 
 
 def _check_keys(keys, where: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,11 @@ class UpdateStats:
     def no_step(cls) -> UpdateStats:
         """Nothing to learn from (every loss weight 0, e.g. all responses overlong): no optimizer step."""
         return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+def _finite_step(grad_norm: float, loss: float, shared_only: bool) -> bool:
+    """Whether an optimizer step may be taken: its gradient norm (and, on a lone learner, its loss) finite."""
+    return math.isfinite(grad_norm) and (shared_only or math.isfinite(loss))
 
 
 def _micro_batches(groups: Groups, micro_batch_tokens: int):
@@ -222,11 +228,14 @@ class Learner:
         if self.grad_sync is not None:
             self.grad_sync(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.sharded:
             from hetrl.trainer.sharding import full_value
             grad_norm = full_value(grad_norm)
+        # a non-finite step is never taken (hetrl/trainer/guards.py); data-parallel ranks decide on the synced
+        # gradient norm alone, which they share, so they all step or all skip
+        if _finite_step(float(grad_norm), totals["loss"], shared_only=self.grad_sync is not None or self.sharded):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
                            clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=float(grad_norm),
                            packed_tokens=packed, standard_tokens=standard)
@@ -292,7 +301,8 @@ class Critic:
         if self.grad_sync is not None:
             self.grad_sync(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
-        self.optimizer.step()
+        if _finite_step(float(grad_norm), loss_total, shared_only=self.grad_sync is not None):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return CriticStats(loss_total, clip_total, float(grad_norm))
 

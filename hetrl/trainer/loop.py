@@ -34,11 +34,13 @@ from tqdm import tqdm
 
 from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
-from hetrl.data.rewards import nested
+from hetrl.data.containment import UserAbort
+from hetrl.data.rewards import TrainerState, convention, load_reward, nested
+from hetrl.data.sources import read_checked
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, files, memory
+from hetrl.trainer import allocator, build, checkpoint, files, guards, memory
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.engine import Engine, make_engine
@@ -63,12 +65,14 @@ class Rollout:
         return self.example.prompt_ids
 
 
-def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]]) -> Scores:
-    """Every sample of every group in one call of each reward function (TRL's batch convention)."""
+def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]], check: bool = False
+                 ) -> Scores:
+    """Every sample of every group in one call of each reward function (TRL's batch convention). `check`: the
+    first training step's rewards are looked at for silent zeros (RewardSet.check_silent_zeros)."""
     rows = [e.row if s.episode is None or s.episode.environment is None else {**e.row, "environments":
             s.episode.environment} for e, samples in zip(examples, outputs) for s in samples]   # TRL's environments=
     return rewards.score(rows, [r["prompt"] for r in rows], [s.text for g in outputs for s in g],
-                         [s.tokens for g in outputs for s in g])
+                         [s.tokens for g in outputs for s in g], check=check)
 
 
 def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int,
@@ -97,15 +101,16 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
             outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
                                       cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                                       **({"logprobs": True} if want_logprobs else {}))
-        scores = score_groups(rewards, examples, outputs)
+        scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
         episode_samples += [s for g in outputs for s in g]
-        offset = 0
+        offset, failed = 0, set(scores.failed)
         for example, samples in zip(examples, outputs):
             r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)])
+            dropped = any(offset + k in failed for k in range(len(samples)))   # reward_errors=skip
             offset += len(samples)
             sampled.append(r)
-            if not cfg.dynamic_sampling or len(set(r.rewards)) > 1:
+            if (not cfg.dynamic_sampling or len(set(r.rewards)) > 1) and not dropped:
                 kept.append(r)
     split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split,
@@ -122,7 +127,13 @@ def rollout_logprobs(cfg: RunConfig, worker) -> bool:
 
 def _reward_stats(scored: list[Scores]) -> dict:
     total = [v for s in scored for v in s.total]
-    out = {"reward_mean": float(np.mean(total))}
+    out = {"reward_mean": guards.mean(total)}
+    for name in {k for s in scored for k in s.logged}:     # TRL's log_metric(name, value): the step's mean
+        out[name] = guards.mean([v for s in scored for v in s.logged.get(name, [])])
+    errors = [e for s in scored for e in s.errors]
+    if errors:     # reward_errors=skip: their groups were dropped
+        out["reward_errors"] = len(errors)
+        log.warning("reward_errors=skip: %d row(s) dropped; the first: %s", len(errors), errors[0])
     if scored[0].correct is not None:
         out["accuracy"] = float(np.mean([c for s in scored for c in s.correct]))
     merged = Scores(total, {k: [v for s in scored for v in s.per_function[k]] for k in scored[0].per_function},
@@ -154,7 +165,7 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Rollout
             row["correct"] = scores.correct[i]
         rows.append(row)
     files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
-    means = {"eval_reward": float(np.mean(scores.total))}
+    means = {"eval_reward": guards.mean(scores.total)}
     if scores.correct is not None:
         means["eval_accuracy"] = float(np.mean(scores.correct))
     means |= {f"eval_{k}": v for k, v in scores.means().items()}
@@ -212,7 +223,7 @@ def _finite(x: float) -> float | None:
 
 
 def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, critic=None,
-                  train_policy: bool = True) -> dict:
+                  train_policy: bool = True, step: int = 0) -> dict:
     """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups.
     Async: the importance ratio is taken against the behaviour policy that sampled each response (its
     log-probs come with the samples), not the learner's current weights. PPO: the critic's values, GAE, and a
@@ -239,6 +250,13 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     ref_logp = reference.logprobs(groups) if reference is not None else None
     if critic is not None:
         old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
+    # guards: every advantage (and PPO's return) finite before the first optimizer step; [K] per group's tokens
+    skipped: list[str] = []
+    sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
+    targets = {"advantages": ppo_adv, "returns": returns} if critic is not None else {
+        "advantages": _per_token(kept, cfg)[0]}
+    if any(guards.act(cfg.nonfinite, guards.check_advantages(step, v, sizes, k), skipped) for k, v in targets.items()):
+        return {"skipped": skipped}
     t_update = time.perf_counter()
     stats, critic_stats = [], []
     for j, part in enumerate(parts):
@@ -250,10 +268,14 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             advantages = ppo_adv[tok]
             weights = token_weights(*_responses([kept[i] for i in part], cfg), cfg.loss_agg)
             critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
+            c = critic_stats[-1]
+            guards.act(cfg.nonfinite, guards.check_update(step, "critic", j, c.value_loss, c.grad_norm), skipped)
         if train_policy:
             on_policy = j == 0 and cfg.mode != "async"
             stats.append(learner.update(mb, advantages, weights, None if on_policy else old_logp[tok],
                                         None if ref_logp is None else ref_logp[tok]))
+            s = stats[-1]
+            guards.act(cfg.nonfinite, guards.check_update(step, "policy", j, s.loss, s.grad_norm), skipped)
     row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
         "logprob_s": t_update - t0, "update_s": time.perf_counter() - t_update}
     if critic is not None:
@@ -265,14 +287,14 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
                 "return_mean": float(returns.mean()) if returns.numel() else 0.0,
                 "explained_variance": _finite(explained_variance(old_values, returns)),
                 "policy_updated": train_policy}
-    return row
+    return row | ({"skipped": skipped} if skipped else {})
 
 
 class _StopAfterStep:
     """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once."""
 
-    def __init__(self):
-        self.requested = False
+    def __init__(self, resume: str):
+        self.requested, self.resume = False, resume
 
     def __enter__(self):
         self._previous = signal.signal(signal.SIGINT, self._handle)
@@ -280,7 +302,8 @@ class _StopAfterStep:
 
     def _handle(self, *_):
         if self.requested:
-            raise KeyboardInterrupt
+            raise UserAbort(f"second Ctrl-C: aborted without saving this step; continue from the last checkpoint "
+                            f"with: {self.resume}")
         self.requested = True
         tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
 
@@ -378,7 +401,8 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
         if not allow_config_change:
             raise InputError(f"--resume: the config differs from the checkpoint's ({ckpt.name}) in what the run "
                              f"computes: {listed}. Resume with the run's own config ({resume_command(cfg)}), start "
-                             "a new run in another out_dir, or pass --allow-config-change to continue with the new values")
+                             "a new run in another out_dir, or pass --allow-config-change (from Python: "
+                             "hetrl.train(..., resume=True, allow_config_change=True)) to continue with the new values")
         tqdm.write(f"--allow-config-change: resuming {ckpt.name} with {listed} (logged in {run_dir / 'resumes.jsonl'})")
         MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
             k: [a, b] for k, (a, b) in changes.items()}})
@@ -404,10 +428,26 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
                      prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
 
 
+def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
+    """What can fail in the user's data and reward code, found before the model loads (hetrl.data.checks): the
+    rows read and checked (then handed on as rows, so they are read once), each reward function imported and
+    its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
+    if cfg.critic_model is not None:
+        build.critic_model_problem(cfg)
+    for f in (reward_list(reward_funcs) if reward_funcs is not None else cfg.rewards):
+        if callable(f) or ":" in f:
+            convention(f if callable(f) else load_reward(f))
+    if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
+        return train_dataset, eval_dataset
+    train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
+    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    return train, evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
+
+
 def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:
     """The run's reward functions (the config's, or those passed from Python), plus the format bonus, plus an
     environment's get_reward() (weight 1, as TRL)."""
-    funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
+    funcs = reward_list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
     weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
     if agent is not None and agent.env_reward:
         funcs.append(environment_reward(agent.environment_factory))
@@ -415,7 +455,13 @@ def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: epis
     if cfg.format_reward > 0:
         funcs.append("format")
         weights.append(cfg.format_reward)
-    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key))
+    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key),
+                     errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s, strict=cfg.strict)
+
+
+def reward_list(reward_funcs) -> list:
+    """reward_funcs from Python: a list, or one reward (a name, spec or callable) as TRL's reward_funcs takes it."""
+    return [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs)
 
 
 def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs, tools=None,
@@ -427,6 +473,7 @@ def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_f
         changes["tools"] = tuple(f"{PYTHON}:{getattr(t, '__name__', type(t).__name__)}" for t in tools)
     if environment_factory is not None:
         changes["environment"] = f"{PYTHON}:{getattr(environment_factory, '__name__', 'environment_factory')}"
+    reward_funcs = None if reward_funcs is None else reward_list(reward_funcs)
     if train_dataset is not None:
         if cfg_data not in (None, PYTHON):
             raise InputError(f"give the data once: data={cfg_data} in the config and train_dataset from Python")
@@ -466,7 +513,7 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
             on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
             with allocator.freed_memory_kept(on_cpu):
                 return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
-                                        tools, environment_factory)
+                                        tools, environment_factory, allow_config_change)
         finally:
             if metrics.tracker is not None:
                 metrics.tracker.close()
@@ -480,12 +527,13 @@ def run_precision_name(cfg: RunConfig) -> str:
 
 
 def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
-                     environment_factory=None) -> dict:
+                     environment_factory=None, allow_config_change: bool = False) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
     if device.type == "cuda":
         build.fast_fp32_matmuls(cfg)
     tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
+    train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
     model = model.to(device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
@@ -507,32 +555,41 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
         engine = make_engine(cfg, model, tokenizer, prompt_len)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
-            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt, agent)
+            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt, agent, allow_config_change)
         finally:
             engine.close()
     finally:
         rewards.close()
 
 
-def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path) -> None:
+def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path,
+                     allow_config_change: bool = False) -> None:
     """A checkpoint continues only on the data and rewards it was trained with (a path's file may have changed,
-    and data or rewards from Python have no path to compare)."""
+    and data or rewards from Python have no path to compare), unless the user allows the change (data that was
+    fixed after a run stopped on it), which is logged in resumes.jsonl."""
     if state.get("data_fingerprint") not in (None, source.fingerprint):
+        if allow_config_change:
+            tqdm.write(f"--allow-config-change: resuming {ckpt.name} on changed data ({source.description})")
+            MetricsLog(ckpt.parents[1] / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
+                "data_fingerprint": [state["data_fingerprint"], source.fingerprint]}})
+            return
         raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
-                         "held-out split or the prompt columns differ); resume with the run's own data, or start a "
-                         "new run in another out_dir")
+                         "held-out split or the prompt columns differ); resume with the run's own data, pass "
+                         "--allow-config-change (hetrl.train(..., resume=True, allow_config_change=True)) to "
+                         "continue on the changed data (logged), or start a new run in another out_dir")
     if state.get("reward_names") not in (None, rewards.names):
         raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
                          f"{', '.join(rewards.names)}; pass the same reward functions")
 
 
-def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, agent=None) -> dict:
+def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, agent=None,
+         allow_config_change=False) -> dict:
     step, next_problem, before, version = 0, 0, None, 0
     tool_worker = episodes.EpisodeWorker(engine.worker, agent, cfg.prompt_suffix) if agent is not None else None
     last_saved: pathlib.Path | None = None
     if ckpt is not None:
         state = engine.load(ckpt)
-        _check_same_data(state, source, rewards, ckpt)
+        _check_same_data(state, source, rewards, ckpt, allow_config_change)
         step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
         # checkpoints written before rewards were pluggable held correctness flags only
         before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
@@ -559,9 +616,10 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
                             next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
-    with _StopAfterStep() as stop:
+    with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
+            rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
             kept, sampled, next_problem, reward_stats = stream.next()
             t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
             row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
@@ -571,15 +629,20 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
             if versions:
                 row["staleness"] = version - min(versions)
                 assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
+            skipped: list[str] = []
+            if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
+                row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
             if kept:
                 row |= update_policy(cfg, engine.learner, kept, engine.reference, getattr(engine, "critic", None),
-                                     train_policy=step >= cfg.critic_warmup_steps)
+                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1)
                 version += 1
                 row |= engine.sync_weights(version)
             step += 1
             row["step_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
             metrics.write(row)
+            for reason in row.get("skipped", []):
+                tqdm.write(f"nonfinite=skip: {reason}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
                                     tool_worker)
@@ -590,7 +653,6 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
                             **({"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}),
                             tok_s=f"{row['tokens_per_s']:.0f}")
-    bar.close()
     stream.close()
     if stop.requested and step < cfg.steps:
         tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
@@ -612,7 +674,7 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
                "checkpoint": str(final),
                **({"merged_model": str(merged)} if merged else {}),
                "config": cfg.to_dict()}
-    files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    files.write_text(run_dir / "summary.json", json.dumps(guards.finite_or_none(summary), indent=2))
     plot_curves(rows, evals.read(), run_dir / "curves.png")
     tqdm.write(f"held-out {_score_name(after_means)}: before {_headline(before_means):.3f}, after "
                f"{_headline(after_means):.3f} ({len(after)} prompts, greedy; {summary['gained']} "

@@ -9,6 +9,7 @@ import pathlib
 
 from hetrl.schema import InputError
 from hetrl.trainer import files
+from hetrl.trainer.guards import finite_or_none
 
 # metrics.jsonl keys that measure time (they differ between otherwise identical runs); everything else in a row is
 # a function of the config and the seed
@@ -25,7 +26,8 @@ class MetricsLog:
         return self.path.is_file() and self.path.stat().st_size > 0
 
     def write(self, row: dict) -> None:
-        files.append_line(self.path, json.dumps(row) + "\n")
+        row = finite_or_none(row)      # strict JSON: a non-finite value is null, never NaN text
+        files.append_line(self.path, json.dumps(row, allow_nan=False) + "\n")
         if self.tracker is not None:
             self.tracker.log(row)
 
@@ -109,7 +111,7 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in rows if "reward_mean" in r]
+    train = [r for r in rows if r.get("reward_mean") is not None]     # null: a non-finite mean (guards)
     critic = [r for r in rows if r.get("value_loss") is not None]
     if critic:      # PPO: a second panel with the critic's value loss and explained variance
         fig, (ax, cax) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
@@ -133,6 +135,7 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
         if all("accuracy" in r for r in train):
             ax.plot(steps, [r["accuracy"] for r in train], ".-", label="train accuracy (sampled)")
     key = "eval_accuracy" if evals and all("eval_accuracy" in r for r in evals) else "eval_reward"
+    evals = [r for r in evals if r.get(key) is not None]
     if evals:
         ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-",
                 label=f"held-out {key.removeprefix('eval_')} (greedy)")

@@ -416,6 +416,33 @@ class ShardedScorer:
             raise self.on_failure(e) from e
 
 
+RAY_SOCKET_SUFFIX_CHARS = 62   # session_<date>_<time>_<us>_<pid>/sockets/plasma_store under Ray's temp dir
+UNIX_SOCKET_PATH_CHARS = 107   # the longest path of a unix socket (Linux)
+
+
+def ray_temp_dir(cfg: RunConfig) -> str:
+    """Where the local Ray this run starts keeps its session files (logs, spilled objects, sockets): `ray_temp_dir`,
+    else out_dir/ray, so nothing lands in /tmp. Ray's unix sockets live there too, and a socket path is limited to
+    107 characters: an out_dir too deep for that gets a short directory of its own under the system's temp
+    directory, said in the log."""
+    import tempfile
+
+    given = cfg.ray_temp_dir is not None
+    path = pathlib.Path(cfg.ray_temp_dir if given else pathlib.Path(cfg.out_dir) / "ray").resolve()
+    if len(str(path)) + RAY_SOCKET_SUFFIX_CHARS <= UNIX_SOCKET_PATH_CHARS:
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+    if given:
+        raise InputError(f"ray_temp_dir={cfg.ray_temp_dir}: {len(str(path))} characters, too long for Ray's unix "
+                         f"sockets under it (at most {UNIX_SOCKET_PATH_CHARS - RAY_SOCKET_SUFFIX_CHARS}); give a "
+                         "shorter path")
+    short = tempfile.mkdtemp(prefix="hetrl-ray-")
+    tqdm.write(f"ray: out_dir's path is too long for Ray's unix sockets ({len(str(path))} > "
+               f"{UNIX_SOCKET_PATH_CHARS - RAY_SOCKET_SUFFIX_CHARS} characters); Ray's session files are in {short} "
+               "(set ray_temp_dir=PATH to choose)")
+    return short
+
+
 class LearnerGroup(ShardedScorer):
     """Data-parallel learners behind the Learner interface: one optimizer step = every rank's update on its
     share of the groups, gradients summed across ranks (the loss weights are global, so the sum is the
@@ -442,7 +469,7 @@ class LearnerGroup(ShardedScorer):
         stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp)
         return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
-                           entropy=sum(s.entropy for s in stats), grad_norm=max(s.grad_norm for s in stats),
+                           entropy=sum(s.entropy for s in stats), grad_norm=guards.worst(s.grad_norm for s in stats),
                            packed_tokens=sum(s.packed_tokens for s in stats),
                            standard_tokens=sum(s.standard_tokens for s in stats))
 
@@ -459,7 +486,7 @@ class CriticGroup(ShardedScorer):
             return CriticStats(0.0, 0.0, 0.0)
         stats = self._spread("update", groups, returns, old_values, weights)
         return CriticStats(value_loss=sum(s.value_loss for s in stats), vf_clip_frac=sum(s.vf_clip_frac for s in stats),
-                           grad_norm=max(s.grad_norm for s in stats))
+                           grad_norm=guards.worst(s.grad_norm for s in stats))
 
 
 class RolloutPool:
@@ -635,7 +662,7 @@ class RayEngine:
         if self._started:
             if emulated:   # one machine: advertise loopback only, no dashboard
                 ray.init(resources=node_resources(self.cluster), include_dashboard=False, _node_ip_address="127.0.0.1",
-                         object_store_memory=1 << 30, configure_logging=False)
+                         object_store_memory=1 << 30, configure_logging=False, _temp_dir=ray_temp_dir(cfg))
             else:
                 try:
                     ray.init(address=cfg.ray_address, configure_logging=False)
@@ -687,7 +714,10 @@ class RayEngine:
                           f"{', '.join(g for p in placed if p['role'] == role for g in p['gpus'])}"
                           for role in ROLES if any(p["role"] == role for p in placed))
         source = self.cfg.plan or "planned now (hybrid)"
-        tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})")
+        shards = ("; the learners are FSDP2 shards (zero: 3: parameters, gradients and optimizer states split over "
+                  f"{sum(p['role'] == 'learner' for p in placed)} ranks)" if self.learner.sharded else "")
+        tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})"
+                   + shards)
         out = pathlib.Path(self.cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         files.write_text(out / "placement.json", json.dumps(

@@ -2,6 +2,7 @@
 and every bad reward is one clear line."""
 
 import math
+import re
 import textwrap
 
 import pytest
@@ -25,7 +26,8 @@ def test_a_trl_reward_receives_each_rows_columns_by_value():
     assert s.total == [1.0, 0.0]
     assert seen["answer"] == ["4", "6"] and seen["level"] == [1, 2]
     assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
-    assert seen["prompts"] == [r["prompt"] for r in ROWS] and seen["ids"] == [[7], [8, 9]] and seen["extra"] == {}
+    assert seen["prompts"] == [r["prompt"] for r in ROWS] and seen["ids"] == [[7], [8, 9]]
+    assert sorted(seen["extra"]) == ["log_extra", "log_metric", "trainer_state"]     # as TRL 1.16 passes them
 
 
 def test_string_prompts_get_string_completions():
@@ -75,9 +77,14 @@ def test_the_two_conventions_are_told_apart_by_signature():
     def neither(x, y):
         return 0.0
 
-    assert convention(trl) == "trl" and convention(verl) == "verl"
-    with pytest.raises(InputError, match="fit neither"):
+    def per_source(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+        return score if solution_str.endswith(f"#### {ground_truth}") else format_score
+
+    assert convention(trl) == "trl" and convention(verl) == "verl" and convention(per_source) == "verl"
+    with pytest.raises(InputError, match="fit none of"):
         convention(neither)
+    rows = [{"reward_model": {"ground_truth": "7"}}] * 2
+    assert RewardSet([per_source]).score(rows, ["p"] * 2, ["so #### 7", "#### 8"]).total == [1.0, 0.0]
 
 
 def test_specs_load_from_a_file_and_a_module(tmp_path):
@@ -108,7 +115,9 @@ def test_bad_spec_forms_are_refused(tmp_path):
 @pytest.mark.parametrize("ret, match", [
     ("[1.0]", "returned 1 rewards for 2 completions"),
     ("[1.0, float('nan')]", "row 1: returned nan, not a finite number"),
-    ("[1.0, 'good']", "row 1: returned 'good', not a number"),
+    ("[1.0, 'good']", "row 1: returned the text 'good', not a number"),
+    ("'1111'", "reward bad: returned str '1111', expected a list of 2 numbers"),
+    ("['1', '1']", "row 0: returned the text '1', not a number"),
     ("7", "returned int, expected a list of 2 numbers"),
     ("[1.0, 1 / 0]", r"raised ZeroDivisionError: division by zero \(.*:3\)"),
 ])
@@ -177,3 +186,199 @@ def test_a_failing_function_in_a_worker_is_still_one_line(tmp_path):
             rewards.score([{}] * 4, ["p"] * 4, ["a"] * 4)
     finally:
         rewards.close()
+
+
+# ------------------------------------------------------------------ containment (hetrl/data/containment.py)
+
+MISBEHAVING = textwrap.dedent("""
+    import os, sys, time
+    def exits(completions, **kw):
+        sys.exit(0)
+    def interrupts(completions, **kw):
+        raise KeyboardInterrupt
+    def dies(completions, **kw):
+        os._exit(0)
+    def hangs(completions, **kw):
+        time.sleep(600)
+    def fine(completions, **kw):
+        return [float(len(c)) for c in completions]
+    def some_rows(completions, **kw):
+        if any(c == "bad" for c in completions):
+            raise ValueError("bad row")
+        return [1.0] * len(completions)
+""")
+
+
+@pytest.mark.parametrize("name, workers, match", [
+    ("exits", 0, r"reward exits: raised SystemExit\(0\) \(.*bad\.py:4\) on a batch of 4 completions \(rows 0\.\.3\)"),
+    ("interrupts", 0, r"reward interrupts: raised KeyboardInterrupt .* \(rows 0\.\.3\)"),
+    ("exits", 1, r"reward exits: raised SystemExit\(0\) .*\(rows 0\.\.3\)"),
+    ("dies", 1, r"reward dies: rows 0\.\.3: its worker process exited \(exit code 0\) without returning"),
+])
+def test_exits_interrupts_and_dying_workers_are_that_rewards_error(tmp_path, name, workers, match):
+    (tmp_path / "bad.py").write_text(MISBEHAVING)
+    rewards = RewardSet([f"{tmp_path / 'bad.py'}:{name}", f"{tmp_path / 'bad.py'}:fine"], workers=workers)
+    try:
+        with pytest.raises(InputError, match=match):
+            rewards.score([{}] * 4, ["p"] * 4, ["a", "bb", "ccc", "dddd"])
+        if workers:     # the pool lives on: the next call gets a fresh worker
+            assert RewardSet([f"{tmp_path / 'bad.py'}:fine"], workers=1).score(
+                [{}] * 2, ["p"] * 2, ["a", "bb"]).total == [1.0, 2.0]
+    finally:
+        rewards.close()
+
+
+def test_a_hung_reward_in_a_worker_times_out_and_the_worker_is_replaced(tmp_path):
+    import time
+
+    (tmp_path / "bad.py").write_text(MISBEHAVING)
+    hangs = RewardSet([f"{tmp_path / 'bad.py'}:hangs"], workers=1, timeout_s=2.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(InputError, match=r"reward hangs: rows 0\.\.1: did not return within reward_timeout_s=2 s"):
+            hangs.score([{}] * 2, ["p"] * 2, ["a", "b"])
+        assert time.monotonic() - t0 < 30
+    finally:
+        hangs.close()
+    with pytest.raises(InputError, match="reward_timeout_s=2 needs reward_workers >= 1"):
+        RewardSet([f"{tmp_path / 'bad.py'}:hangs"], timeout_s=2.0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reward_errors_skip_drops_only_the_rows_that_fail(tmp_path, workers):
+    (tmp_path / "bad.py").write_text(MISBEHAVING)
+    rewards = RewardSet([f"{tmp_path / 'bad.py'}:some_rows", f"{tmp_path / 'bad.py'}:fine"], workers=workers,
+                        errors="skip")
+    try:
+        got = rewards.score([{}] * 4, ["p"] * 4, ["a", "bad", "ccc", "dd"])
+    finally:
+        rewards.close()
+    assert got.failed == [1]
+    assert len(got.errors) == 1 and "reward some_rows" in got.errors[0] and "bad row" in got.errors[0]
+    assert got.per_function["some_rows"] == [1.0, None, 1.0, 1.0]
+    assert got.total == [2.0, 3.0, 4.0, 3.0]
+
+
+def test_a_module_that_exits_while_importing_is_one_line(tmp_path):
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\ndef f(completions, **kw):\n    return []\n")
+    with pytest.raises(InputError, match=r"importing it failed at .*quits\.py:2: SystemExit\(0\)"):
+        RewardSet([f"{tmp_path / 'quits.py'}:f"])
+
+
+# ------------------------------------------------------------------ silent zeros (RewardSet.check_silent_zeros)
+
+def _none(completions, **kw):
+    return [None] * len(completions)
+
+
+def _ones(completions, **kw):
+    return [1.0] * len(completions)
+
+
+def _varies(completions, **kw):
+    return [float(len(c)) for c in completions]
+
+
+def _verl(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
+
+
+@pytest.mark.parametrize("funcs, rows, needle", [
+    ([_none], [{}] * 3, "reward _none returned None (not applicable) for every one of the 3 rows"),
+    ([_ones], [{}] * 3, "reward _ones is 1 for every one of the 3 rows of the first step"),
+    ([_verl, _varies], [{"data_source": "x"}] * 3, "was called with ground_truth=None for 3 of 3 rows"),
+    (["exact_match", _varies], [{"reward_model": {"x": 1}}] * 3,
+     "answer_key=reward_model.ground_truth is missing in 3 of 3 rows"),
+])
+def test_silent_zeros_warn_at_the_first_step_and_fail_under_strict(funcs, rows, needle, caplog):
+    from hetrl.data.rewards import builtin_rewards
+
+    builtins = builtin_rewards("reward_model.ground_truth")
+    args = (rows, ["p"] * len(rows), ["a", "bb", "ccc"][:len(rows)])
+    with caplog.at_level("WARNING"):
+        RewardSet(funcs, builtins=builtins).score(*args)          # not a checked call: nothing said
+        assert not caplog.records
+        quiet = RewardSet(funcs, builtins=builtins)
+        quiet.score(*args, check=True)
+        assert any(needle in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        quiet.score(*args, check=True)                            # once, at the first step
+        assert not caplog.records
+    with pytest.raises(InputError, match="^strict=true: .*" + re.escape(needle)):
+        RewardSet(funcs, builtins=builtins, strict=True).score(*args, check=True)
+
+
+def test_a_varying_reward_is_not_warned_about(caplog):
+    with caplog.at_level("WARNING"):
+        RewardSet([_varies]).score([{}] * 3, ["p"] * 3, ["a", "bb", "ccc"], check=True)
+    assert not caplog.records
+
+
+# ------------------------------------------------------------------ users' existing reward code
+
+def test_trl_extras_reach_a_function_that_takes_them():
+    seen = {}
+
+    def logs(completions, trainer_state, log_metric, log_extra, **kw):
+        seen["step"] = trainer_state.global_step
+        log_metric("my/len", sum(len(c) for c in completions) / len(completions))
+        log_extra("len", [len(c) for c in completions])
+        return [0.0] * len(completions)
+
+    def plain(prompts, completions, completion_ids):     # no **kwargs: none of the extras
+        return [1.0] * len(completions)
+
+    from hetrl.data.rewards import TrainerState
+
+    rewards = RewardSet([logs, plain])
+    rewards.trainer_state = TrainerState(global_step=3, max_steps=5)
+    got = rewards.score([{}] * 2, ["p"] * 2, ["ab", "abcd"])
+    assert seen["step"] == 3 and got.logged == {"my/len": [3.0]} and got.extra["logs/len"] == [2, 4]
+    assert got.per_function["plain"] == [1.0, 1.0]
+
+
+def test_a_verl_per_source_scorer_copied_from_verl_is_taken_as_written():
+    from tests.data.fixtures import verl_gsm8k
+
+    rows = [{"reward_model": {"ground_truth": "72"}}] * 3
+    got = RewardSet([verl_gsm8k.compute_score]).score(rows, ["p"] * 3, ["so #### 72", "#### 7", "no answer"])
+    assert got.total == [1.0, 0.0, 0.0]
+
+
+def test_a_module_spec_imports_from_the_current_directory(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "scores.py").write_text("def f(completions, **kw):\n    return [2.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    assert load_reward("mypkg.scores:f")(["a"]) == [2.0]
+    assert str(tmp_path) not in sys.path           # the path is as it was
+
+
+def test_a_bad_log_metric_value_is_the_rewards_error():
+    def logs(completions, log_metric, **kw):
+        log_metric("len", "long")
+        return [0.0] * len(completions)
+
+    with pytest.raises(InputError, match=r"^reward logs: log_metric\('len', 'long'\): the value must be a finite "
+                                         r"number on a batch of 2 completions \(rows 0\.\.1\)"):
+        RewardSet([logs]).score([{}] * 2, ["p"] * 2, ["a", "b"])
+
+
+def test_a_reward_file_is_executed_once_per_version(tmp_path):
+    import os
+
+    f = tmp_path / "counted.py"
+    f.write_text("import pathlib\nLOG = pathlib.Path(__file__).with_suffix('.runs')\n"
+                 "LOG.write_text(LOG.read_text() + 'x' if LOG.exists() else 'x')\n"
+                 "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    load_reward(f"{f}:f")
+    load_reward(f"{f}:f")           # `hetrl train` checks it before the model loads, then the run loads it
+    assert (tmp_path / "counted.runs").read_text() == "x"
+    f.write_text(f.read_text() + "\n# changed\n")
+    os.utime(f, ns=(1, 2))
+    load_reward(f"{f}:f")
+    assert (tmp_path / "counted.runs").read_text() == "xx"

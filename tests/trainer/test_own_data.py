@@ -65,7 +65,7 @@ def test_a_jsonl_chat_dataset_with_a_trl_reward_that_receives_each_rows_columns(
             row = by_prompt[json.dumps(prompt)]          # every column is this row's value at the same position
             assert (call["answer"][i], call["level"][i], call["tag"][i]) == (row["answer"], row["level"], row["tag"])
             assert call["completions"][i][0]["role"] == "assistant" and isinstance(call["ids"][i], list)
-        assert call["other"] == []                       # no column left out of the named ones
+        assert call["other"] == ["log_extra", "log_metric", "trainer_state"]   # no column left out; TRL's extras
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("reward/score" in m for m in metrics)
     assert all("accuracy" not in m for m in metrics)     # a user's reward has no notion of "correct"
@@ -172,9 +172,12 @@ BAD_REWARDS = {
     "nan": ("def f(completions, **kw):\n    return [float('nan')] * len(completions)\n", "f",
             "reward f: row 0: returned nan, not a finite number"),
     "text": ("def f(completions, **kw):\n    return ['good'] * len(completions)\n", "f",
-             "reward f: row 0: returned 'good', not a number"),
+             "reward f: row 0: returned the text 'good', not a number"),
     "missing": ("def g(completions, **kw):\n    return []\n", "f", r"has no 'f' \(callables there: g\)"),
-    "signature": ("def f(x, y):\n    return []\n", "f", "fit neither TRL's"),
+    "signature": ("def f(x, y):\n    return []\n", "f", "fit none of TRL's"),
+    "sys_exit_0": ("import sys\ndef f(completions, **kw):\n    sys.exit(0)\n", "f",
+                   r"reward f: raised SystemExit\(0\) .* \(rows 0\.\.3\); fix the function, or set reward_errors=skip"),
+    "exit_at_import": ("import sys\nsys.exit(0)\n", "f", r"importing it failed at .*reward\.py:2: SystemExit\(0\)"),
     "verl_raises": ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    return 1 / 0\n", "compute_score", r"reward compute_score: row 0: raised ZeroDivisionError"),
 }
@@ -196,9 +199,10 @@ def test_a_bad_reward_is_one_line(tmp_path, capsys, case):
 
 @pytest.mark.parametrize("setup, message", [
     (lambda d: _write_jsonl(d / "x.jsonl", [{"question": "q", "answer": "1"}] * 10),
-     "row 0 has no prompt column 'prompt' (columns: question, answer); set prompt_key=COLUMN"),
+     "rows 0, 1, 2, 3, 4 (and 5 more) have no prompt column 'prompt' (row 0's columns: question, answer); set "
+     "prompt_key=COLUMN"),
     (lambda d: (d / "x.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n') and d / "x.jsonl",
-     "x.jsonl: cannot be read as .jsonl"),
+     "x.jsonl: line 2 is not JSON (Expecting value at column 11)"),
     (lambda d: d / "missing.parquet", "missing.parquet: no such file or directory"),
     (lambda d: (d / "x.txt").write_text("hi") and d / "x.txt", "unknown file type '.txt'"),
     (lambda d: _write_jsonl(d / "x.jsonl", [{"prompt": 3}] * 10), "the prompt must be a string or a list of chat"),
@@ -210,3 +214,69 @@ def test_bad_data_is_one_line(tmp_path, capsys, setup, message):
                  *QUICK]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_reward_worker_that_calls_os_exit_is_one_line_and_skip_goes_on(tmp_path, capsys):
+    (tmp_path / "reward.py").write_text("import os\ndef f(completions, **kw):\n    os._exit(0)\n")
+    data = _write_jsonl(tmp_path / "data.jsonl", _chat_rows())
+    args = ["train", "--config", TINY, f"data={data}", f"reward={tmp_path / 'reward.py'}:f", "reward_workers=1", *QUICK]
+    assert main([*args, f"out_dir={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward f: rows 0..3: its worker process exited (exit code 0) without returning" in err[0]
+    # reward_errors=skip: every row fails, so every group is dropped and nothing is trained, said in metrics
+    assert main([*args, f"out_dir={tmp_path / 'b'}", "reward_errors=skip"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_errors"] for r in rows] == [8, 8] and all(r["groups_kept"] == 0 for r in rows)
+
+
+def test_verls_own_gsm8k_scorer_copied_unchanged_trains(tmp_path, capsys, caplog):
+    """verl 0.9.1's gsm8k.compute_score(solution_str, ground_truth, method, format_score, score), as verl ships it
+    (tests/data/fixtures/verl_gsm8k.py), on verl's data layout."""
+    rows = [{"prompt": r["prompt"], "data_source": "openai/gsm8k",
+             "reward_model": {"style": "rule", "ground_truth": r["answer"]}} for r in _chat_rows()]
+    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    scorer = pathlib.Path(__file__).parents[1] / "data" / "fixtures" / "verl_gsm8k.py"
+    out = tmp_path / "run"
+    assert main(["train", "--config", TINY, f"out_dir={out}", f"data={data}", f"reward={scorer}:compute_score",
+                 *QUICK]) == 0, capsys.readouterr().err
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all("reward/compute_score" in m for m in metrics)
+    # the tiny model never writes "#### N": the scorer is 0 for every row, and hetrl says so at the first step
+    assert any("warning: reward compute_score is 0 for every one of the 8 rows of the first step" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_trl_reward_using_log_metric_trains_and_its_metric_lands_in_metrics_jsonl(tmp_path):
+    (tmp_path / "trl_reward.py").write_text(textwrap.dedent("""
+        def length_reward(completions, trainer_state, log_metric, **kwargs):
+            lengths = [len(c[0]["content"]) for c in completions]
+            log_metric("completion_len", sum(lengths) / len(lengths))
+            log_metric("step_seen", float(trainer_state.global_step))
+            return [float(n % 3) for n in lengths]
+    """))
+    data = _write_jsonl(tmp_path / "data.jsonl", _chat_rows())
+    out = tmp_path / "run"
+    assert main(["train", "--config", TINY, f"out_dir={out}", f"data={data}",
+                 f"reward={tmp_path / 'trl_reward.py'}:length_reward", "reward_workers=1", *QUICK]) == 0
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step_seen"] for m in metrics] == [0.0, 1.0]
+    assert all(0 < m["completion_len"] for m in metrics)
+
+
+def test_strict_makes_a_reward_that_is_none_for_every_row_an_error(tmp_path, capsys):
+    (tmp_path / "reward.py").write_text("def f(completions, **kw):\n    return [None] * len(completions)\n")
+    data = _write_jsonl(tmp_path / "data.jsonl", _chat_rows())
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", f"data={data}",
+                 f"reward={tmp_path / 'reward.py'}:f", "strict=true", *QUICK]) == 2
+    err = [s for s in capsys.readouterr().err.replace("\r", "\n").splitlines() if s.strip() and
+           not s.startswith("train:")]
+    assert len(err) == 1 and "strict=true: reward f returned None (not applicable) for every one of the 8 rows" \
+        in err[0], err
+
+
+def test_one_reward_given_from_python_as_a_string_is_one_reward(tmp_path):
+    rows = [{"prompt": f"{i} + {i} =", "answer": str(2 * i)} for i in range(24)]
+    summary = hetrl.train(TINY, train_dataset=rows, reward_funcs="exact_match", out_dir=str(tmp_path / "py"),
+                          steps=1, eval_size=4, checkpoint_every=0, prompts_per_step=4, responses_per_prompt=2,
+                          mini_batches=1)
+    assert summary["config"]["reward"] == ["exact_match"]
