@@ -1,8 +1,10 @@
-"""Cost model vs published RL step times: NeMo-RL's performance table, stock verl (the DualKV paper's FA2
-baseline) and the DualKV paper's own runs. Each run is written in our formats (cluster, workload, plan) and
+"""How far the planner's cost model is from measured RL step times; result: benchmarks/results/cost_model_validation.md.
+
+Published runs: NeMo-RL's performance table, stock verl (the DualKV paper's FA2 baseline), the DualKV paper's own
+runs and those of benchmarks/published_runs.yaml. Each run is written in our formats (cluster, workload, plan) and
 scored with `hetrl.planner.estimate`, the same function `hetrl plan --evaluate` calls.
 
-    python benchmarks/cost_model_validation.py
+    python -m benchmarks.cost_model_validation
 
 Nothing here is fitted: the cost model's constants were set before these runs were collected, and where a
 prediction was wrong the term's physics was fixed (docs/cost_model.md, "Checked against published runs").
@@ -16,6 +18,7 @@ import json
 import pathlib
 import statistics
 
+from hetrl.bench.harness import write_results
 from hetrl.planner import estimate
 from hetrl.planner.plan import plan_from_dict
 from hetrl.planner.spec import cluster_from_dict, workload_from_dict
@@ -441,14 +444,12 @@ def main() -> None:
                "moe": {**_stats(moe), "within_50pct": sum(abs(r["error"]) <= 0.5 for r in moe if r["error"] is not None)},
                "megatron": _stats([r for r in rows if r["megatron"]]),
                "spearman_by_system": rho}
-    out = ROOT / "benchmarks" / "results"
-    (out / "cost_model_validation.json").write_text(json.dumps({"summary": summary, "runs": rows}, indent=1))
 
     def pct(v):
         return "n/a" if v is None else f"{v:.0%}"
     lines = ["# Cost model vs published RL step times", "",
              "Predicted by `hetrl.planner.estimate` (what `hetrl plan --evaluate` reports) for each published run "
-             "written as our cluster, workload and plan; `python benchmarks/cost_model_validation.py`. No constant "
+             "written as our cluster, workload and plan; `python -m benchmarks.cost_model_validation`. No constant "
              "is fitted to these runs. Sources and assumptions per run are in the JSON (and, for the 45 runs of "
              "`benchmarks/published_runs.yaml`, in that file, committed before any of them was scored).", "",
              f"- runs: {len(rows)} from {len(summary['systems'])} systems ({', '.join(summary['systems'])}); "
@@ -515,7 +516,8 @@ def main() -> None:
             lines.append(f"| {r['run']} | {r['measured_s']} (update {r['measured_phases_s']['actor_train']}) | "
                          + " | ".join(cells) + " |")
     lines += ["", ANALYSIS]
-    (out / "cost_model_validation.md").write_text("\n".join(lines) + "\n")
+    write_results(ROOT / "benchmarks" / "results", "cost_model_validation", {"summary": summary, "runs": rows},
+                  "\n".join(lines), indent=1)
     print("\n".join(lines))
 
 

@@ -329,7 +329,7 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
 
 def markdown(res: dict) -> str:
     m = res["machine"]
-    lines = [f"# DualKV on CPU, side by side ({m['cores']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
+    lines = [f"# DualKV on CPU, side by side ({m['cpus']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
              f"median of {res['repeats']} interleaved rounds)", ""]
     if res.get("grid_cases_measured", 0) < res.get("grid_cases", 0):
         lines += [f"**Partial: {res['grid_cases_measured']} of the {res['grid_cases']} grid cases measured so far** "

@@ -295,7 +295,7 @@ def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped
 
 def markdown(res: dict) -> str:
     m = res["machine"]
-    lines = [f"# Tree engine on agentic trees ({res['model']}, {m['cores']} CPUs, torch {m['torch']}, "
+    lines = [f"# Tree engine on agentic trees ({res['model']}, {m['cpus']} CPUs, torch {m['torch']}, "
              f"{m['torch_threads']} threads; median of {res['repeats']} interleaved rounds{', --quick' if res['quick'] else ''})",
              "", "One update micro-step (forward, GRPO clipped loss on the model's tokens, backward). Speedup of `tree` "
              "over each layout; `frac` = speedup over linear / FLOP ratio (target >= 0.85). Memory: peak RSS increase "
