@@ -328,3 +328,35 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     held = old_values + torch.clamp(values - old_values, -clip, clip)
     capped = (held - returns) ** 2
     return 0.5 * torch.maximum(plain, capped), (capped > plain).to(values.dtype)
+
+
+# --- TRL's names -------------------------------------------------------------------------------------------------
+
+TRL_LOSS_TYPES = {   # TRL GRPOConfig.loss_type -> (loss_mode, loss_agg_mode)
+    "grpo": ("vanilla", "seq-mean-token-mean"), "bnpo": ("vanilla", "token-mean"), "dapo": ("vanilla", "token-mean"),
+    "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"), "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+}
+
+
+def from_trl(loss_type: str, importance_sampling_level: str = "token", epsilon: float = 0.2,
+             epsilon_high: float | None = None) -> dict:
+    """TRL GRPOConfig's loss names -> this registry's: {loss_mode, loss_agg_mode, clip_ratio_low, clip_ratio_high}.
+    importance_sampling_level=sequence is GSPO; cispo's epsilon_high is TRL's cap on the ratio (1 + clip_ratio_high,
+    no lower clip). luspo and vespo have no verl counterpart and are refused."""
+    if loss_type not in TRL_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type} has no counterpart here; valid: {', '.join(TRL_LOSS_TYPES)}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
+    mode, agg = TRL_LOSS_TYPES[loss_type]
+    high = epsilon if epsilon_high is None else epsilon_high
+    if importance_sampling_level == "sequence":
+        if mode != "vanilla":
+            raise ValueError(f"importance_sampling_level=sequence (GSPO) applies to the clipped losses (loss_type "
+                             f"grpo, bnpo, dapo, dr_grpo), not loss_type={loss_type}")
+        mode = "gspo"
+    if mode == "sapo":   # its temperatures are TRL's sapo_temperature_pos / _neg: tau_pos / tau_neg
+        return dict(loss_mode=mode, loss_agg_mode=agg)
+    if mode == "cispo":
+        return dict(loss_mode=mode, loss_agg_mode=agg, clip_ratio_low=1.0, clip_ratio_high=high - 1.0)
+    return dict(loss_mode=mode, loss_agg_mode=agg, clip_ratio_low=epsilon, clip_ratio_high=high)
