@@ -391,6 +391,16 @@ class WorkloadSpec:
     # use_dynamic_bsz with ppo_max_token_len_per_gpu, remove-padding; NeMo-RL's sequence packing): a micro-batch
     # holds at most this many tokens on one GPU (x sp over a sequence-parallel group); absent: micro_batch_responses
     max_tokens_per_micro_batch: int | None = rule(None, ge=1)
+    # dynamic sampling (DAPO): the rollout generates this many times the prompts that are trained, and groups whose
+    # rewards do not vary are dropped before the log-prob passes and the update (NeMo-RL grpo.batch_multiplier with
+    # use_dynamic_sampling; verl's DAPO recipe data.gen_batch_size / data.train_batch_size). A lower bound where the
+    # engine draws further batches until enough groups are kept.
+    rollout_batch_multiplier: float = rule(1.0, ge=1)
+    # what the training and log-prob passes compute over: 'none', the real tokens (packed micro-batches, verl's
+    # remove-padding, NeMo-RL's sequence packing); 'prompt', every prompt padded to the longest a prompt may be
+    # (DeepSpeed-Chat's DataCollatorRLHF), responses at their mean; 'max', prompts and responses padded to their
+    # maxima (an engine that pads each micro-batch to its longest sequence, where that reaches the caps)
+    padding: str = rule("none", choices=("none", "prompt", "max"))
 
     def __post_init__(self):
         check(self)
@@ -411,7 +421,21 @@ class WorkloadSpec:
 
     @property
     def samples(self) -> int:
+        """Samples trained per step (the kept groups under dynamic sampling)."""
         return self.prompts_per_step * self.responses_per_prompt
+
+    @property
+    def generated_samples(self) -> float:
+        """Samples the rollout generates per step: `samples` x rollout_batch_multiplier."""
+        return self.samples * self.rollout_batch_multiplier
+
+    @property
+    def pass_lengths(self) -> tuple[float, float]:
+        """(prompt, response) tokens per sample that the training and log-prob passes compute over: the means, or
+        the maxima where the engine pads to them (`padding`)."""
+        p = self.prompt_tokens.max if self.padding != "none" else self.prompt_tokens.mean
+        r = self.response_tokens.max if self.padding == "max" else self.response_tokens.mean
+        return p, r
 
     def model(self, role: str) -> ModelSpec | None:
         return getattr(self, role)
@@ -435,7 +459,8 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
-                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch")
+                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch", "rollout_batch_multiplier",
+                 "padding")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
