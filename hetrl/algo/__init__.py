@@ -11,6 +11,8 @@ from .packing import packed_policy_loss, row_mask, to_packed, to_padded
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "KL_PENALTIES", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "advantage", "agg_loss",
            "clipped_value_loss", "entropy_from_logits", "entropy_loss", "explained_variance", "gae_returns",
-           "kl_penalty", "loss_aggregation", "masked_mean", "masked_whiten", "packed_policy_loss", "per_token_policy_loss", "policy_loss",
-           "row_mask", "to_packed", "to_padded", "token_weights", "weighted_sum", "whiten"]
+           "kl_penalty", "loss_aggregation", "masked_mean", "masked_whiten", "packed_policy_loss",
+           "per_token_policy_loss", "policy_loss",
+           "row_mask", "to_packed", "to_padded", "token_weights", "tree_advantages", "weighted_sum", "whiten"]
 from .legacy import clipped_policy_loss, gae, group_advantages, kl_k3  # noqa: E402  (until the trainer moves over)
+from .tree import tree_advantages  # noqa: E402
