@@ -79,7 +79,7 @@ class Estimate:
         """(samples/s, tokens/s); tokens are prompt + response of every sample."""
         if not self.feasible:
             return 0.0, 0.0
-        tokens = workload.samples * (workload.prompt_tokens.mean + workload.response_tokens.mean)
+        tokens = workload.samples * (workload.prompt_tokens.mean + workload.completion_tokens.mean)
         return workload.samples / self.iteration_time_s, tokens / self.iteration_time_s
 
 
@@ -120,8 +120,11 @@ def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     """Tokens and causal attention (query, key) pairs one pass over the batch processes.
 
     With DualKV the prompt runs once per micro-batch of responses (a group larger than the micro-batch is
-    split into sub-groups that each carry the prompt), so rho is capped by the micro-batch."""
-    p, r, n, g = w.prompt_tokens.mean, w.response_tokens.mean, w.responses_per_prompt, w.prompts_per_step
+    split into sub-groups that each carry the prompt), so rho is capped by the micro-batch. Episodes (turns > 1)
+    are trees: every turn shared by the leaves below it is computed once (_episode_tokens_and_pairs)."""
+    if w.turns > 1:
+        return _episode_tokens_and_pairs(w)
+    (p, r), n, g = w.pass_lengths, w.responses_per_prompt, w.prompts_per_step
     if w.dualkv:
         copies = math.ceil(n / min(n, w.micro_batch_responses))
         return g * (copies * p + n * r), g * (copies * p * p / 2 + n * (r * p + r * r / 2))
@@ -129,9 +132,31 @@ def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     return g * n * s, g * n * s * s / 2
 
 
+def _episode_tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
+    """_tokens_and_pairs of multi-turn episodes, at mean lengths. Turn j (of `turns`) runs on c_j rows of each
+    task (w.turn_rows), each a turn of R model tokens and, but for the last, a tool result of U tokens, starting
+    at depth D_j = P + (j-1)(R + U). DualKV (the trie packing of hetrl's update): P + sum_j c_j (R + U_j) tokens
+    per task, each attending to its ancestors only: P^2/2 + sum_j c_j (S_j D_j + S_j^2/2) pairs; the prompt once
+    per micro-batch of leaves (a task cut into parts repeats it; the turns are counted once). Linear: every leaf
+    alone, L (P + C) tokens and L (P + C)^2/2 pairs, C its completion."""
+    p, g, leaves = w.prompt_tokens.mean, w.prompts_per_step, w.leaves
+    if not w.dualkv:
+        s = p + w.completion_tokens.mean
+        return g * leaves * s, g * leaves * s * s / 2
+    copies = math.ceil(leaves / min(leaves, w.micro_batch_responses))
+    tokens, pairs, depth = copies * p, copies * p * p / 2, p
+    for j, c in enumerate(w.turn_rows):
+        seg = w.response_tokens.mean + (w.tool_tokens.mean if j < w.turns - 1 else 0.0)
+        tokens += c * seg
+        pairs += c * (seg * depth + seg * seg / 2)
+        depth += seg
+    return g * tokens, g * pairs
+
+
 def _micro_batch_tokens(w: WorkloadSpec) -> float:
-    """Tokens of one micro-batch of `micro_batch_responses` responses of one prompt, at maximum lengths."""
-    p, r, m = w.prompt_tokens.max, w.response_tokens.max, w.micro_batch_responses
+    """Tokens of one micro-batch of `micro_batch_responses` responses of one prompt, at maximum lengths (an
+    episode's leaves counted whole: an upper bound where they share turns)."""
+    p, r, m = w.prompt_tokens.max, w.completion_tokens.max, w.micro_batch_responses
     return p + m * r if w.dualkv else m * (p + r)
 
 
@@ -413,7 +438,7 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
                                                 if par.ep > 1 else mb_tokens / par.sp, mfu)
     attn_eff = None
     if par.engine is not None and all(cluster.gpus[i].type.mfu is None for i in group.gpus):
-        attn_eff = attention_efficiency(w.prompt_tokens.mean + w.response_tokens.mean)
+        attn_eff = attention_efficiency(sum(w.pass_lengths))
     if expert_factor == 1.0 and attn_eff is None:
         compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
     else:   # GEMMs at the pass's MFU, attention at its kernel's efficiency by length, experts at their factor
@@ -512,7 +537,7 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache, its
     # layers spread over the PP stages.
     kv_stage = kv_token / par.pp    # a token's K and V on one pipeline stage's TP shard
-    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_stage
+    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.completion_tokens.max) * kv_stage
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
@@ -521,45 +546,61 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         busy = _busy(cluster, group.gpus)
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
-        batch = w.samples * share
+        batch = w.generated_samples * share
         free = min(free_bytes[i] for i in ids)
         if free < kv_seq:
             return TaskCost(math.inf, {"infeasible": math.inf})
         hbm = min(_hbm(cluster, i, pool) for i in ids) * HBM_EFF
         prefill_flops = min(_achieved(cluster, i, pool, MFU_INFER) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
-        n = w.responses_per_prompt
-        prefill = 2 * model.active_params * (batch / n) * p / (par.tp * prefill_flops)
-        # Continuous batching over paged KV (vLLM, SGLang): a sequence holds P/N + the tokens it has made so
-        # far, and a finished one's blocks go to a waiting one at once. The decode lasts R_max steps (the
-        # longest response) or, when the KV memory binds, as many steps as the cache needs to hold every
-        # sequence's tokens for its lifetime: batch x R x (P/N + R/2) token-steps over the free tokens.
-        steps = max(r_max, batch * r * (p / n + r / 2) / (free / kv_stage))
-        rows = batch * r / steps   # sequences a decode step runs, on average
-        decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
-        if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
-            weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
-                * vb / par.tp / hbm
-        else:
-            weights_read = steps * model.params * vb / par.tp / hbm
-        kv_read = batch * r * (p + r / 2) * kv_token / hbm
-        decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
-        tp_comm = 0.0
-        if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
-            tp_comm = max(_decode_allreduce_s(cluster, s, 2 * model.layers * batch * r * model.hidden * vb,
-                                              2 * model.layers * steps) for s in stages)
-        pp_comm = sum(steps * lat + batch * r * model.hidden * vb / bw
-                      for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
-        terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
-        if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
-            nbytes = batch * r / par.tp * model.experts_per_token * model.hidden * vb
-            mine = set(ids)
-            terms["ep_comm"] = max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy, round(steps))
-                                   for g in ep_groups if mine.intersection(g))
-        if weights_read + kv_read >= decode_compute:
-            terms["hbm"] = weights_read + kv_read
-        else:
-            terms["compute"] += decode_compute
+        u = w.tool_tokens.mean if w.tool_tokens is not None else 0.0
+        prefill = 2 * model.active_params * (batch / w.leaves) * p / (par.tp * prefill_flops)
+        terms = {"compute": prefill, "tp_comm": 0.0, "pp_comm": 0.0}
+        if par.ep > 1:
+            terms["ep_comm"] = 0.0
+        hbm_s, memory_bound = 0.0, False
+        # One decode per turn (a single-turn workload: one), on the task's episodes alive in it (turn_rows: forks
+        # add rows); the turns before it are context, each row's own (a fork copies its rows).
+        for j, c in enumerate(w.turn_rows):
+            rows_j = batch * (c / w.leaves)   # sequences decoding this turn
+            context = j * (r + u)              # tokens of the earlier turns and tool results, per sequence
+            if j:   # the tool results, fed as one chunk per episode before it forks
+                fed = batch * (w.turn_rows[j - 1] / w.leaves) * u
+                terms["compute"] += 2 * model.active_params * fed / (par.tp * prefill_flops)
+            # Continuous batching over paged KV (vLLM, SGLang): a sequence holds P/c + its context + the tokens it
+            # has made so far, and a finished one's blocks go to a waiting one at once. The decode lasts R_max
+            # steps (the longest turn) or, when the KV memory binds, as many steps as the cache needs to hold every
+            # sequence's tokens for its lifetime: rows x R x (P/c + context + R/2) token-steps over the free tokens.
+            steps = max(r_max, rows_j * r * (p / c + context + r / 2) / (free / kv_stage))
+            rows = rows_j * r / steps   # sequences a decode step runs, on average
+            decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
+            if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
+                weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
+                    * vb / par.tp / hbm
+            else:
+                weights_read = steps * model.params * vb / par.tp / hbm
+            kv_read = rows_j * r * (p + context + r / 2) * kv_token / hbm
+            decode_compute = 2 * model.active_params * rows_j * r / (par.tp * decode_flops)
+            if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
+                terms["tp_comm"] += max(_decode_allreduce_s(cluster, s, 2 * model.layers * rows_j * r * model.hidden
+                                                            * vb, 2 * model.layers * steps) for s in stages)
+            terms["pp_comm"] += sum(steps * lat + rows_j * r * model.hidden * vb / bw
+                                    for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
+            if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
+                nbytes = rows_j * r / par.tp * model.experts_per_token * model.hidden * vb
+                mine = set(ids)
+                terms["ep_comm"] += max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy,
+                                                                                   round(steps))
+                                        for g in ep_groups if mine.intersection(g))
+            if weights_read + kv_read >= decode_compute:
+                hbm_s += weights_read + kv_read
+                memory_bound = True
+            else:
+                terms["compute"] += decode_compute
+        if memory_bound:
+            terms["hbm"] = hbm_s
+        if w.turns > 1:   # every turn boundary waits for its round's calls (they run at once), the GPUs idle
+            terms["tool_wait"] = (w.turns - 1) * w.tool_latency_s
         total = sum(terms.values())
         if total > worst:
             worst, worst_terms = total, terms
@@ -642,7 +683,7 @@ def in_flight_micro_batches(par: Parallelism, micro_batches: int) -> float:
 def sequence_tokens(w: WorkloadSpec) -> int:
     """Tokens of the longest single sequence a training or log-prob micro-batch must hold at once: a prompt with
     its response (DualKV: the prompt with the micro-batch's responses, which share it)."""
-    p, r = w.prompt_tokens.max, w.response_tokens.max
+    p, r = w.prompt_tokens.max, w.completion_tokens.max
     return p + w.micro_batch_responses * r if w.dualkv else p + r
 
 
@@ -808,8 +849,9 @@ def group_transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
 
 
 def sample_bytes(w: WorkloadSpec) -> float:
-    """Bytes of one iteration's samples moved from the generation group to another group."""
-    return w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
+    """Bytes of one iteration's samples moved from the generation group to another group (every generated sample:
+    dynamic sampling filters them after they leave the rollout to be rewarded)."""
+    return w.generated_samples * (w.prompt_tokens.max + w.completion_tokens.max) * SAMPLE_BYTES_PER_TOKEN
 
 
 def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float:

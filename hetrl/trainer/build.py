@@ -148,7 +148,7 @@ def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=N
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
                    micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded,
-                   precision=cfg.precision)
+                   precision=cfg.precision, trie=cfg.multi_turn)
 
 
 def fast_fp32_matmuls(cfg: RunConfig) -> None:
@@ -180,7 +180,7 @@ def bf16_weights_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
     """No-grad log-probs of `model` through the DualKV path, inside `context` (the adapter off for the reference)."""
     return Scorer(model, impl=cfg.impl, temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
-                  context=context, precision=cfg.precision)
+                  context=context, precision=cfg.precision, trie=cfg.multi_turn)
 
 
 def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:

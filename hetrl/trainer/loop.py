@@ -187,10 +187,14 @@ def paired_comparison(before: list[float], after: list[float]) -> dict:
 
 def _per_token(rollouts: list[Rollout], cfg: RunConfig):
     """Per-token advantages and loss weights [K], in the order of the packed responses."""
-    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
-    adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
     lens, keep = _responses(rollouts, cfg)
     mask = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, weight 0
+    if cfg.branches > 1:   # a task's leaves (as many as its forks made), each one sample of the task
+        adv = torch.cat([episodes.leaf_advantages(r.samples, r.rewards, cfg.tree_advantage == "subtree",
+                                                  cfg.scale_advantages) for r in rollouts])
+        return adv, token_weights(lens, keep, cfg.loss_agg, mask)
+    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
+    adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
     return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg, mask)
 
 
