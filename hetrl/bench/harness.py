@@ -157,10 +157,15 @@ def write_json(path: str | os.PathLike, res: dict, indent: int = 2) -> None:
     _write(os.fspath(path), json.dumps(res, indent=indent))
 
 
+def write_page(path: str | os.PathLike, text: str) -> None:
+    """A results page of a study whose numbers live in another result's JSON."""
+    _write(os.fspath(path), text if text.endswith("\n") else text + "\n")
+
+
 def write_results(out: str | os.PathLike, name: str, res: dict, text: str, indent: int = 2) -> str:
     """Write `res` to out/NAME.json and `text` (the table a reader opens) to out/NAME.md; -> out/NAME."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     write_json(path + ".json", res, indent)
-    _write(path + ".md", text if text.endswith("\n") else text + "\n")
+    write_page(path + ".md", text)
     return path

@@ -1,7 +1,8 @@
 """Where the cost model's error on the published runs comes from: for each run, the phase that carries most of the
-error (where the source publishes phases) and why, from the scores cost_model_validation.py wrote.
+error (where the source publishes phases) and why, from the scores cost_model_validation.py wrote; result:
+benchmarks/results/cost_model_error_analysis.md.
 
-    python benchmarks/cost_model_validation.py && python benchmarks/cost_model_error_analysis.py
+    python -m benchmarks.cost_model_validation && python -m benchmarks.studies.cost_model_error_analysis
 
 A study of the scored runs, not a benchmark: it reads benchmarks/results/cost_model_validation.json, changes
 nothing in the model, and writes benchmarks/results/cost_model_error_analysis.md. The causes are written per
@@ -14,7 +15,9 @@ import json
 import pathlib
 import statistics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from hetrl.bench.harness import write_page
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 # phase label -> the model's tasks that price it
@@ -156,8 +159,8 @@ def main() -> None:
     rows = [r for r in data["runs"] if r["feasible"]]
     s = data["summary"]
     lines = ["# Where the cost model's error comes from, run by run", "",
-             "Read from `benchmarks/results/cost_model_validation.json` (`python benchmarks/cost_model_error_analysis.py` "
-             "after `python benchmarks/cost_model_validation.py`). Nothing here feeds back into the model: no constant "
+             "Read from `benchmarks/results/cost_model_validation.json` "
+             "(`python -m benchmarks.studies.cost_model_error_analysis` after `python -m benchmarks.cost_model_validation`). Nothing here feeds back into the model: no constant "
              "was set from these numbers.", "",
              f"Runs {s['runs']}, median |error| {s['median_abs_error']:.0%}, worst {s['worst_abs_error']:.0%}; "
              f"MoE within 50%: {s['moe']['within_50pct']} of {s['moe']['scored']}.", ""]
@@ -202,7 +205,7 @@ def main() -> None:
               "the largest input uncertainty of the table.",
               "4. Padding of the micro-batches of engines without remove-padding.",
               "5. GEMM efficiency by shape for dense GEMMs, collective bus bandwidth by message size: constants.", ""]
-    (RESULTS / "cost_model_error_analysis.md").write_text("\n".join(lines) + "\n")
+    write_page(RESULTS / "cost_model_error_analysis.md", "\n".join(lines))
     print("\n".join(lines))
 
 
