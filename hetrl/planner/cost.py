@@ -140,7 +140,7 @@ def _shards(group: Group, par: Parallelism) -> tuple[tuple[tuple[int, ...], ...]
     return _shards_of(group.gpus, par.tp, par.pp, par.replicas)
 
 
-@functools.lru_cache(maxsize=100_000)   # the search prices many options of one group's degrees
+@functools.lru_cache(maxsize=20_000)   # the search prices many options of one group's degrees
 def _shards_of(g: tuple[int, ...], tp: int, pp: int, replicas: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     return tuple(tuple(g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)) for r in range(replicas))
 
@@ -187,14 +187,14 @@ def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
     return cluster.gpus[i].type.hbm_bytes_per_s * share[i]
 
 
-@functools.lru_cache(maxsize=100_000)
+@functools.lru_cache(maxsize=20_000)
 def _slowest_hbm(cluster, gpus: tuple[int, ...]) -> float:
     """HBM bytes/s of the slowest of `gpus` while all of them run (pooled)."""
     share = pooled(cluster, gpus)
     return min(_hbm(cluster, i, share) for i in gpus)
 
 
-@functools.lru_cache(maxsize=100_000)   # pure in (cluster, shards, mfu); the search asks for the same ones often
+@functools.lru_cache(maxsize=20_000)   # pure in (cluster, shards, mfu); the search asks for the same ones often
 def _replica_speeds(cluster, shards, mfu) -> tuple[float, ...]:
     """FLOP/s of each DP replica: its pipeline runs at the pace of its slowest stage."""
     share = pooled(cluster, [i for stages in shards for ids in stages for i in ids])
@@ -219,19 +219,19 @@ def _dp_groups(shards, par: Parallelism) -> tuple[tuple[int, ...], ...]:
     return _dp_groups_of(shards, par.replicas, par.pp, par.tp)
 
 
-@functools.lru_cache(maxsize=100_000)
+@functools.lru_cache(maxsize=20_000)
 def _dp_groups_of(shards, replicas: int, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(shards[r][s][t] for r in range(replicas)) for s in range(pp) for t in range(tp))
 
 
-@functools.lru_cache(maxsize=100_000)
+@functools.lru_cache(maxsize=20_000)
 def _replica_links(cluster, shards) -> tuple[tuple[tuple, tuple], ...]:
     """Per replica: the slowest link of each stage's TP group, and of each pair of adjacent stages (a PP hop)."""
     return tuple((tuple(slowest_link(cluster, ids) for ids in stages),
                   tuple(slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:]))) for stages in shards)
 
 
-@functools.lru_cache(maxsize=100_000)   # pure in (cluster, groups)
+@functools.lru_cache(maxsize=20_000)   # pure in (cluster, groups)
 def _dp_links(cluster, dp_groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[float, float], ...]:
     """The link each DP group's ring runs at. Rings that leave their node run side by side (one per stage and
     tensor slice) and share each node's network: a node carrying k such rings gives each 1/k of its bandwidth."""
@@ -338,7 +338,7 @@ def _busy(cluster: ClusterSpec, ids) -> dict[str, int]:
     return dict(_busy_of(cluster, tuple(ids)))
 
 
-@functools.lru_cache(maxsize=100_000)
+@functools.lru_cache(maxsize=20_000)
 def _busy_of(cluster: ClusterSpec, ids: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
     out: dict[str, int] = {}
     for i in ids:
@@ -401,7 +401,7 @@ def _ep_alltoall_coeffs(cluster, gpus: tuple[int, ...], shards, par: Parallelism
     return _ep_coeffs(cluster, gpus, shards, par.ep, par.pp, par.replicas)
 
 
-@functools.lru_cache(maxsize=100_000)
+@functools.lru_cache(maxsize=20_000)
 def _ep_coeffs(cluster, gpus, shards, ep, pp, replicas) -> tuple[tuple[float, float], ...]:
     busy = tuple(sorted(_busy_of(cluster, gpus)))
     out = []
