@@ -81,13 +81,14 @@ The update and log-prob phases carry the error (update +223% .. +633%), the roll
 implied update MFU at the assumed mean responses (4096 / 2048 / 7168 tokens, the file's "least certain input", not
 published: W&B only) is 1.4-3.2: no efficiency can produce it, so the trained tokens are fewer than the workload
 states. **DAPO dynamic sampling is not the reason**: the cited scripts
-(`verl/experimental/one_step_off_policy/shell/dapo_7b_math_*.sh`, `fully_async_policy/shell/dapo_7b_math_fsdp2_16_16.sh`
-at b178a3cd) run `verl.trainer.main_ppo` with no `filter_groups` (verl's dynamic sampling lives in the DAPO recipe's
-trainer), so every generated sample is trained. What remains is the mean response length: at MFU_TRAIN the measured
-updates imply roughly 700-1,400 tokens per sample (column "tokens/sample at MFU_TRAIN"), far below the assumed
-4,300-7,400. The rollout "fits" at the long assumed lengths only because it is compute-priced there; at the implied
-lengths it would be priced near its long-tail floor (8-28K decode steps of weight reads) and be several times short:
-the same per-step overhead the NeMo-RL rollouts show (the what-if table at the end). Neither number can be corrected: the sources publish no mean
+(`verl/experimental/one_step_off_policy/shell/dapo_7b_math_*.sh`,
+`fully_async_policy/shell/dapo_7b_math_fsdp2_16_16.sh` at b178a3cd) run `verl.trainer.main_ppo` with no
+`filter_groups` (verl's dynamic sampling lives in the DAPO recipe's trainer), so every generated sample is trained.
+What remains is the mean response length: at MFU_TRAIN the measured updates imply roughly 680-1,770 tokens per
+sample (column "tokens/sample at MFU_TRAIN"), far below the assumed 4,300-7,400. The rollout "fits" at the long
+assumed lengths only because it is compute-priced there; at the implied lengths it would be priced near its
+long-tail floor (8-28K decode steps of weight reads) and be several times short: the same per-step overhead the
+NeMo-RL rollouts show (the what-if table at the end). Neither number can be corrected: the sources publish no mean
 length (rule: inputs only as the source states them).""",
     "verl Megatron MoE on H20": """\
 The rollout carries the error (Qwen3-30B-A3B: 75 vs 348 s; DeepSeek-V3: 485 vs 1050 s); the 30B update is -3%.
@@ -98,23 +99,23 @@ sampling, kernel launches, the long tail's small batches).""",
     "OpenRLHF / DeepSpeed-Chat PPO on A800 (2024)": """\
 Phases are not published; all eight are 75-95% short. Two things no term prices: (1) padding. DeepSpeed-Chat's
 `DataCollatorRLHF` left-pads every prompt to max_prompt_seq_len and HF `generate` pads every response of a batch to
-its longest; OpenRLHF (391e1de, `experience_maker.py`) pads prompts and outputs to the longest of each micro-rollout
-batch. Every pass (actor, critic, reference, reward, update) then runs on padded tensors: up to P_max + R_max = 2048
-tokens per sample where the model prices P + R = 500 (the means are the file's assumption). The padding bracket
-at the end prices both bounds. (2) Generation: DeepSpeed-Chat's hybrid engine decodes with HF `generate` (one kernel launch
-sequence per token, batch of a device's micro-batch), far from vLLM-style continuous batching; OpenRLHF's make-
-experience ran role by role over Ray with host work in between. The GPU split, lengths and network are assumed by
-the file, so these rows carry the least certain inputs of the table.""",
+its longest; OpenRLHF (391e1de, `experience_maker.py`) pads prompts and outputs to the longest of each
+micro-rollout batch. Every pass (actor, critic, reference, reward, update) then runs on padded tensors: up to P_max
++ R_max = 2048 tokens per sample where the model prices P + R = 500 (the means are the file's assumption). The
+padding bracket at the end prices both bounds. (2) Generation: DeepSpeed-Chat's hybrid engine decodes with HF
+`generate` (one kernel launch sequence per token, batch of a device's micro-batch), far from vLLM-style continuous
+batching; OpenRLHF's make- experience ran role by role over Ray with host work in between. The GPU split, lengths
+and network are assumed by the file, so these rows carry the least certain inputs of the table.""",
     "DualKV paper, GSM8K on 64 A100-40G": """\
 Only the update is published: predicted 65-74 s vs 168-203 s, and the step 113-126 s vs 449-618 s, so ~280-440 s of
 the step is outside the update and the model finds nothing there (rollout 5-10 s at R_max 256). The network is not
 stated (the sensitivity table in cost_model_validation.md: at 25 Gb/s the update is priced 248 s). The paper says
 the FA2 runs at P >= 1.5K reserved more than the 40 GB (unified memory), which no term prices. The measured
-non-update time grows ~80 s per 1K prompt tokens under DualKV, whose passes the model finds communication-bound:
-no term of the model grows that way.""",
+non-update time grows ~80 s per 1K prompt tokens under DualKV, whose passes the model finds communication-bound: no
+term of the model grows that way.""",
     "DualKV paper, LongReason on H100": """\
-Dense Qwen3-8B: +6% .. +29%; per phase the log-probs and update are within -25% .. +11% and the rollout +50%: at the
-assumed means (3/4 of the maxima) the decode is priced as KV-read bound (every sequence reads its prompt's 6K
+Dense Qwen3-8B: +6% .. +29%; per phase the log-probs and update are within -25% .. +11% and the rollout +50%: at
+the assumed means (3/4 of the maxima) the decode is priced as KV-read bound (every sequence reads its prompt's 6K
 tokens each step); the N sequences of a prompt read the same blocks in one step, which caches serve and the model
 charges N times. The MoE run (-85%) is the update and log-probs at 6-10% of the speed priced: verl's FSDP path runs
 transformers' Qwen3-MoE block, a Python loop over 128 experts (index, small GEMM, scatter) with no grouped GEMM;
@@ -123,19 +124,20 @@ the model prices grouped GEMMs.""",
 Where phases are published (v0.3 Qwen3-30B-A3B) every phase is short: rollout -46%, update -78% (implied MFU 5%),
 log-probs -73%. The update's expert GEMMs are priced at MFU_TRAIN (2,048 tokens per expert: no tile or roofline
 loss), but Qwen3-30B-A3B's hidden size is 2,048: its attention and router GEMMs are small, routing and token
-permute/unpermute are memory-bound kernels between them, and the all-to-alls are exposed; none of it is priced.
-The v0.5 / v0.6 rows publish only the step; the model's split puts 70-95% of it in the rollout, so their -30% ..
--67% is mostly the rollout (decode per-step overhead, as the dense rows with phases show) and the update. DSv3
-DAPO generates with dynamic sampling (batch_multiplier 3: at least 3x the trained prompts are generated, NeMo-RL
-`grpo.py`), and vLLM TP 64 with enforce_eager. Qwen3-235B 1-off (+48%) and v0.6 235B (+19%) are over: their rollouts
-are priced with `tp_comm` of decode all-reduces over 2-4 nodes (NCCL tree latency), the one place the model's
-latency per call is larger than what vLLM pays.""",
+permute/unpermute are memory-bound kernels between them, and the all-to-alls are exposed; none of it is priced. The
+v0.5 / v0.6 rows publish only the step; the model's split puts 70-95% of it in the rollout, so their -30% .. -67%
+is mostly the rollout (decode per-step overhead, as the dense rows with phases show) and the update. DSv3 DAPO
+generates with dynamic sampling (batch_multiplier 3: at least 3x the trained prompts are generated, NeMo-RL
+`grpo.py`; priced since: -67% -> -61%), and vLLM TP 64 with enforce_eager; the file trains the recipe's 256 x 16
+responses in 8 steps where the table's G-GBS / T-GBS say 512 (an input question it leaves open). Qwen3-235B 1-off
+(+48%) and v0.6 235B (+19%) are over: their rollouts are priced with `tp_comm` of decode all-reduces over 2-4 nodes
+(NCCL tree latency), the one place the model's latency per call is larger than what vLLM pays.""",
     "NeMo-RL dense": """\
 The rollout is ~2x its HBM roofline per decode step (v0.3 8B: 58 s measured = 16 ms per step of R_max 3,584 vs 8 ms
 priced); update and log-probs are within -36% .. +7% except where noted. The Llama-70B DTensor run (+127%) is
 `dp_comm`: FSDP gathers 17.6 GB per micro-batch over 256 micro-batches of one response; the run used dynamic
-batching whose token budget the file does not state. The 70B CP-4 16K run's update and log-probs are short
-(-67%, -87%): context parallelism's ring attention exchange and its load imbalance are priced as Ulysses.""",
+batching whose token budget the file does not state. The 70B CP-4 16K run's update and log-probs are short (-67%,
+-87%): context parallelism's ring attention exchange and its load imbalance are priced as Ulysses.""",
 }
 
 
@@ -224,8 +226,9 @@ def main() -> None:
     rows = [r for r in data["runs"] if r["feasible"]]
     s = data["summary"]
     lines = ["# Where the cost model's error comes from, run by run", "",
-             "Read from `benchmarks/results/cost_model_validation.json` (`python benchmarks/cost_model_error_analysis.py` "
-             "after `python benchmarks/cost_model_validation.py`). Nothing here feeds back into the model: no constant "
+             "Read from `benchmarks/results/cost_model_validation.json` "
+             "(`python benchmarks/cost_model_error_analysis.py` after `python benchmarks/cost_model_validation.py`). "
+             "Nothing here feeds back into the model: no constant "
              "was set from these numbers.", "",
              f"Runs {s['runs']}, median |error| {s['median_abs_error']:.0%}, worst {s['worst_abs_error']:.0%}; "
              f"MoE within 50%: {s['moe']['within_50pct']} of {s['moe']['scored']}.", ""]
@@ -255,13 +258,14 @@ def main() -> None:
             w = r["workload"]
             at = tokens_at_mfu(r)
             priced = w["prompt_tokens"]["mean"] + w["response_tokens"]["mean"]
-            lines.append(f"| {r['run']} | {r['measured_s']} | {r['predicted_s']:.0f} | {r['error']:+.0%} | {dominant(r)} | "
-                         f"{decode_ms(r)} | {mfu} | {f'{at} ({priced})' if at else ''} |")
+            lines.append(f"| {r['run']} | {r['measured_s']} | {r['predicted_s']:.0f} | {r['error']:+.0%} | "
+                         f"{dominant(r)} | {decode_ms(r)} | {mfu} | {f'{at} ({priced})' if at else ''} |")
         lines.append("")
     lines += padding_bracket(rows) + dapo_what_if(rows)
     lines += ["## Not modelled, in order of the error it leaves", "",
-              "1. Decode per-step overhead beyond the HBM roofline (scheduler, sampling, launches, eager mode, the long "
-              "tail's small batches): the rollout of most runs with phases; a sourced per-step figure was not found.",
+              "1. Decode per-step overhead beyond the HBM roofline (scheduler, sampling, launches, eager mode, the "
+              "long tail's small batches): the rollout of most runs with phases; a sourced per-step figure was not "
+              "found.",
               "2. MoE layer costs besides the expert GEMMs: routing, permute/unpermute, exposed all-to-alls, the "
               "small dense GEMMs of a 2K-hidden model; and transformers' per-expert loop on FSDP.",
               "3. Mean lengths that sources do not publish (verl DAPO, OpenRLHF, DeepSpeed-Chat, LongReason): "
