@@ -414,6 +414,20 @@ def _ep_coeffs(cluster, gpus, shards, ep, pp, replicas) -> tuple[tuple[float, fl
     return tuple(c for c in set(out) if not any(o != c and o[0] >= c[0] and o[1] >= c[1] for o in out))
 
 
+@functools.lru_cache(maxsize=20_000)
+def _sp_coeffs(cluster, shards, dp: int, pp: int, sp: int) -> tuple[tuple[tuple[tuple[float, float], ...], ...], ...]:
+    """[dp rank][stage] -> alltoall_s's coefficients of the sp GPUs (first tensor rank) of that sequence-parallel
+    group; ((0, 0),) for a group of one GPU, whose all-to-all costs nothing."""
+    out = []
+    for d in range(dp):
+        stages = []
+        for s in range(pp):
+            ids = tuple(i for j in range(sp) for i in shards[d * sp + j][s][:1])
+            stages.append(_alltoall_coeffs(cluster, ids, ()) if len(ids) > 1 else ((0.0, 0.0),))
+        out.append(tuple(stages))
+    return tuple(out)
+
+
 def micro_batches_per_replica(w: WorkloadSpec, par: Parallelism, tokens: float, samples: float) -> int:
     """Micro-batches each data-parallel replica (a group of sp GPUs) runs over `samples` (of `tokens` in all):
     by responses (micro_batch_responses), or packed to max_tokens_per_micro_batch per GPU (sp of them share one)."""
@@ -522,13 +536,12 @@ def _pass_cost(cluster, w: WorkloadSpec, model: ModelSpec, gpus: tuple[int, ...]
     if par.sp > 1:   # Ulysses: q, k, v to head shards and the output back, per layer and direction
         sp_comm = 0.0
         qkvo = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / par.tp
-        for d in range(par.dp):
+        for d, stages in enumerate(_sp_coeffs(cluster, shards, par.dp, par.pp, par.sp)):
             f = sum(shares[d * par.sp:(d + 1) * par.sp])
-            for s in range(par.pp):
-                ids = [i for j in range(par.sp) for i in shards[d * par.sp + j][s][:1]]
-                nbytes = tokens * f / par.sp * qkvo * vb    # one GPU's tokens (of this replica's share)
-                sp_comm = max(sp_comm, directions * model.layers / par.pp
-                              * alltoall_s(cluster, ids, nbytes, messages=micro_batches))
+            nbytes = tokens * f / par.sp * qkvo * vb    # one GPU's tokens (of this replica's share)
+            for coeffs in stages:   # alltoall_s over the stage's sp GPUs (0 for one GPU), by its coefficients
+                sp_comm = max(sp_comm, directions * model.layers / par.pp * max(
+                    per_byte * nbytes + lat * micro_batches for per_byte, lat in coeffs))
         terms["sp_comm"] = sp_comm
     shard_params = model.params / (par.tp * par.pp)
     passes = (3 if par.recompute else 2) if train else 1   # times the weights are read: fwd, recompute, bwd
