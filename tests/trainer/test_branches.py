@@ -142,7 +142,7 @@ def test_the_trie_update_equals_a_loss_computed_leaf_by_leaf(micro_batch_tokens)
     from hetrl.algo import clipped_policy_loss
     from hetrl.trainer import loop
     from hetrl.trainer.config import load_config
-    from hetrl.trainer.learner import Learner, _micro_batches
+    from hetrl.trainer.learner import Learner, Scorer, _micro_batches
 
     _, _, examples, out, _ = _rollout()
     kept = [loop.Rollout(group_prompt(e, g), g, [float((3 * i + j) % 5) for j in range(len(g))])
@@ -163,6 +163,10 @@ def test_the_trie_update_equals_a_loss_computed_leaf_by_leaf(micro_batch_tokens)
                       micro_batch_tokens=micro_batch_tokens, trie=True)
     stats = learner.update(groups, adv, weights, old)
     assert (len(_micro_batches(groups, micro_batch_tokens, trie=True)) > 1) == (micro_batch_tokens == 400)
+    # the no-grad passes (reference, old log-probs) put the trie's labels back in the groups' order
+    tree = Scorer(base, impl="sdpa", micro_batch_tokens=micro_batch_tokens, trie=True).logprobs(groups)
+    plain = Scorer(base, impl="sdpa", micro_batch_tokens=4096).logprobs(groups)
+    assert (tree - plain).abs().max().item() < 1e-10
 
     m2 = copy.deepcopy(base)
     opt = torch.optim.SGD(m2.parameters(), lr=1.0)
