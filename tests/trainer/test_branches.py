@@ -89,6 +89,8 @@ def test_forked_episodes_continue_from_the_shared_cache_exactly():
     assert max(rows for rows, _ in shapes) == 12     # two tasks per batch (batch_size 12 / max_leaves 6), forks grown
     m = episode_metrics([s for g in out for s in g])
     assert m["leaves_per_task"] == pytest.approx(14 / 3)
+    # calls made: per calling task 2 first calls and 4 second ones (each rollout's two leaves); 2 along every leaf
+    assert m["tool_calls"] == 12 and m["tool_errors"] == 8 and m["tool_calls_per_episode"] == pytest.approx(24 / 14)
     trees = [pack_sequences([list(e.prompt_ids) + s.tokens for s in g]) for e, g in zip(examples, out)]
     assert m["unique_token_ratio"] == pytest.approx(sum(t.num_tokens for t in trees)
                                                     / sum(t.num_standard_tokens for t in trees))
