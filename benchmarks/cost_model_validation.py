@@ -227,7 +227,11 @@ def _published_workload(run: dict, models: dict) -> dict:
             "prompt_tokens": {"max": p_max, "mean": prompt_mean},
             "response_tokens": {"max": r_max, "mean": response_mean},
             "micro_batch_responses": t.get("micro_batch_responses", 1), "dualkv": False,
-            **({"max_tokens_per_micro_batch": budget} if budget else {})}
+            **({"max_tokens_per_micro_batch": budget} if budget else {}),
+            # dynamic sampling as the file states it (NeMo-RL's batch_multiplier: at least that many prompts drawn)
+            **({"rollout_batch_multiplier": s["dynamic_sampling"]["batch_multiplier"]}
+               if s.get("dynamic_sampling", {}).get("enabled") else {}),
+            **({"padding": t["padding"]} if "padding" in t else {})}
 
 
 def _train_par(t: dict, n: int, train: bool, zero_infer: int | None = None) -> dict:

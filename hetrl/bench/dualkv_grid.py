@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.dualkv import machine_info, median_times
+from hetrl.bench.harness import machine, median_times
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 
 VARIANTS = ("padded", "packed", "prefix_grouper", "dualkv", "reference")
@@ -314,7 +314,7 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
     for case in tqdm(todo, desc="bench dualkv", unit="case"):
         model = models.setdefault(case.model, build_model(case.model))
         row = {**asdict(case), "rho": case.rho, "flop_ratio": flop_ratio(model, case), "repeats": repeats,
-               "machine": machine_info(), **measure_times(model, case, repeats)}
+               "machine": machine(), **measure_times(model, case, repeats)}
         if memory:
             row["memory"] = measure_memory(case, jobs=2 if quick else 1)   # the grid's largest need 1 at a time
         done.append(row)
@@ -323,13 +323,13 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
                 f.write(json.dumps(row) + "\n")
     grid = {(c.model, c.n, c.p, c.r) for c in all_cases(quick)}
     rows = sorted(done, key=lambda r: (r["model"] != "qwen3-shaped", r["n"], r["p"], r["r"]))
-    return {"machine": machine_info(), "repeats": repeats, "rows": rows,
+    return {"machine": machine(), "repeats": repeats, "rows": rows,
             "grid_cases": len(grid), "grid_cases_measured": len(grid & {_key(r) for r in rows})}
 
 
 def markdown(res: dict) -> str:
     m = res["machine"]
-    lines = [f"# DualKV on CPU, side by side ({m['cpus']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
+    lines = [f"# DualKV on CPU, side by side ({m['cores']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
              f"median of {res['repeats']} interleaved rounds)", ""]
     if res.get("grid_cases_measured", 0) < res.get("grid_cases", 0):
         lines += [f"**Partial: {res['grid_cases_measured']} of the {res['grid_cases']} grid cases measured so far** "

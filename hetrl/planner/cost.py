@@ -124,7 +124,7 @@ def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     are trees: every turn shared by the leaves below it is computed once (_episode_tokens_and_pairs)."""
     if w.turns > 1:
         return _episode_tokens_and_pairs(w)
-    p, r, n, g = w.prompt_tokens.mean, w.response_tokens.mean, w.responses_per_prompt, w.prompts_per_step
+    (p, r), n, g = w.pass_lengths, w.responses_per_prompt, w.prompts_per_step
     if w.dualkv:
         copies = math.ceil(n / min(n, w.micro_batch_responses))
         return g * (copies * p + n * r), g * (copies * p * p / 2 + n * (r * p + r * r / 2))
@@ -438,7 +438,7 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
                                                 if par.ep > 1 else mb_tokens / par.sp, mfu)
     attn_eff = None
     if par.engine is not None and all(cluster.gpus[i].type.mfu is None for i in group.gpus):
-        attn_eff = attention_efficiency(w.prompt_tokens.mean + w.completion_tokens.mean)
+        attn_eff = attention_efficiency(sum(w.pass_lengths))
     if expert_factor == 1.0 and attn_eff is None:
         compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
     else:   # GEMMs at the pass's MFU, attention at its kernel's efficiency by length, experts at their factor
@@ -546,7 +546,7 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         busy = _busy(cluster, group.gpus)
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
-        batch = w.samples * share
+        batch = w.generated_samples * share
         free = min(free_bytes[i] for i in ids)
         if free < kv_seq:
             return TaskCost(math.inf, {"infeasible": math.inf})
@@ -849,8 +849,9 @@ def group_transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
 
 
 def sample_bytes(w: WorkloadSpec) -> float:
-    """Bytes of one iteration's samples moved from the generation group to another group."""
-    return w.samples * (w.prompt_tokens.max + w.completion_tokens.max) * SAMPLE_BYTES_PER_TOKEN
+    """Bytes of one iteration's samples moved from the generation group to another group (every generated sample:
+    dynamic sampling filters them after they leave the rollout to be rewarded)."""
+    return w.generated_samples * (w.prompt_tokens.max + w.completion_tokens.max) * SAMPLE_BYTES_PER_TOKEN
 
 
 def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float:

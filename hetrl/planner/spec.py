@@ -391,6 +391,16 @@ class WorkloadSpec:
     # use_dynamic_bsz with ppo_max_token_len_per_gpu, remove-padding; NeMo-RL's sequence packing): a micro-batch
     # holds at most this many tokens on one GPU (x sp over a sequence-parallel group); absent: micro_batch_responses
     max_tokens_per_micro_batch: int | None = rule(None, ge=1)
+    # dynamic sampling (DAPO): the rollout generates this many times the prompts that are trained, and groups whose
+    # rewards do not vary are dropped before the log-prob passes and the update (NeMo-RL grpo.batch_multiplier with
+    # use_dynamic_sampling; verl's DAPO recipe data.gen_batch_size / data.train_batch_size). A lower bound where the
+    # engine draws further batches until enough groups are kept.
+    rollout_batch_multiplier: float = rule(1.0, ge=1)
+    # what the training and log-prob passes compute over: 'none', the real tokens (packed micro-batches, verl's
+    # remove-padding, NeMo-RL's sequence packing); 'prompt', every prompt padded to the longest a prompt may be
+    # (DeepSpeed-Chat's DataCollatorRLHF), responses at their mean; 'max', prompts and responses padded to their
+    # maxima (an engine that pads each micro-batch to its longest sequence, where that reaches the caps)
+    padding: str = rule("none", choices=("none", "prompt", "max"))
     # multi-turn tool-use episodes (hetrl train tools=..., docs/agents.md): `turns` model turns of response_tokens
     # each, a tool result of tool_tokens between two turns; a round's calls run at once, so every turn boundary
     # waits tool_latency_s. After each tool result an episode forks into `branches` continuations while its task
@@ -457,6 +467,7 @@ class WorkloadSpec:
 
     @property
     def samples(self) -> int:
+        """Samples trained per step: the kept groups under dynamic sampling, each of a task's leaves for episodes."""
         return self.prompts_per_step * self.leaves
 
     @property
@@ -467,6 +478,19 @@ class WorkloadSpec:
             return self.response_tokens
         t, r, u = self.turns, self.response_tokens, self.tool_tokens
         return TokenLengths(t * r.max + (t - 1) * u.max, t * r.mean + (t - 1) * u.mean)
+
+    @property
+    def generated_samples(self) -> float:
+        """Samples the rollout generates per step: `samples` x rollout_batch_multiplier."""
+        return self.samples * self.rollout_batch_multiplier
+
+    @property
+    def pass_lengths(self) -> tuple[float, float]:
+        """(prompt, completion) tokens per sample that the training and log-prob passes compute over: the means, or
+        the maxima where the engine pads to them (`padding`)."""
+        p = self.prompt_tokens.max if self.padding != "none" else self.prompt_tokens.mean
+        r = self.completion_tokens.max if self.padding == "max" else self.completion_tokens.mean
+        return p, r
 
     def model(self, role: str) -> ModelSpec | None:
         return getattr(self, role)
@@ -490,8 +514,8 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
-                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch", "turns", "tool_tokens",
-                 "tool_latency_s", "branches", "max_leaves")
+                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch", "rollout_batch_multiplier",
+                 "padding", "turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

@@ -1,7 +1,24 @@
 import pytest
 import torch
 
-from hetrl.algo import clipped_policy_loss, group_advantages, kl_k3, token_weights
+from hetrl.algo import advantage, kl_penalty, per_token_policy_loss, token_weights
+
+
+def group_advantages(rewards, **options):
+    """[G, N] outcome rewards -> [G, N] advantages through the registry's estimator on [G*N, 1] rows."""
+    index = torch.arange(rewards.shape[0]).repeat_interleave(rewards.shape[1])
+    flat = rewards.reshape(-1, 1)
+    return advantage("grpo", flat, torch.ones_like(flat), index, **options).view_as(rewards)
+
+
+def clipped_policy_loss(logp, old_logp, advantages, clip_low, clip_high):
+    loss, metrics = per_token_policy_loss("vanilla", old_logp, logp, advantages, torch.ones_like(logp),
+                                          clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=None)
+    return loss, metrics["pg_clipfrac"]
+
+
+def kl_k3(logp, ref_logp):
+    return kl_penalty(logp, ref_logp, "k3")
 
 
 def test_group_advantages_center_and_scale_per_group():
@@ -9,9 +26,10 @@ def test_group_advantages_center_and_scale_per_group():
     a = group_advantages(r)
     assert torch.allclose(a[0], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) / (0.5773502691896257 + 1e-6))
     assert torch.equal(a[1], torch.zeros(4, dtype=torch.float64))  # no signal in an all-equal group
-    assert torch.allclose(group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64))
-    with pytest.raises(ValueError, match="groups, responses_per_group"):
-        group_advantages(torch.zeros(4))
+    assert torch.allclose(group_advantages(r, norm_adv_by_std_in_grpo=False)[0],
+                          torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64))
+    with pytest.raises(ValueError, match="one group id per row"):
+        advantage("grpo", torch.zeros(4, 1), torch.ones(4, 1), [0, 0])
 
 
 def test_clipped_loss_matches_ppo_definition():
@@ -46,8 +64,14 @@ def test_token_weights_sum_to_one_and_drop_left_out_responses():
     assert tm.tolist() == pytest.approx([0.2] * 5 + [0.0] * 5)
     sm = token_weights(lens, keep, "seq-mean-token-mean")
     assert sm.tolist() == pytest.approx([0.25, 0.25] + [1 / 6] * 3 + [0.0] * 5)
+    assert token_weights(lens, keep, "token-sum").tolist() == [1.0] * 5 + [0.0] * 5
+    assert token_weights(lens, keep, "seq-mean-token-sum").tolist() == pytest.approx([0.5] * 5 + [0.0] * 5)
+    assert token_weights(lens, keep, "seq-mean-token-sum-norm", loss_scale_factor=4).tolist() == pytest.approx(
+        [0.125] * 5 + [0.0] * 5)
     with pytest.raises(ValueError, match="loss aggregation must be one of"):
         token_weights(lens, keep, "sum")
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        token_weights(lens, keep, "seq-mean-token-sum-norm")
 
 
 def test_tree_advantages_by_hand():
