@@ -250,9 +250,6 @@ class RunConfig:
         check_options("loss_mode", self.loss_mode, fn, {**self.loss_options, **self.clip_options})
         if self.clip_ratio_c is not None and self.loss_mode != "vanilla":
             raise ValueError(f"clip_ratio_c (dual-clip) is loss_mode=vanilla's; loss_mode={self.loss_mode} has none")
-        if self.entropy_coeff > 0:
-            raise ValueError(f"entropy_coeff={self.entropy_coeff}: the entropy bonus needs the entropy's gradient, "
-                             "which hetrl.dualkv's log-prob kernels do not give yet (they report it); use 0")
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("give warmup_steps or warmup_ratio, not both")
 
@@ -327,7 +324,7 @@ FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 # verl's and TRL's names for knobs that exist here (docs/algorithms.md); resolve_aliases maps them
 ALIASES = {"loss_agg_mode": "loss_agg", "clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
            "kl_loss_coef": "kl_coef", "norm_adv_by_std_in_grpo": "scale_advantages", "kl_penalty": "kl_loss_type",
-           "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high"}
+           "entropy_coef": "entropy_coeff", "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high"}
 TRL_OPTIONS = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}   # into loss_options
 TRL_KEYS = ("loss_type", "importance_sampling_level", "scale_rewards")
 ALIAS_KEYS = (*ALIASES, *TRL_OPTIONS, *TRL_KEYS)

@@ -164,7 +164,8 @@ class Learner:
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
                  precision: str = "fp32", loss_mode: str = "vanilla", loss_options: dict | None = None,
-                 kl_loss_type: str = "low_var_kl", lr_at: Callable[[int], float] | None = None):
+                 kl_loss_type: str = "low_var_kl", lr_at: Callable[[int], float] | None = None,
+                 entropy_coeff: float = 0.0):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.kl_coef, self.max_grad_norm, self.kl_loss_type = kl_coef, max_grad_norm, kl_loss_type
@@ -174,6 +175,7 @@ class Learner:
         self.loss_options = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=None) \
             if loss_options is None else dict(loss_options)
         self.lr_at = lr_at   # optimizer step -> learning rate (the run's schedule); None: the optimizer's own
+        self.entropy_coeff = entropy_coeff   # loss -= entropy_coeff x entropy, aggregated as the policy loss (verl)
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
         self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
                              sharded=sharded, precision=precision)
@@ -217,6 +219,8 @@ class Learner:
                 kl = kl_penalty(logp, ref_logp[sl].to(device, dtype), self.kl_loss_type)
                 loss_tok = pg + self.kl_coef * kl
                 totals["kl"] += weighted_sum(kl, w).detach().item()
+            if self.entropy_coeff > 0:
+                loss_tok = loss_tok - self.entropy_coeff * entropy.to(dtype)
             loss = weighted_sum(loss_tok, w)
             loss.backward()
             with torch.no_grad():
