@@ -4,15 +4,15 @@ docs/algorithms.md lists every name with its formula and its verl / TRL equivale
 
 from .advantages import (ADVANTAGE_ESTIMATORS, advantage, explained_variance, gae_returns, masked_mean, masked_whiten,
                          whiten)
-from .losses import (KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, agg_loss, clipped_value_loss, entropy_from_logits,
-                     entropy_loss, kl_penalty, loss_aggregation, per_token_policy_loss, policy_loss, token_weights,
-                     weighted_sum)
+from .losses import (KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, KLController, agg_loss, clipped_value_loss,
+                     entropy_from_logits, entropy_loss, kl_in_reward, kl_penalty, loss_aggregation,
+                     per_token_policy_loss, policy_loss, token_weights, weighted_sum)
 from .packing import packed_policy_loss, row_mask, to_packed, to_padded
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "KL_PENALTIES", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "advantage", "agg_loss",
+__all__ = ["ADVANTAGE_ESTIMATORS", "KL_PENALTIES", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "KLController", "advantage",
+           "agg_loss", "kl_in_reward",
            "clipped_value_loss", "entropy_from_logits", "entropy_loss", "explained_variance", "gae_returns",
            "kl_penalty", "loss_aggregation", "masked_mean", "masked_whiten", "packed_policy_loss",
-           "per_token_policy_loss", "policy_loss",
-           "row_mask", "to_packed", "to_padded", "token_weights", "tree_advantages", "weighted_sum", "whiten"]
-from .legacy import clipped_policy_loss, gae, group_advantages, kl_k3  # noqa: E402  (until the trainer moves over)
-from .tree import tree_advantages  # noqa: E402
+           "per_token_policy_loss", "policy_loss", "row_mask", "to_packed", "to_padded", "token_weights",
+           "tree_advantages", "weighted_sum", "whiten"]
+from .tree import tree_advantages  # noqa: E402  (tree.py uses the registry above)

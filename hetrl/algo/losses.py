@@ -305,6 +305,34 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     return k2 - k2.detach() + value.detach()
 
 
+class KLController:
+    """The coefficient of the KL penalty in the reward (verl's kl_ctrl): fixed, or adaptive (Ziegler et al. 2019):
+    after each batch, value *= 1 + clip(kl / target - 1, -0.2, 0.2) n / horizon, n the batch's responses."""
+
+    def __init__(self, kl_coef: float, kind: str = "fixed", target: float = 0.1, horizon: int = 10000):
+        if kind not in ("fixed", "adaptive"):
+            raise ValueError(f"kl_ctrl must be fixed or adaptive, got {kind!r}")
+        if kind == "adaptive" and not (target > 0 and horizon > 0):
+            raise ValueError(f"the adaptive KL controller needs kl_target > 0 and horizon > 0, got {target}, {horizon}")
+        self.value, self.kind, self.target, self.horizon = kl_coef, kind, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.kind == "adaptive":
+            error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + error * n_steps / self.horizon
+
+
+def kl_in_reward(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                 response_mask: torch.Tensor, ctrl: KLController, kl_penalty_type: str = "kl") -> tuple[torch.Tensor, float]:
+    """verl's apply_kl_penalty on [B, T]: rewards - coef * KL per token (the behaviour policy's log-probs against
+    the reference's), then the controller updated on the batch's mean per-response KL. -> (rewards, that KL)."""
+    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_type) * response_mask
+    rewards = token_level_scores - ctrl.value * kld
+    current = float(masked_mean(kld, response_mask, axis=-1).mean())
+    ctrl.update(current, n_steps=token_level_scores.shape[0])
+    return rewards, current
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy [...] of the categorical distribution of each row of logits [..., V]: logsumexp(z) - sum p z."""
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)

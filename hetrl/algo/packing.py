@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .losses import per_token_policy_loss, weighted_sum
+from .losses import per_token_policy_loss
 
 
 def row_mask(response_lens: torch.Tensor) -> torch.Tensor:
@@ -32,12 +32,12 @@ def to_packed(x: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
 def packed_policy_loss(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                        weights: torch.Tensor, response_lens: torch.Tensor,
                        **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Policy loss `name` on packed [K] tensors: padded, run through the registry's per-token loss, packed back
-    and summed with the trainer's token `weights` [K] (token_weights; a token with weight 0, tool result or left
-    out, is outside the loss's mask). Per-response sums (GSPO, GMPO) see only their own response's tokens, so a
-    micro-batch's loss is that of its responses, whatever else is packed with them. -> (loss, metrics [K])."""
+    """Per-token policy loss `name` on packed [K] tensors: padded, run through the registry's per-token loss and
+    packed back; a token with weight 0 in `weights` [K] (token_weights: a tool result, a left-out response) is
+    outside the loss's mask. Per-response sums (GSPO, GMPO) see only their own response's tokens, so a
+    micro-batch's loss is that of its responses whatever else is packed with them. -> (loss [K], metrics [K]);
+    weighted_sum(loss, weights) is the micro-batch's share of the mini-batch loss."""
     mask = to_padded((weights != 0).to(log_prob.dtype), response_lens)
     padded = [to_padded(x, response_lens) for x in (old_log_prob, log_prob, advantages)]
     loss, metrics = per_token_policy_loss(name, *padded, mask, **options)
-    return weighted_sum(to_packed(loss, response_lens), weights), {k: to_packed(v, response_lens)
-                                                                   for k, v in metrics.items()}
+    return to_packed(loss, response_lens), {k: to_packed(v, response_lens) for k, v in metrics.items()}

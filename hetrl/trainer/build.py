@@ -10,10 +10,12 @@ copy. LoRA goes through peft (`get_peft_model`, `disable_adapter`, `merge_and_un
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import difflib
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -146,9 +148,25 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
 
 def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None, sharded: bool = False) -> Learner:
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
-                   micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded,
-                   precision=cfg.precision, trie=cfg.multi_turn)
+                   micro_batch_tokens=cfg.micro_batch_tokens, kl_coef=0.0 if cfg.use_kl_in_reward else cfg.kl_coef,
+                   max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded, precision=cfg.precision,
+                   trie=cfg.multi_turn, loss_mode=cfg.loss_mode, loss_options={**cfg.clip_options, **cfg.loss_options},
+                   kl_loss_type=cfg.kl_loss_type, lr_at=lr_schedule(cfg), entropy_coeff=cfg.entropy_coeff)
+
+
+def lr_schedule(cfg: RunConfig) -> Callable[[int], float] | None:
+    """Optimizer step (0, 1, ...) -> learning rate, by transformers' scheduler `lr_scheduler_type` with its
+    warmup over the run's steps x mini_batches optimizer steps; None for a constant rate without warmup."""
+    total = cfg.steps * cfg.mini_batches
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+    if cfg.lr_scheduler_type == "constant" and not warmup:
+        return None
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)   # the schedule's factor, read off
+    factor = get_scheduler(name, probe, num_warmup_steps=warmup, num_training_steps=total).lr_lambdas[0]
+    return lambda step: cfg.lr * factor(step)
 
 
 def fast_fp32_matmuls(cfg: RunConfig) -> None:

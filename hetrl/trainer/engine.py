@@ -33,7 +33,7 @@ class LogProbs(Protocol):
 
 class Trainer(LogProbs, Protocol):
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None = None) -> UpdateStats: ...
+               ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats: ...
 
 
 class Engine(Protocol):

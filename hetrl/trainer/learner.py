@@ -1,5 +1,5 @@
-"""Learner: log-prob passes and the clipped policy update, and PPO's critic (values and the clipped value update),
-all through the DualKV shared-prompt engine.
+"""Learner: log-prob passes and the policy update (any loss of hetrl.algo's registry, through its packed adapter),
+and PPO's critic (values and the clipped value update), all through the DualKV shared-prompt engine.
 
 Groups are cut into micro-batches by packed-token budget (`split_by_token_budget`, which keeps groups whole
 and in order; for multi-turn episodes, whose samples share turns, one trie of sequences cut in the trie's order),
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetrl.algo import clipped_policy_loss, clipped_value_loss, kl_k3
+from hetrl.algo import clipped_value_loss, kl_penalty, packed_policy_loss, weighted_sum
 from hetrl.dualkv import (TreeBatch, pack_groups, pack_sequences, shared_prompt_head, shared_prompt_logprobs,
                           split_by_token_budget, split_sequences_by_token_budget)
 
@@ -195,10 +195,19 @@ class Learner:
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
-                 precision: str = "fp32", trie: bool = False):
+                 precision: str = "fp32", trie: bool = False, loss_mode: str = "vanilla",
+                 loss_options: dict | None = None, kl_loss_type: str = "low_var_kl",
+                 lr_at: Callable[[int], float] | None = None, entropy_coeff: float = 0.0):
         self.model, self.optimizer, self.precision, self.trie = model, optimizer, precision, trie
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
-        self.clip_low, self.clip_high, self.kl_coef, self.max_grad_norm = clip_low, clip_high, kl_coef, max_grad_norm
+        self.kl_coef, self.max_grad_norm, self.kl_loss_type = kl_coef, max_grad_norm, kl_loss_type
+        # the policy loss (hetrl.algo.POLICY_LOSSES) and its options under verl's names; without options, the
+        # clipped surrogate without dual-clip
+        self.loss_mode = loss_mode
+        self.loss_options = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=None) \
+            if loss_options is None else dict(loss_options)
+        self.lr_at = lr_at   # optimizer step -> learning rate (the run's schedule); None: the optimizer's own
+        self.entropy_coeff = entropy_coeff   # loss -= entropy_coeff x entropy, aggregated as the policy loss (verl)
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
         self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
                              sharded=sharded, precision=precision, trie=trie)
@@ -208,8 +217,9 @@ class Learner:
         return self.scorer.logprobs(groups)
 
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None = None) -> UpdateStats:
+               ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats:
         """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
+        `lr_step`: this optimizer step's number in the run, which sets the learning rate where a schedule does.
         `old_logp` None: on-policy, the weights about to be updated are the ones that sampled `groups` (the first
         mini-batch of a sync step), so the old log-probs are this very forward's, detached (ratio 1, as TRL
         does), and no separate pass computes them. With `grad_sync` this rank takes part even with nothing to
@@ -232,20 +242,24 @@ class Learner:
             device, dtype = logp.device, logp.dtype
             w = weights[sl].to(device, dtype)
             old = logp.detach() if old_logp is None else old_logp[sl].to(device, dtype)
-            pg, clipped = clipped_policy_loss(logp, old, advantages[sl].to(device, dtype), self.clip_low,
-                                              self.clip_high)
+            lens = torch.as_tensor(batch.labels_per_sequence)   # per [prompt, response] sequence, in label order
+            pg, metrics = packed_policy_loss(self.loss_mode, old, logp, advantages[sl].to(device, dtype), w, lens,
+                                             **self.loss_options)
             loss_tok = pg
             if self.kl_coef > 0:
-                kl = kl_k3(logp, ref_logp[sl].to(device, dtype))
+                kl = kl_penalty(logp, ref_logp[sl].to(device, dtype), self.kl_loss_type)
                 loss_tok = pg + self.kl_coef * kl
-                totals["kl"] += (w * kl).detach().sum().item()
-            loss = (w * loss_tok).sum()
+                totals["kl"] += weighted_sum(kl, w).detach().item()
+            if self.entropy_coeff > 0:
+                loss_tok = loss_tok - self.entropy_coeff * entropy.to(dtype)
+            loss = weighted_sum(loss_tok, w)
             loss.backward()
             with torch.no_grad():
                 totals["loss"] += loss.item()
-                totals["policy"] += (w * pg).sum().item()
-                totals["clip"] += (w * clipped).sum().item()
-                totals["entropy"] += (w * entropy).sum().item()
+                totals["policy"] += weighted_sum(pg, w).item()
+                if "pg_clipfrac" in metrics:
+                    totals["clip"] += weighted_sum(metrics["pg_clipfrac"], w).item()
+                totals["entropy"] += weighted_sum(entropy, w).item()
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
         for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
@@ -264,6 +278,9 @@ class Learner:
         # a non-finite step is never taken (hetrl/trainer/guards.py); data-parallel ranks decide on the synced
         # gradient norm alone, which they share, so they all step or all skip
         if _finite_step(float(grad_norm), totals["loss"], shared_only=self.grad_sync is not None or self.sharded):
+            if self.lr_at is not None and lr_step is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr_at(lr_step)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],

@@ -32,7 +32,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
+from hetrl.algo import (ADVANTAGE_ESTIMATORS, KLController, advantage, explained_variance, gae_returns, kl_in_reward,
+                        row_mask, to_packed, to_padded, token_weights, whiten)
+from hetrl.algo.advantages import options_of
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
 from hetrl.data.containment import UserAbort
 from hetrl.data.rewards import TrainerState, convention, load_reward, nested
@@ -185,17 +187,47 @@ def paired_comparison(before: list[float], after: list[float]) -> dict:
     return {"gained": gained, "lost": lost, "sign_test_p": p}
 
 
-def _per_token(rollouts: list[Rollout], cfg: RunConfig):
-    """Per-token advantages and loss weights [K], in the order of the packed responses."""
+def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None):
+    """Per-token advantages [K] of the run's estimator (hetrl.algo.advantage on the padded responses, each
+    response's reward on its last token, tool tokens outside the mask), in the order of the packed responses.
+    `kl`: (behaviour log-probs [K], reference log-probs [K], KLController) to take the KL out of the reward
+    (use_kl_in_reward). -> (advantages [K], metrics)."""
+    lens, _ = _responses(rollouts, cfg)
+    if cfg.branches > 1:   # a task's leaves (as many as its forks made), each one sample of the task (docs/agents.md)
+        return torch.cat([episodes.leaf_advantages(r.samples, r.rewards, cfg.tree_advantage == "subtree",
+                                                   cfg.scale_advantages) for r in rollouts]), {}
+    rewards, mask, metrics = _token_rewards(rollouts, lens, cfg, kl)
+    index = torch.arange(len(rollouts)).repeat_interleave(torch.tensor([len(r.samples) for r in rollouts]))
+    takes = options_of(ADVANTAGE_ESTIMATORS[cfg.adv_estimator])
+    options = {k: v for k, v in (("norm_adv_by_std_in_grpo", cfg.scale_advantages), ("gamma", cfg.gamma))
+               if k in takes}
+    return to_packed(advantage(cfg.adv_estimator, rewards, mask, index, **options), lens), metrics
+
+
+def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, kl: tuple | None):
+    """Padded [M, T] token rewards (each response's reward on its last token, less the KL penalty per token with
+    `kl`) and the mask of the model's tokens [M, T] (tool tokens 0). -> (rewards, mask, metrics)."""
+    flat = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, not the model's
+    mask = to_padded((torch.ones(int(lens.sum()), dtype=torch.bool) if flat is None else flat).double(), lens)
+    scores = torch.tensor([x for r in rollouts for x in r.rewards], dtype=torch.float64)
+    rewards = torch.zeros(mask.shape, dtype=torch.float64)
+    ends = lens > 0
+    rewards[torch.arange(len(lens))[ends], lens[ends] - 1] = scores[ends]
+    if kl is None:
+        return rewards, mask, {}
+    behaviour, ref, ctrl = kl
+    coef = ctrl.value
+    rewards, current = kl_in_reward(rewards, to_padded(behaviour.double(), lens), to_padded(ref.double(), lens), mask,
+                                    ctrl, cfg.kl_loss_type)
+    return rewards, mask, {"reward_kl_penalty": current, "reward_kl_penalty_coeff": coef}
+
+
+def _weights(rollouts: list[Rollout], cfg: RunConfig) -> torch.Tensor:
+    """Loss weights [K] of a mini-batch's tokens (token_weights by the run's aggregation; tool tokens 0)."""
     lens, keep = _responses(rollouts, cfg)
-    mask = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, weight 0
-    if cfg.branches > 1:   # a task's leaves (as many as its forks made), each one sample of the task
-        adv = torch.cat([episodes.leaf_advantages(r.samples, r.rewards, cfg.tree_advantage == "subtree",
-                                                  cfg.scale_advantages) for r in rollouts])
-        return adv, token_weights(lens, keep, cfg.loss_agg, mask)
-    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
-    adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
-    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg, mask)
+    mask = episodes.loss_mask([s for r in rollouts for s in r.samples])
+    return token_weights(lens, keep, cfg.aggregation, mask, loss_scale_factor=cfg.loss_scale_factor or
+                         cfg.max_new_tokens)
 
 
 def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,21 +237,19 @@ def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, t
     return lens, keep
 
 
-def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic) -> tuple[torch.Tensor, ...]:
+def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic, kl: tuple | None = None):
     """Old values [K] from the critic, then GAE on the token rewards (each response's reward on its last token):
-    (old values, advantages, returns), advantages whitened over the batch's kept tokens when asked."""
+    (old values, advantages, returns, metrics), advantages whitened over the batch's kept tokens when asked."""
     old_values = critic.values(groups).to(torch.float64)
     lens, keep = _responses(kept, cfg)
-    scores = torch.tensor([x for r in kept for x in r.rewards], dtype=torch.float64)
-    token_rewards = torch.zeros(int(lens.sum()), dtype=torch.float64)
-    ends = torch.cumsum(lens, 0) - 1
-    token_rewards[ends[lens > 0]] = scores[lens > 0]
-    adv, ret = gae(token_rewards, old_values, lens, cfg.gamma, cfg.lam)
+    rewards, mask, metrics = _token_rewards(kept, lens, cfg, kl)
+    adv, ret = gae_returns(rewards, to_padded(old_values, lens), row_mask(lens), cfg.gamma, cfg.lam)
+    adv, ret = to_packed(adv, lens), to_packed(ret, lens)
     if cfg.whiten_advantages:
         kept_tokens = torch.repeat_interleave(keep, lens)
         adv = adv.clone()
         adv[kept_tokens] = whiten(adv[kept_tokens])
-    return old_values, adv, ret
+    return old_values, adv, ret, metrics
 
 
 def _finite(x: float) -> float | None:
@@ -227,11 +257,12 @@ def _finite(x: float) -> float | None:
 
 
 def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, critic=None,
-                  train_policy: bool = True, step: int = 0) -> dict:
-    """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups.
-    Async: the importance ratio is taken against the behaviour policy that sampled each response (its
-    log-probs come with the samples), not the learner's current weights. PPO: the critic's values, GAE, and a
-    critic step before each policy step (`train_policy` off: the critic warms up alone)."""
+                  train_policy: bool = True, step: int = 0, kl_ctrl: KLController | None = None) -> dict:
+    """Old (and reference) log-probs of the kept groups, the advantages of the whole batch, then one optimizer
+    step per mini-batch of groups. Async: the importance ratio is taken against the behaviour policy that sampled
+    each response (its log-probs come with the samples), not the learner's current weights. PPO: the critic's
+    values, GAE, and a critic step before each policy step (`train_policy` off: the critic warms up alone).
+    `kl_ctrl` (use_kl_in_reward): the KL to the reference comes out of the token rewards, not into the loss."""
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
     parts = np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups)))
@@ -252,13 +283,20 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             old_logp = old_logp.to(later.dtype)
             old_logp[~first] = later
     ref_logp = reference.logprobs(groups) if reference is not None else None
+    kl = None
+    if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's, else one pass before any step
+        samples = [s for r in kept for s in r.samples]
+        behaviour = torch.cat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) \
+            else learner.logprobs(groups)
+        kl = (behaviour, ref_logp, kl_ctrl)
     if critic is not None:
-        old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
+        old_values, ppo_adv, returns, kl_metrics = _ppo_targets(cfg, kept, groups, critic, kl)
+    else:
+        all_adv, kl_metrics = _per_token(kept, cfg, kl)
     # guards: every advantage (and PPO's return) finite before the first optimizer step; [K] per group's tokens
     skipped: list[str] = []
     sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
-    targets = {"advantages": ppo_adv, "returns": returns} if critic is not None else {
-        "advantages": _per_token(kept, cfg)[0]}
+    targets = {"advantages": ppo_adv, "returns": returns} if critic is not None else {"advantages": all_adv}
     if any(guards.act(cfg.nonfinite, guards.check_advantages(step, v, sizes, k), skipped) for k, v in targets.items()):
         return {"skipped": skipped}
     t_update = time.perf_counter()
@@ -266,18 +304,19 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     for j, part in enumerate(parts):
         tok = _token_slice(groups, part)
         mb = [groups[i] for i in part]
+        weights = _weights([kept[i] for i in part], cfg)
         if critic is None:
-            advantages, weights = _per_token([kept[i] for i in part], cfg)
+            advantages = all_adv[tok]
         else:
             advantages = ppo_adv[tok]
-            weights = token_weights(*_responses([kept[i] for i in part], cfg), cfg.loss_agg)
             critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
             c = critic_stats[-1]
             guards.act(cfg.nonfinite, guards.check_update(step, "critic", j, c.value_loss, c.grad_norm), skipped)
         if train_policy:
             on_policy = j == 0 and cfg.mode != "async"
             stats.append(learner.update(mb, advantages, weights, None if on_policy else old_logp[tok],
-                                        None if ref_logp is None else ref_logp[tok]))
+                                        None if ref_logp is None else ref_logp[tok],
+                                        lr_step=max(step - 1, 0) * cfg.mini_batches + j))
             s = stats[-1]
             guards.act(cfg.nonfinite, guards.check_update(step, "policy", j, s.loss, s.grad_norm), skipped)
     row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
@@ -291,7 +330,7 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
                 "return_mean": float(returns.mean()) if returns.numel() else 0.0,
                 "explained_variance": _finite(explained_variance(old_values, returns)),
                 "policy_updated": train_policy}
-    return row | ({"skipped": skipped} if skipped else {})
+    return row | kl_metrics | ({"skipped": skipped} if skipped else {})
 
 
 class _StopAfterStep:
@@ -591,10 +630,13 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
     step, next_problem, before, version = 0, 0, None, 0
     tool_worker = episodes.EpisodeWorker(engine.worker, agent, cfg.prompt_suffix) if agent is not None else None
     last_saved: pathlib.Path | None = None
+    kl_ctrl = KLController(cfg.kl_coef, cfg.kl_ctrl, cfg.kl_target, cfg.kl_horizon) if cfg.use_kl_in_reward else None
     if ckpt is not None:
         state = engine.load(ckpt)
         _check_same_data(state, source, rewards, ckpt, allow_config_change)
         step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
+        if kl_ctrl is not None and state.get("kl_reward_coef") is not None:   # the adaptive controller's value
+            kl_ctrl.value = state["kl_reward_coef"]
         # checkpoints written before rewards were pluggable held correctness flags only
         before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
         version, last_saved = step, ckpt
@@ -613,7 +655,8 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
         last_saved = engine.save(run_dir, at_step, {
             "next_problem": next_problem, "eval_before": [float(v) for v in before],
             "eval_before_means": before_means, "data_fingerprint": source.fingerprint,
-            "reward_names": rewards.names}, cfg.to_dict())
+            "reward_names": rewards.names, "kl_reward_coef": None if kl_ctrl is None else kl_ctrl.value},
+            cfg.to_dict())
         return last_saved
 
     stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start, tool_worker),
@@ -638,7 +681,7 @@ def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, ag
                 row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
             if kept:
                 row |= update_policy(cfg, engine.learner, kept, engine.reference, getattr(engine, "critic", None),
-                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1)
+                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl)
                 version += 1
                 row |= engine.sync_weights(version)
             step += 1

@@ -150,7 +150,7 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
     # optimizer step (its per-step gradient sync and Adam step then counted once)
     steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
     return WorkloadSpec(
-        algorithm=cfg.algorithm, mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
+        algorithm=cfg.algorithm if cfg.algorithm in ("grpo", "dapo", "ppo") else "grpo", mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
         reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision,

@@ -253,8 +253,8 @@ class LearnerActor(_DataParallel):
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
 
-    def update(self, groups, advantages, weights, old_logp, ref_logp):
-        return self.learner.update(groups, advantages, weights, old_logp, ref_logp)
+    def update(self, groups, advantages, weights, old_logp, ref_logp, lr_step=None):
+        return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step)
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """What weight sync sends. Sharded learners gather the full weights on rank 0 (every rank must be called;
@@ -391,12 +391,14 @@ class ShardedScorer:
             out[idx] = res
         return out
 
-    def _spread(self, method: str, groups, *per_token: torch.Tensor) -> list:
-        """`method(groups, *per_token)` on every actor with its share of the groups and of each [K] tensor."""
+    def _spread(self, method: str, groups, *per_token: torch.Tensor, same: tuple = ()) -> list:
+        """`method(groups, *per_token, *same)` on every actor with its share of the groups and of each [K] tensor
+        (`same`: arguments every actor gets as they are)."""
         parts = assign_groups(_packed_sizes(groups), len(self.actors))
         idx = _rank_tokens(groups, parts)
         args = [[[groups[i] for i in part] for part in parts]]
         args += [[None if t is None else t[i] for i in idx] for t in per_token]
+        args += [[value] * len(parts) for value in same]
         return self._get(_call(self.actors, method, *args))
 
     def call_all(self, method: str, *args) -> list:
@@ -463,10 +465,10 @@ class LearnerGroup(ShardedScorer):
             return self.call_first(method, *args)
         return self.call_all(method, *args)[0]
 
-    def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
+    def update(self, groups, advantages, weights, old_logp, ref_logp=None, lr_step=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
             return UpdateStats.no_step()
-        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp)
+        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp, same=(lr_step,))
         return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
                            entropy=sum(s.entropy for s in stats), grad_norm=guards.worst(s.grad_norm for s in stats),

@@ -203,6 +203,28 @@ def test_entropy_equals_verl(mode):
     assert _diff("entropy", a.grad, b.grad) <= TOL
 
 
+@pytest.mark.parametrize("kind", ["fixed", "adaptive"])
+def test_kl_in_reward_and_its_controller_equal_verl(kind):
+    """verl's apply_kl_penalty (its lines, on tensors: ray_trainer needs a DataProto) and its KL controllers."""
+    from hetrl.algo import KLController, kl_in_reward
+
+    index, scores, mask, g = _batch("ragged", "holes", 8)
+    old = -torch.rand(mask.shape, generator=g, dtype=torch.float64)
+    ref = old + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    ours_ctrl = KLController(0.05, kind, target=0.02, horizon=100)
+    theirs_ctrl = (core_algos.AdaptiveKLController(0.05, 0.02, 100) if kind == "adaptive"
+                   else core_algos.FixedKLController(0.05))
+    for _ in range(3):
+        kld = core_algos.kl_penalty(old, ref, kl_penalty="kl") * mask
+        theirs = scores - theirs_ctrl.value * kld
+        current = torch.mean(core_algos.verl_F.masked_mean(kld, mask=mask, axis=-1), dim=0).item()
+        theirs_ctrl.update(current_kl=current, n_steps=len(index))
+        ours, ours_kl = kl_in_reward(scores, old, ref, mask, ours_ctrl, "kl")
+        assert _diff("kl_in_reward", ours, theirs) <= TOL and abs(ours_kl - current) <= TOL
+        assert abs(ours_ctrl.value - theirs_ctrl.value) <= TOL
+    assert (ours_ctrl.value != 0.05) == (kind == "adaptive")
+
+
 def test_every_name_is_covered():
     assert set(ADVANTAGE_ESTIMATORS) <= set(core_algos.ADV_ESTIMATOR_REGISTRY)
     assert set(POLICY_LOSSES) <= set(core_algos.POLICY_LOSS_REGISTRY)

@@ -11,7 +11,8 @@ import copy
 import pytest
 import torch
 
-from hetrl.algo import loss_aggregation, packed_policy_loss, policy_loss, to_packed, to_padded, token_weights
+from hetrl.algo import (loss_aggregation, packed_policy_loss, policy_loss, to_packed, to_padded, token_weights,
+                        weighted_sum)
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.models import load_model
 
@@ -48,8 +49,9 @@ def _packed(model, groups, lens, weights, noise, adv, name):
         logp = shared_prompt_logprobs(model, batch, impl="sdpa")
         sl = slice(offset, offset + logp.numel())
         offset += logp.numel()
-        loss, _ = packed_policy_loss(name, logp.detach() + noise[sl], logp, adv[sl], weights[sl], batch.response_lens,
-                                     **OPTIONS[name])
+        loss_tok, _ = packed_policy_loss(name, logp.detach() + noise[sl], logp, adv[sl], weights[sl],
+                                         batch.response_lens, **OPTIONS[name])
+        loss = weighted_sum(loss_tok, weights[sl])
         loss.backward()
         total += loss.item()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
