@@ -357,24 +357,31 @@ call) instead of a ring's 2 (k - 1): vLLM TP 32 over 4 nodes had been charged ~3
 - **verl DAPO on H20, FSDP2 and Megatron (7 runs, +109% .. +414%)**: the update and log-prob phases. Their implied
   update MFU is 1.4-3.2: at the file's assumed mean responses (4096, 2048, 7168 tokens: "the least certain
   input") the update's FLOPs are more than 16-128 H20s (148 TF dense each) can do in the measured time at any
-  efficiency, while the rollout at the same lengths is predicted at -18% .. +61% (+6% and +8% where 16 GPUs
-  generate colocated). Both can only hold if the update trains on fewer tokens than the rollout generated:
-  DAPO's group filtering (zero-variance groups dropped before the update) and overlong handling. hetrl's
-  workload trains every generated sample; a field for the trained share of the generated samples is missing.
-  Which term: `compute` of actor_train / actor_infer, through the workload, not the efficiency.
-- **OpenRLHF and DeepSpeed-Chat PPO on A800 (8 runs, -75% .. -95%)**: 2024-era systems. The model prices vLLM-style
-  continuous-batching decode, packed micro-batches and no per-sample host work. DeepSpeed-Chat's hybrid engine
-  decodes with per-token kernels at small batch; OpenRLHF then padded micro-batches to their longest sequence
-  and ran make-experience role by role over Ray. None of this has a term; the GPU split, lengths and network
-  of these rows are assumed by the file. Which term: all of them are short; the largest missing piece is
-  the rollout (DeepSpeed-Chat) and padding waste in the passes (both).
-- **NeMo-RL Megatron MoE (18 runs, -67% .. +48%)**: Qwen3-30B-A3B's update implies 5% MFU (v0.3, 64 H100)
+  efficiency, while the rollout at the same lengths is predicted at -18% .. +61%. (Written first as DAPO's group
+  filtering; checked afterwards against the cited scripts, which run `verl.trainer.main_ppo` without
+  `filter_groups`: every generated sample is trained, so it is not that.) The trained tokens are fewer because
+  the mean responses are shorter than assumed: at MFU_TRAIN the measured updates imply ~500-1,600-token
+  responses, and re-priced at those lengths (a diagnostic in cost_model_error_analysis.md, never a score) the
+  rollout falls 2-5x short, the decode per-step overhead seen everywhere else. The sources publish no mean
+  length (W&B only), so the inputs stay as the file states them. Which term: the workload's lengths, then the
+  rollout's per-step cost.
+- **OpenRLHF and DeepSpeed-Chat PPO on A800 (8 runs, -75% .. -94%)**: 2024-era systems. The model prices vLLM-style
+  continuous-batching decode and no per-sample host work. DeepSpeed-Chat's hybrid engine decodes with per-token
+  kernels at small batch; OpenRLHF ran make-experience role by role over Ray. Both pad: the workload's `padding`
+  prices DeepSpeed-Chat's prompts at P_max (its collator, exact); the responses' padding to a batch's longest and
+  OpenRLHF's padding are bracketed in cost_model_error_analysis.md (padded to the caps OpenRLHF comes within
+  -25% .. -62%, DeepSpeed-Chat stays -79% .. -92%). The GPU split, lengths and network of these rows are assumed
+  by the file. Which term: the rollout (DeepSpeed-Chat) and padding (OpenRLHF).
+- **NeMo-RL Megatron MoE (18 runs, -66% .. +48%)**: Qwen3-30B-A3B's update implies 5% MFU (v0.3, 64 H100)
   where the model prices its expert GEMMs at MFU_TRAIN with 2048 tokens per expert (catalog.gemm_efficiency =
   1): routing, token permute/unpermute, the all-to-alls' overlap and the small (2048-hidden) dense GEMMs of
   this model are not modelled, so its update is predicted 4-5x short (`compute`). DeepSeek-V3's and
   Qwen3-235B's rollouts with vLLM TP 16-32 over 2-4 nodes are dominated by `tp_comm` (34-248 s): the
   latency of a decode all-reduce over InfiniBand is the NCCL tree model above, not a measured curve. On one
   GB200 NVLink domain the same models are 30-45% short, in the rollout (`hbm`, decode overheads not modelled).
+  DeepSeek-V3 DAPO (-61%, -67% before dynamic sampling was priced: NeMo-RL's batch_multiplier 3 generates at
+  least 3x the trained prompts) ran vLLM TP 64 with enforce_eager; the file trains the recipe's 256 x 16
+  responses in 8 steps where the table's G-GBS / T-GBS say 512, an input question the file leaves open.
 - **NeMo-RL dense (Llama-3.1-8B/70B, Qwen3-32B; H100 and GB200; 10 runs, -51% .. -22%, and +127%)**: the
   rollout, priced at its HBM roofline per decode step, is about half the measured (as in the first 19: decode
   per-step overheads not modelled). The +127% is the Llama-70B DTensor run: `dp_comm` of FSDP gathering

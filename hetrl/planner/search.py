@@ -252,12 +252,12 @@ def _neighbours(cluster, counts):
             for dst in range(k + 1):
                 if dst == src:
                     continue
-                c = [list(x) for x in counts]
+                c = list(counts)     # only the two rows that change are rebuilt
                 if src < k:
-                    c[src][j] -= 1
+                    c[src] = (*counts[src][:j], counts[src][j] - 1, *counts[src][j + 1:])
                 if dst < k:
-                    c[dst][j] += 1
-                yield tuple(map(tuple, c))
+                    c[dst] = (*counts[dst][:j], counts[dst][j] + 1, *counts[dst][j + 1:])
+                yield tuple(c)
 
 
 def _crossover(rng, cluster, a, b):

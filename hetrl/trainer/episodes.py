@@ -111,6 +111,8 @@ class Episode:
     path: tuple[int, ...] = (0,)    # its rollout's index in the task, then its child index at every fork
     fork_at: tuple[int, ...] = ()   # len(tokens) at every fork: its tokens before that are its siblings' too
     fork: bool = False          # forks after its pending tool result is fed
+    shared_calls: int = 0       # of `calls` / `errors`, those run before a fork and counted in an earlier sibling
+    shared_errors: int = 0
 
     def stats(self) -> dict:
         model = sum(self.model_mask)
@@ -336,7 +338,8 @@ def _fork(agent: Agent, ep: Episode, k: int) -> list[Episode]:
             tools |= {m.__name__: m for m in environment_tools(env)}
         kids.append(dataclasses.replace(ep, tools=tools, environment=env, tokens=list(ep.tokens),
                                         model_mask=list(ep.model_mask), logprobs=list(ep.logprobs),
-                                        path=ep.path + (c,), fork_at=ep.fork_at + (at,), fork=False))
+                                        path=ep.path + (c,), fork_at=ep.fork_at + (at,), fork=False,
+                                        shared_calls=ep.calls, shared_errors=ep.errors))
     ep.path, ep.fork_at, ep.fork = ep.path + (0,), ep.fork_at + (at,), False
     return [ep, *kids]
 
@@ -392,9 +395,10 @@ def leaf_advantages(samples: list[Sample], rewards: list[float], subtree: bool, 
 
 
 def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
-    """Per-step means over episodes (leaves, where episodes fork): turns, tool calls, tool errors; the step's tokens
-    by source; leaves per task and unique / linearized tokens (prompt included: what the trie-packed update
-    computes of what running every leaf alone would)."""
+    """Per-step means over episodes (leaves, where episodes fork): turns, the calls made (each once, however many
+    leaves share it) and per leaf, tool errors; the step's tokens by source (per leaf, as trained); leaves per
+    task and unique / linearized tokens (prompt included: what the trie-packed update computes of what running
+    every leaf alone would)."""
     eps = [s.episode for s in samples if s.episode is not None]
     if not eps:
         return {}
@@ -403,11 +407,11 @@ def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
         tasks.setdefault(e.task, []).append(e)
     trees = [pack_sequences([e.prompt + e.tokens for e in leaves]) for leaves in tasks.values()]
     st = [e.stats() for e in eps]
-    calls = sum(s["tool_calls"] for s in st)
+    calls = sum(e.calls - e.shared_calls for e in eps)
+    errors = sum(e.errors - e.shared_errors for e in eps)
     out = {"turns_mean": float(np.mean([s["turns"] for s in st])),
-           "tool_calls": calls, "tool_calls_per_episode": calls / len(st),
-           "tool_errors": sum(s["tool_errors"] for s in st),
-           "tool_error_frac": sum(s["tool_errors"] for s in st) / calls if calls else 0.0,
+           "tool_calls": calls, "tool_calls_per_episode": sum(s["tool_calls"] for s in st) / len(st),
+           "tool_errors": errors, "tool_error_frac": errors / calls if calls else 0.0,
            "tokens_model": sum(s["model_tokens"] for s in st), "tokens_tool": sum(s["tool_tokens"] for s in st),
            "tokens_prompt": sum(s["prompt_tokens"] for s in st),
            "leaves_per_task": len(eps) / len(tasks),

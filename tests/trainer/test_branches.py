@@ -89,6 +89,8 @@ def test_forked_episodes_continue_from_the_shared_cache_exactly():
     assert max(rows for rows, _ in shapes) == 12     # two tasks per batch (batch_size 12 / max_leaves 6), forks grown
     m = episode_metrics([s for g in out for s in g])
     assert m["leaves_per_task"] == pytest.approx(14 / 3)
+    # calls made: per calling task 2 first calls and 4 second ones (each rollout's two leaves); 2 along every leaf
+    assert m["tool_calls"] == 12 and m["tool_errors"] == 8 and m["tool_calls_per_episode"] == pytest.approx(24 / 14)
     trees = [pack_sequences([list(e.prompt_ids) + s.tokens for s in g]) for e, g in zip(examples, out)]
     assert m["unique_token_ratio"] == pytest.approx(sum(t.num_tokens for t in trees)
                                                     / sum(t.num_standard_tokens for t in trees))
@@ -142,7 +144,7 @@ def test_the_trie_update_equals_a_loss_computed_leaf_by_leaf(micro_batch_tokens)
     from hetrl.algo import clipped_policy_loss
     from hetrl.trainer import loop
     from hetrl.trainer.config import load_config
-    from hetrl.trainer.learner import Learner, _micro_batches
+    from hetrl.trainer.learner import Learner, Scorer, _micro_batches
 
     _, _, examples, out, _ = _rollout()
     kept = [loop.Rollout(group_prompt(e, g), g, [float((3 * i + j) % 5) for j in range(len(g))])
@@ -163,6 +165,10 @@ def test_the_trie_update_equals_a_loss_computed_leaf_by_leaf(micro_batch_tokens)
                       micro_batch_tokens=micro_batch_tokens, trie=True)
     stats = learner.update(groups, adv, weights, old)
     assert (len(_micro_batches(groups, micro_batch_tokens, trie=True)) > 1) == (micro_batch_tokens == 400)
+    # the no-grad passes (reference, old log-probs) put the trie's labels back in the groups' order
+    tree = Scorer(base, impl="sdpa", micro_batch_tokens=micro_batch_tokens, trie=True).logprobs(groups)
+    plain = Scorer(base, impl="sdpa", micro_batch_tokens=4096).logprobs(groups)
+    assert (tree - plain).abs().max().item() < 1e-10
 
     m2 = copy.deepcopy(base)
     opt = torch.optim.SGD(m2.parameters(), lr=1.0)
