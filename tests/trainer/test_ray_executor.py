@@ -249,7 +249,7 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
 def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
     """The torch.distributed rendezvous of an emulated (one-machine) run is a file store in out_dir, and gloo
     uses the loopback interface: the learners listen on no outside address. (Ray's own gRPC servers listen on
-    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see README.)"""
+    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see docs/ray.md.)"""
     cfg = _cfg(tmp_path)
     actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, 2) for r in range(2)]
     pids = [w["pid"] for w in ray.get([a.whereabouts.remote() for a in actors])]
