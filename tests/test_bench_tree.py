@@ -62,7 +62,7 @@ def test_cli_wires_bench_tree(monkeypatch, tmp_path):
 
     def fake_run(quick, repeats, memory, max_leaves=None):
         seen.update(quick=quick, repeats=repeats, memory=memory, max_leaves=max_leaves)
-        return {"machine": {"cores": 2, "torch": "x", "torch_threads": 1}, "model": "m", "repeats": repeats,
+        return {"machine": {"cpus": 2, "torch": "x", "torch_threads": 1}, "model": "m", "repeats": repeats,
                 "quick": quick, "rows": [{"case": "c", "trajectories": 2, "tokens": dict.fromkeys(tree.LAYOUTS, 9),
                                           "flop_ratio": 1.5, "update_s": dict.fromkeys(tree.LAYOUTS, 1.0),
                                           "max_abs_logprob_diff_vs_tree": {"tree": 0.0}}]}

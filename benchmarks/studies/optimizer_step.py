@@ -40,7 +40,7 @@ def main() -> int:
     text = "\n".join([
         "# AdamW step: foreach vs fused kernel", "",
         f"Made by `python -m benchmarks.studies.optimizer_step --out benchmarks/results` on {host['model']}, "
-        f"{host['cores']} cores, {host['torch_threads']} torch threads, torch {torch.__version__}; SmolLM2-135M "
+        f"{host['cpus']} cores, {host['torch_threads']} torch threads, torch {torch.__version__}; SmolLM2-135M "
         f"({numel / 1e6:.1f}M fp32 parameters), {args.rounds} interleaved rounds, median. {args.conditions}", "",
         "| kernel | median s per step | vs foreach |", "|---|---:|---:|",
         *[f"| {k} | {v:.3f} | {med['foreach'] / v:.2f}x |" for k, v in med.items()], ""])

@@ -126,7 +126,7 @@ def main() -> int:
     host = machine()
     lines = ["# Rollout: hetrl's decoding against transformers' generate, step by step", "",
              f"Made by `python -m benchmarks.studies.rollout --out benchmarks/results` on {host['model']}, "
-             f"{host['cores']} cores, {host['torch_threads']} torch threads, torch {torch.__version__}; "
+             f"{host['cpus']} cores, {host['torch_threads']} torch threads, torch {torch.__version__}; "
              f"SmolLM2-135M fp32, N = {N} samples per prompt, "
              f"temperature {TEMPERATURE}; {args.rounds} interleaved rounds, median. {args.conditions} Variants as "
              "in the script's docstring; each row's speed-up is against `generate`.", ""]

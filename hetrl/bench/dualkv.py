@@ -128,7 +128,7 @@ def format_result(r: DemoResult) -> str:
         f"{r.update_speedup:>9.2f}x",
         f"{'log-prob (no grad)':<22}{r.logprob_s['standard']:>12.3f}{r.logprob_s['dualkv']:>12.3f}"
         f"{r.logprob_speedup:>9.2f}x",
-        f"median of {r.config['repeats']} interleaved rounds after a warm-up; {r.machine['cores']} CPUs, "
+        f"median of {r.config['repeats']} interleaved rounds after a warm-up; {r.machine['cpus']} CPUs, "
         f"torch {r.machine['torch']} ({r.machine['torch_threads']} threads)",
     ]
     return "\n".join(lines)

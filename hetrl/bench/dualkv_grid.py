@@ -41,7 +41,7 @@ QWEN3_SHAPED = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
                     tie_word_embeddings=False)
 GRID = [(n, p, r) for n in (4, 8, 16) for p in (256, 1024, 2048) for r in (64, 256)]
 QUICK = [(4, 128, 32), (8, 128, 32)]          # under 2 minutes on 2 cores, memory included
-SMOLLM2_GRID = [(4, 256, 64), (8, 256, 64), (4, 1024, 64)]   # 135M params: ~5x the Qwen3-shaped model's time
+SMOLLM2_GRID = [(4, 256, 64), (8, 256, 64), (4, 1024, 64)]   # few: 135M params is slow (benchmarks/README.md)
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
 
 def markdown(res: dict) -> str:
     m = res["machine"]
-    lines = [f"# DualKV on CPU, side by side ({m['cores']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
+    lines = [f"# DualKV on CPU, side by side ({m['cpus']} CPUs, torch {m['torch']}, {m['torch_threads']} threads; "
              f"median of {res['repeats']} interleaved rounds)", ""]
     if res.get("grid_cases_measured", 0) < res.get("grid_cases", 0):
         lines += [f"**Partial: {res['grid_cases_measured']} of the {res['grid_cases']} grid cases measured so far** "

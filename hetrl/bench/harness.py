@@ -59,6 +59,18 @@ def interleaved_times(fns: dict[str, Callable[[], object]], rounds: int, warmup:
     return times
 
 
+def calls_per_s(fn: Callable[[], object], duration_s: float, warmup: int = 1) -> float:
+    """How many calls of `fn` run per second, over about `duration_s` of back-to-back calls after `warmup` calls (a
+    throughput probe: a matmul's peak, a copy's bandwidth)."""
+    for _ in range(warmup):
+        fn()
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < duration_s:
+        fn()
+        calls += 1
+    return calls / (time.perf_counter() - t0)
+
+
 def spread(times: list[float]) -> dict[str, float]:
     """The median of `times` and their spread: {"median_s", "min_s", "max_s"}."""
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
@@ -85,21 +97,16 @@ def machine() -> dict:
     except OSError:
         pass
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"model": model or platform.machine(), "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
+    return {"model": model or platform.machine(), "flags": [f for f in wanted if f in flags], "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def matmul_gflops(dtype: torch.dtype, n: int = 1024, seconds_: float = 3.0) -> float:
-    """GFLOP/s of an n x n x n matmul in `dtype` on torch's threads, over about `seconds_` after one warm-up call."""
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, duration_s: float = 3.0) -> float:
+    """GFLOP/s of an n x n x n matmul in `dtype` on torch's threads, over about `duration_s` after one warm-up call."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds_:
-        a @ b
-        calls += 1
-    return 2 * n**3 * calls / (time.perf_counter() - t0) / 1e9
+    return 2 * n**3 * calls_per_s(lambda: a @ b, duration_s) / 1e9
 
 
 def copy_bytes_per_s(device: str = "cpu", nbytes: int = 1 << 30, rounds: int = 10) -> float:
@@ -138,13 +145,27 @@ def utc_now() -> str:
 # ------------------------------------------------------------------------------------------------------ results
 
 
-def write_results(out: str | os.PathLike, name: str, res: dict, text: str) -> str:
-    """Write `res` to out/NAME.json and `text` to out/NAME.md (each through a temporary name, so a reader never
-    sees half a file); -> out/NAME."""
+def _write(path: str, body: str) -> None:
+    """Through a temporary name, so a reader never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        f.write(body)
+    os.replace(path + ".tmp", path)
+
+
+def write_json(path: str | os.PathLike, res: dict, indent: int = 2) -> None:
+    """Every number of a result, for a results page written by hand beside it."""
+    _write(os.fspath(path), json.dumps(res, indent=indent))
+
+
+def write_page(path: str | os.PathLike, text: str) -> None:
+    """A results page of a study whose numbers live in another result's JSON."""
+    _write(os.fspath(path), text if text.endswith("\n") else text + "\n")
+
+
+def write_results(out: str | os.PathLike, name: str, res: dict, text: str, indent: int = 2) -> str:
+    """Write `res` to out/NAME.json and `text` (the table a reader opens) to out/NAME.md; -> out/NAME."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
-    for suffix, body in ((".json", json.dumps(res, indent=2)), (".md", text if text.endswith("\n") else text + "\n")):
-        with open(path + suffix + ".tmp", "w") as f:
-            f.write(body)
-        os.replace(path + suffix + ".tmp", path + suffix)
+    write_json(path + ".json", res, indent)
+    write_page(path + ".md", text)
     return path

@@ -387,7 +387,7 @@ def markdown(table: dict, records: list[dict]) -> str:
     bf16 = [r["machine"]["matmul_gflops"]["bf16"] for r in records]
     lines = ["# `hetrl train` against TRL 1.16's GRPOTrainer, whole steps", "",
              f"`hetrl bench train` on {' and on '.join(hosts)} (the VM's host changed between invocations; each "
-             f"record keeps its own), {m['cores']} cores, torch "
+             f"record keeps its own), {m['cpus']} cores, torch "
              f"{m['torch']} with {m['torch_threads']} threads; 1024^3 matmul peaks measured at the start of each "
              f"invocation: fp32 {min(fp32):.1f}-{max(fp32):.1f} GFLOP/s, bf16 {min(bf16):.1f}-{max(bf16):.1f} "
              "GFLOP/s (this VM's throughput varies between invocations; each run is compared with its own). Runs one "

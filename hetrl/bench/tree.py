@@ -16,7 +16,7 @@ loss is GRPO's clipped surrogate on the model's tokens, one advantage per trajec
 The LM head runs only on the rows that predict trained tokens in every layout. `linear` and `treerow` take
 the log-softmax over their [rows, vocab] logits whole (as `hetrl bench dualkv`'s baselines do); `prompt` and
 `tree` go through hetrl's head, which above 256 MB of logits runs in row chunks recomputed in the backward
-(~12% more time, far less memory: api.CHUNK_LOGITS_ABOVE_BYTES), so at the grid's largest trees the memory
+(more time, far less memory: api.CHUNK_LOGITS_ABOVE_BYTES), so at the grid's largest trees the memory
 columns compare that head as much as the layouts. Times: median of interleaved rounds
 after a warm-up (hetrl.bench.harness.median_times); memory: peak RSS increase of the update in a fresh process per
 layout (VmHWM reset just before the step), as `hetrl bench dualkv` measures it. The FLOP ratio is linear / tree:
@@ -295,7 +295,7 @@ def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped
 
 def markdown(res: dict) -> str:
     m = res["machine"]
-    lines = [f"# Tree engine on agentic trees ({res['model']}, {m['cores']} CPUs, torch {m['torch']}, "
+    lines = [f"# Tree engine on agentic trees ({res['model']}, {m['cpus']} CPUs, torch {m['torch']}, "
              f"{m['torch_threads']} threads; median of {res['repeats']} interleaved rounds{', --quick' if res['quick'] else ''})",
              "", "One update micro-step (forward, GRPO clipped loss on the model's tokens, backward). Speedup of `tree` "
              "over each layout; `frac` = speedup over linear / FLOP ratio (target >= 0.85). Memory: peak RSS increase "

@@ -7,6 +7,7 @@ is an error that lists the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: q_lora_rank and rope_head_dim describe multi-head latent attention; "
                              "set kv_lora_rank > 0 too or leave them out")
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def moe_layers(self) -> int:
         """Layers whose MLP is the routed experts: after the first `first_k_dense`, every `moe_every`-th."""
         if not self.experts:
@@ -118,7 +119,7 @@ class ModelSpec:
                     + 3 * self.hidden * self.shared_intermediate)
         return self.mlp_params_per_layer
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def expert_params(self) -> int:
         """Routed experts' weights of every MoE layer."""
         return self.moe_layers * self.expert_params_per_layer
@@ -127,7 +128,7 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def params(self) -> int:
         """All parameters (what memory holds)."""
         if not self.dense_layers or not self.experts:   # one kind of layer (the only form before MoE patterns)
@@ -135,7 +136,7 @@ class ModelSpec:
         return (self.layers * self.attn_params_per_layer + self.moe_layers * self.mlp_params_per_layer
                 + self.dense_layers * self.dense_mlp_params + self.embedding_params)
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def active_params(self) -> int:
         """Parameters each token touches (what FLOPs scale with)."""
         if not self.dense_layers or not self.experts:
@@ -143,7 +144,7 @@ class ModelSpec:
         return (self.layers * self.attn_params_per_layer + self.moe_layers * self.active_mlp_params_per_layer
                 + self.dense_layers * self.dense_mlp_params + self.embedding_params)
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def expert_active_params(self) -> int:
         """Routed-expert weights each token touches over all layers (the grouped-GEMM part of its FLOPs)."""
         return self.moe_layers * self.experts_per_token * 3 * self.hidden * self.moe_intermediate
