@@ -42,7 +42,7 @@ from hetrl.planner.cost import task_costs  # noqa: E402
 from hetrl.planner.plan import Group, Parallelism  # noqa: E402
 from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
-from hetrl.trainer.loop import train  # noqa: E402
+from hetrl.trainer.run import train  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
 from hetrl.data import TaskSource  # noqa: E402
 
