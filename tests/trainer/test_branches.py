@@ -227,3 +227,7 @@ def test_branch_knobs_are_checked():
         load_config(tiny, [calc, "branches=2", "max_leaves=3"])
     with pytest.raises(ValueError, match="tree_advantage"):
         load_config(tiny, [calc, "branches=2", "tree_advantage=nodes"])
+    with pytest.raises(ValueError, match="not defined on trees"):
+        load_config(tiny, [calc, "branches=2", "adv_estimator=rloo"])
+    with pytest.raises(ValueError, match="not defined on trees"):
+        load_config(tiny, [calc, "branches=2", "use_kl_in_reward=true"])
