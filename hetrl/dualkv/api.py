@@ -205,8 +205,7 @@ def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: to
 
 # Rows of [U, V] logits the log-softmax works through at once: about this many bytes of fp32, so that the several
 # elementwise passes over a chunk (scale, max, exp, sums) run in cache instead of each streaming all [U, V] through
-# memory. Measured at [1300, 49152] (the default job's update, 2-core AVX512 VM): 0.61 s for forward + backward with
-# entropy as whole-matrix passes, 0.19 s at 16-row chunks (3 MiB); 8 and 32 rows 0.20 and 0.24 s.
+# memory. 3 MiB was the fastest chunk measured (benchmarks/README.md, "Numbers behind constants in the code").
 CACHE_CHUNK_BYTES = 3 << 20
 
 
@@ -279,13 +278,10 @@ class _GatheredLogSoftmax(torch.autograd.Function):
 
 # Above this many bytes of [rows, vocab] logits, the LM head and the log-softmax run in row chunks that are
 # recomputed in the backward (_ChunkedLogProbs), so no [rows, vocab] tensor is kept for autograd. Below it
-# the single pass is faster (no recompute). Profiled at N=16, P=2048, R=256 (4,081 rows x 32,000 words):
-# the logits, their softmax and gradients were ~2.5 GB of the update's 4.2 GB. A chunk is CHUNK_BYTES of fp32
-# logits: each one recomputes its rows' head GEMM in the backward and accumulates the head's gradient in place,
-# so small chunks at a large vocabulary cost GEMM efficiency and a pass over the [V, D] gradient apiece
-# (2048 rows at Qwen's 151,936 words, forward + backward of the head alone on 2 cores: 27-row chunks (16 MiB)
-# took 33 s, 220 rows (128 MiB) 16 s, 441 rows 14.5 s, the whole logits 10-12 s; 4 GEMMs against 3 is the
-# floor of recomputing). benchmarks/results/lm_head_chunks.md measures the pass's memory.
+# the single pass is faster (no recompute). A chunk is CHUNK_BYTES of fp32 logits: each one recomputes its rows'
+# head GEMM in the backward and accumulates the head's gradient in place, so small chunks at a large vocabulary
+# cost GEMM efficiency and a pass over the [V, D] gradient apiece (4 GEMMs against 3 is the floor of recomputing).
+# Both sizes were measured: benchmarks/README.md, "Numbers behind constants in the code".
 CHUNK_LOGITS_ABOVE_BYTES = 256 << 20
 CHUNK_BYTES = 128 << 20
 _SCALED_HEAD_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")

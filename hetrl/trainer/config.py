@@ -95,6 +95,11 @@ class RunConfig:
     environment: str | None = None        # FILE.py:Class: one instance per rollout (reset, tool methods, get_reward)
     max_tool_calls: int = rule(4, ge=1)   # tool-calling turns per episode (TRL's max_tool_calling_iterations)
     tool_timeout_s: float = rule(10.0, gt=0)  # a call still running then is answered with a timeout error
+    # tree-shaped sampling (docs/agents.md): after a tool result an episode forks into `branches` continuations
+    # that share its cache, while its task has at most max_leaves leaves (default responses_per_prompt x branches)
+    branches: int = rule(1, ge=1)
+    max_leaves: int | None = rule(None, ge=1)
+    tree_advantage: str = rule("leaves", choices=("leaves", "subtree"))   # GRPO over a task's leaves, or per subtree
     # LoRA through peft (0: full fine-tuning); the reference is the base model with the adapter off
     lora_rank: int = rule(0, ge=0)
     lora_alpha: float = rule(16.0, gt=0)
@@ -204,8 +209,9 @@ class RunConfig:
         if self.responses_per_prompt < 2 and self.algorithm != "ppo":
             raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
                              "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
-        if self.tools or self.environment is not None:
+        if self.multi_turn:
             self._check_tools()
+        self._check_branches()
         if self.algorithm == "dapo" and self.kl_coef > 0:
             raise ValueError(f"DAPO has no KL term, but kl_coef is {self.kl_coef}; set kl_coef=0 or algorithm=grpo")
         if not self.out_dir.strip():
@@ -306,6 +312,31 @@ class RunConfig:
             raise ValueError(f"environment={self.environment} hands each rollout's instance to the reward functions "
                              f"(TRL's environments=), which cannot go to reward_workers={self.reward_workers} "
                              "processes; set reward_workers=0")
+
+    def _check_branches(self) -> None:
+        if self.branches > 1 and not self.multi_turn:
+            raise ValueError(f"branches={self.branches} forks an episode after a tool result; it needs "
+                             "tools=FILE.py:NAME or environment=FILE.py:Class (or use branches=1)")
+        if self.branches > 1 and (self.adv_estimator != "grpo" or self.use_kl_in_reward):
+            raise ValueError(f"branches={self.branches} takes GRPO's advantages over a task's leaves (tree_advantage); "
+                             f"adv_estimator={self.adv_estimator}"
+                             f"{' with use_kl_in_reward' if self.use_kl_in_reward else ''} does not apply to them: "
+                             "use adv_estimator=grpo without use_kl_in_reward, or branches=1")
+        if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
+            raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
+                             f"({self.responses_per_prompt}) rollouts among them; use at least "
+                             f"{self.responses_per_prompt}")
+        unused = [f"{k}={getattr(self, k)}" for k, default in (("max_leaves", None), ("tree_advantage", "leaves"))
+                  if getattr(self, k) != default]
+        if self.branches == 1 and unused:
+            raise ValueError(f"{', '.join(unused)} shape the trees of branches >= 2, and branches is 1 (no forks); "
+                             "set branches=2 (or more), or leave them out")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are multi-turn tool-use episodes (tools or an environment): the update then packs each
+        task's samples as a trie (hetrl.dualkv.pack_sequences), every shared turn computed once."""
+        return bool(self.tools) or self.environment is not None
 
     @property
     def tool_specs(self) -> tuple[str, ...]:

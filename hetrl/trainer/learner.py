@@ -1,10 +1,10 @@
 """Learner: log-prob passes and the policy update (any loss of hetrl.algo's registry, through its packed adapter),
 and PPO's critic (values and the clipped value update), all through the DualKV shared-prompt engine.
 
-Groups are cut into micro-batches by packed-token budget (`split_by_token_budget`, which keeps
-groups whole and response order intact), so the per-token tensors of a mini-batch line up with
-the concatenated micro-batch outputs. The mini-batch loss is a weighted sum of per-token losses
-(weights from `token_weights`), hence gradient accumulation over micro-batches is exact.
+Groups are cut into micro-batches by packed-token budget (`split_by_token_budget`, which keeps groups whole
+and in order; for multi-turn episodes, whose samples share turns, one trie of sequences cut in the trie's order),
+each micro-batch knowing where its labels sit in the per-token tensors. The mini-batch loss is a weighted sum of
+per-token losses (weights from `token_weights`), hence gradient accumulation over micro-batches is exact.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from hetrl.algo import clipped_value_loss, kl_penalty, packed_policy_loss, weighted_sum
-from hetrl.dualkv import pack_groups, shared_prompt_head, shared_prompt_logprobs, split_by_token_budget
+from hetrl.dualkv import (TreeBatch, pack_groups, pack_sequences, shared_prompt_head, shared_prompt_logprobs,
+                          split_by_token_budget, split_sequences_by_token_budget)
 
 Groups = list[tuple[list[int], list[list[int]]]]
 
@@ -46,8 +47,36 @@ def _finite_step(grad_norm: float, loss: float, shared_only: bool) -> bool:
     return math.isfinite(grad_norm) and (shared_only or math.isfinite(loss))
 
 
-def _micro_batches(groups: Groups, micro_batch_tokens: int):
-    return [pack_groups(mb) for mb in split_by_token_budget(groups, micro_batch_tokens)] if groups else []
+def _micro_batches(groups: Groups, micro_batch_tokens: int, trie: bool = False
+                   ) -> list[tuple[TreeBatch, torch.Tensor]]:
+    """Micro-batches of `groups` within the packed-token budget, each with the positions [k] of its labels in the
+    groups' per-token layout (group by group, response by response, token by token).
+
+    trie off: each group a depth-one tree (pack_groups), groups whole and in order. trie on (multi-turn episodes,
+    whose samples share turns, not just the prompt): every [prompt, response] a sequence of one trie
+    (pack_sequences, the prompt context, the response labelled), cut in the trie's order
+    (split_sequences_by_token_budget), so every shared turn is computed once; its labels are then in the trie's
+    order, which the positions map back."""
+    if not groups:
+        return []
+    if not trie:
+        out, at = [], 0
+        for mb in split_by_token_budget(groups, micro_batch_tokens):
+            batch = pack_groups(mb)
+            out.append((batch, torch.arange(at, at + batch.labels.numel())))
+            at += batch.labels.numel()
+        return out
+    seqs, masks, starts = [], [], [0]
+    for prompt, responses in groups:
+        for r in responses:
+            seqs.append([*prompt, *r])
+            masks.append([False] * len(prompt) + [True] * len(r))
+            starts.append(starts[-1] + len(r))
+    out = []
+    for part in split_sequences_by_token_budget(seqs, micro_batch_tokens):
+        batch = pack_sequences([seqs[i] for i in part], [masks[i] for i in part])
+        out.append((batch, torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part])))
+    return out
 
 
 def _dummy_passes(n: int, sharded: bool) -> int:
@@ -135,24 +164,27 @@ class Scorer:
 
     def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 sharded: bool = False, precision: str = "fp32"):
+                 sharded: bool = False, precision: str = "fp32", trie: bool = False):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
+        self.trie = trie         # pack each mini-batch's samples as one trie (_micro_batches): multi-turn episodes
         self.precision = precision   # the run's precision: bf16 autocast or not (amp)
         self.context = context   # entered around every pass (a LoRA reference: the adapter off)
         self.sharded = sharded   # an FSDP2 rank: runs as many passes as the others (sharding.py)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
-        batches = _micro_batches(groups, self.micro_batch_tokens)
+        batches = _micro_batches(groups, self.micro_batch_tokens, self.trie)
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
         with torch.no_grad(), self.context(), amp(self.model, self.precision):
-            parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
-                     for b in batches]
+            parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature).cpu()
+                     for b, _ in batches]
             for _ in range(dummies):
                 shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl, temperature=self.temperature)
         if not parts:
             return torch.zeros(0, dtype=self.model.dtype)
-        return torch.cat(parts).detach().cpu()
+        out = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
+        out[torch.cat([at for _, at in batches])] = torch.cat(parts)
+        return out
 
 
 class Learner:
@@ -163,10 +195,10 @@ class Learner:
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
-                 precision: str = "fp32", loss_mode: str = "vanilla", loss_options: dict | None = None,
-                 kl_loss_type: str = "low_var_kl", lr_at: Callable[[int], float] | None = None,
-                 entropy_coeff: float = 0.0):
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+                 precision: str = "fp32", trie: bool = False, loss_mode: str = "vanilla",
+                 loss_options: dict | None = None, kl_loss_type: str = "low_var_kl",
+                 lr_at: Callable[[int], float] | None = None, entropy_coeff: float = 0.0):
+        self.model, self.optimizer, self.precision, self.trie = model, optimizer, precision, trie
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.kl_coef, self.max_grad_norm, self.kl_loss_type = kl_coef, max_grad_norm, kl_loss_type
         # the policy loss (hetrl.algo.POLICY_LOSSES) and its options under verl's names; without options, the
@@ -178,7 +210,7 @@ class Learner:
         self.entropy_coeff = entropy_coeff   # loss -= entropy_coeff x entropy, aggregated as the policy loss (verl)
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
         self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
-                             sharded=sharded, precision=precision)
+                             sharded=sharded, precision=precision, trie=trie)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
@@ -200,20 +232,20 @@ class Learner:
         packed = standard = offset = 0
         # A data-parallel rank can get no group (DAPO's dynamic sampling may keep fewer groups than there are
         # ranks): it still joins the gradient all-reduce below with zero gradients.
-        batches = [b for b in _micro_batches(groups, self.micro_batch_tokens) if b.labels.numel()]
+        batches = [(b, at) for b, at in _micro_batches(groups, self.micro_batch_tokens, self.trie) if at.numel()]
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
-        for batch in batches:
-            k = batch.labels.numel()
-            sl = slice(offset, offset + k)
-            offset += k
+        for batch, sl in batches:     # sl: the micro-batch's positions in the per-token tensors
+            offset += sl.numel()
             with amp(self.model, self.precision):   # the forward; its backward follows autocast's casts
                 logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl,
                                                        temperature=self.temperature, return_entropy=True)
             device, dtype = logp.device, logp.dtype
             w = weights[sl].to(device, dtype)
             old = logp.detach() if old_logp is None else old_logp[sl].to(device, dtype)
-            pg, metrics = packed_policy_loss(self.loss_mode, old, logp, advantages[sl].to(device, dtype), w,
-                                             batch.response_lens, **self.loss_options)
+            # each response's labels lie together in the micro-batch (one trie sequence or one group member)
+            lens = torch.tensor(batch.labels_per_sequence, device=device)
+            pg, metrics = packed_policy_loss(self.loss_mode, old, logp, advantages[sl].to(device, dtype), w, lens,
+                                             **self.loss_options)
             loss_tok = pg
             if self.kl_coef > 0:
                 kl = kl_penalty(logp, ref_logp[sl].to(device, dtype), self.kl_loss_type)
@@ -288,7 +320,7 @@ class Critic:
     def values(self, groups: Groups) -> torch.Tensor:
         """No-grad values [K] of the state before every response token of `groups`."""
         with torch.no_grad():
-            parts = [self._values(b) for b in _micro_batches(groups, self.micro_batch_tokens)]
+            parts = [self._values(b) for b, _ in _micro_batches(groups, self.micro_batch_tokens)]
         return torch.cat(parts).detach().cpu() if parts else torch.zeros(0, dtype=self.head.weight.dtype)
 
     def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
@@ -301,9 +333,8 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = clip_total = 0.0
         offset = 0
-        for batch in [b for b in _micro_batches(groups, self.micro_batch_tokens) if b.labels.numel()]:
-            sl = slice(offset, offset + batch.labels.numel())
-            offset += batch.labels.numel()
+        for batch, sl in [(b, at) for b, at in _micro_batches(groups, self.micro_batch_tokens) if at.numel()]:
+            offset += sl.numel()
             v = self._values(batch)
             w = weights[sl].to(v.device, v.dtype)
             loss_tok, clipped = clipped_value_loss(v, old_values[sl].to(v.device, v.dtype),

@@ -192,6 +192,9 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None)
     response's reward on its last token, tool tokens outside the mask), in the order of the packed responses.
     `kl`: (behaviour log-probs [K], reference log-probs [K], KLController) to take the KL out of the reward
     (use_kl_in_reward). -> (advantages [K], metrics)."""
+    if cfg.branches > 1:   # a task's leaves (as many as its forks made), each one sample of the task
+        return torch.cat([episodes.leaf_advantages(r.samples, r.rewards, cfg.tree_advantage == "subtree",
+                                                   cfg.scale_advantages) for r in rollouts]), {}
     lens, _ = _responses(rollouts, cfg)
     rewards, mask, metrics = _token_rewards(rollouts, lens, cfg, kl)
     index = torch.arange(len(rollouts)).repeat_interleave(torch.tensor([len(r.samples) for r in rollouts]))

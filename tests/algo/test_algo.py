@@ -72,3 +72,28 @@ def test_token_weights_sum_to_one_and_drop_left_out_responses():
         token_weights(lens, keep, "sum")
     with pytest.raises(ValueError, match="loss_scale_factor"):
         token_weights(lens, keep, "seq-mean-token-sum-norm")
+
+
+def test_tree_advantages_by_hand():
+    """Two rollouts; the first forks at token 2 into two leaves. Rewards 1, 0 (the fork's leaves) and 0.5."""
+    from hetrl.algo import tree_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    paths, forks, lens = [(0, 0), (0, 1), (1,)], [(2,), (2,), ()], [4, 3, 2]
+    leaves = tree_advantages(r, paths, forks, lens, scale=False)
+    assert leaves.tolist() == [0.5] * 4 + [-0.5] * 3 + [0.0] * 2          # every leaf against the mean 0.5
+    sub = tree_advantages(r, paths, forks, lens, subtree=True, scale=False)
+    # before the fork: against the task's leaves (0.5); after it: against the fork's leaves (0.5 too) ...
+    assert sub.tolist() == [0.5, 0.5, 0.5, 0.5, -0.5, -0.5, -0.5, 0.0, 0.0]
+    r2 = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)                 # ... and here 1/3 and 1/2
+    sub = tree_advantages(r2, paths, forks, lens, subtree=True, scale=False)
+    assert torch.allclose(sub, torch.tensor([2 / 3, 2 / 3, 0.5, 0.5, -1 / 3, -1 / 3, -0.5, -1 / 3, -1 / 3],
+                                            dtype=torch.float64), atol=1e-15)
+    scaled = tree_advantages(r2, paths, forks, lens, subtree=True)
+    assert torch.allclose(scaled, sub / (r2.std() + 1e-6), atol=1e-15)
+    # no fork: the per-subtree baseline is GRPO's
+    flat = [(0,), (1,), (2,)], [(), (), ()]
+    assert torch.allclose(tree_advantages(r2, *flat, lens, subtree=True), tree_advantages(r2, *flat, lens),
+                          atol=1e-15)
+    with pytest.raises(ValueError, match="increasing fork positions"):
+        tree_advantages(r, paths, [(2,), (5,), ()], lens)
