@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, files
+from hetrl.trainer import allocator, build, checkpoint, files, guards
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.learner import CriticStats, UpdateStats, samples_in_bf16

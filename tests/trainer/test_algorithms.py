@@ -105,3 +105,15 @@ def test_the_learning_rate_follows_transformers_schedule():
         opt.step()
         ref.step()
     assert build.lr_schedule(load_config(TINY)) is None   # constant, no warmup: the optimizer's own rate
+
+
+def test_python_train_takes_trl_names(tmp_path, monkeypatch):
+    """hetrl.train(..., loss_type=..., beta=...) over a YAML whose preset already filled the fields."""
+    import hetrl
+    from hetrl.trainer import loop
+
+    seen = {}
+    monkeypatch.setattr(loop, "train", lambda cfg, **kw: seen.setdefault("cfg", cfg))
+    hetrl.train(TINY, loss_type="dr_grpo", beta=0.01, scale_rewards="none", out_dir=str(tmp_path))
+    cfg = seen["cfg"]
+    assert (cfg.aggregation, cfg.kl_coef, cfg.scale_advantages) == ("seq-mean-token-sum-norm", 0.01, False)
