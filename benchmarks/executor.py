@@ -41,7 +41,7 @@ from hetrl.planner.cost import task_costs
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict
 from hetrl.trainer.config import load_config
-from hetrl.trainer.loop import train
+from hetrl.trainer.run import train
 from hetrl.trainer.placement import model_spec_from_hf, run_workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -65,7 +65,7 @@ def run() -> dict:
 def markdown(res: dict) -> str:
     lines = ["# Planner memory strategies", "",
              f"{res['date']}, {res['machine']['cpus']} CPUs ({res['machine']['platform']}); "
-             "`python benchmarks/planner_strategies.py`. Seconds per iteration are predictions.", "",
+             "`python -m benchmarks.planner_strategies`. Seconds per iteration are predictions.", "",
              "## Published setups (`hetrl plan --evaluate`)", "",
              "| plan | feasible | s/iter | peak GB per GPU | largest terms |", "|---|---|---|---|---|"]
     for p in res["published"]:

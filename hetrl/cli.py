@@ -95,7 +95,7 @@ def _bench_dualkv(args) -> int:
 
 
 def _train(args) -> int:
-    from hetrl.trainer.loop import train_command
+    from hetrl.trainer.run import train_command
     from hetrl.trainer.placement import ExecutorFailure
 
     try:

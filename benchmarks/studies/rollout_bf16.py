@@ -31,7 +31,7 @@ def main() -> int:
     from hetrl.models import load_model
     from hetrl.trainer import build
     from hetrl.trainer.config import RunConfig
-    from hetrl.trainer.loop import build_source
+    from hetrl.trainer.run import build_source
     from hetrl.trainer.rollout import RolloutWorker
 
     cfg = RunConfig(precision="bf16-mixed")

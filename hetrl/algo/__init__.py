@@ -1,6 +1,5 @@
 """RL math on tensors, by verl's names: advantage estimators (`advantage`), policy losses and their aggregation
-(`policy_loss`), KL estimators (`kl_penalty`), entropy, PPO's value loss and GAE, tree-sampling advantages.
-No I/O, no models.
+(`policy_loss`), KL estimators (`kl_penalty`), entropy, PPO's value loss and GAE. No I/O, no models.
 docs/algorithms.md lists every name with its formula and its verl / TRL equivalents."""
 
 from .advantages import (ADVANTAGE_ESTIMATORS, advantage, explained_variance, gae_returns, masked_mean, masked_whiten,
@@ -9,10 +8,11 @@ from .losses import (KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, KLControlle
                      entropy_from_logits, entropy_loss, kl_in_reward, kl_penalty, loss_aggregation,
                      per_token_policy_loss, policy_loss, token_weights, weighted_sum)
 from .packing import packed_policy_loss, row_mask, to_packed, to_padded
-from .tree import tree_advantages
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "KL_PENALTIES", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "KLController", "advantage",
-           "agg_loss", "clipped_value_loss", "entropy_from_logits", "entropy_loss", "explained_variance",
-           "gae_returns", "kl_in_reward", "kl_penalty", "loss_aggregation", "masked_mean", "masked_whiten",
-           "packed_policy_loss", "per_token_policy_loss", "policy_loss", "row_mask", "to_packed", "to_padded",
-           "token_weights", "tree_advantages", "weighted_sum", "whiten"]
+           "agg_loss", "kl_in_reward",
+           "clipped_value_loss", "entropy_from_logits", "entropy_loss", "explained_variance", "gae_returns",
+           "kl_penalty", "loss_aggregation", "masked_mean", "masked_whiten", "packed_policy_loss",
+           "per_token_policy_loss", "policy_loss", "row_mask", "to_packed", "to_padded", "token_weights",
+           "tree_advantages", "weighted_sum", "whiten"]
+from .tree import tree_advantages  # noqa: E402  (tree.py uses the registry above)

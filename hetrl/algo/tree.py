@@ -7,16 +7,7 @@ import torch
 
 from .advantages import advantage
 
-GRPO_EPS = 1e-6   # verl's epsilon in compute_grpo_outcome_advantage, which the registry's grpo uses
-
-
-def _grpo(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
-    """The registry's grpo over one task's leaves [L]; with one leaf there is nothing to compare: 0."""
-    if rewards.numel() == 1:
-        return torch.zeros_like(rewards)
-    flat = rewards[:, None]
-    return advantage("grpo", flat, torch.ones_like(flat), torch.zeros(len(rewards), dtype=torch.long),
-                     norm_adv_by_std_in_grpo=scale)[:, 0]
+GRPO_EPS = 1e-6   # verl's epsilon in compute_grpo_outcome_advantage (the registry's grpo default)
 
 
 def tree_advantages(rewards: torch.Tensor, paths: list[tuple[int, ...]], fork_at: list[tuple[int, ...]],
@@ -39,7 +30,11 @@ def tree_advantages(rewards: torch.Tensor, paths: list[tuple[int, ...]], fork_at
         if len(cuts) != len(path) - 1 or list(cuts) != sorted(cuts) or (cuts and not 0 <= cuts[0] <= cuts[-1] <= n):
             raise ValueError(f"a leaf with path {path} needs {len(path) - 1} increasing fork positions within its "
                              f"{n} tokens, got {cuts}")
-    grpo = _grpo(rewards, scale)
+    if rewards.numel() == 1:
+        return rewards.new_zeros(sum(lens))
+    flat = rewards.reshape(-1, 1)
+    grpo = advantage("grpo", flat, torch.ones_like(flat), torch.zeros(rewards.numel(), dtype=torch.long),
+                     norm_adv_by_std_in_grpo=scale, epsilon=GRPO_EPS)[:, 0]
     if not subtree or rewards.numel() == 1:
         return torch.repeat_interleave(grpo, torch.tensor(lens, dtype=torch.long))
     denom = rewards.std() + GRPO_EPS if scale else rewards.new_tensor(1.0)

@@ -138,7 +138,7 @@ def matmul_params(model) -> int:
 
 
 def run_hetrl(case: Case, seed: int, steps: int, work: pathlib.Path, overrides: tuple[str, ...] = ()) -> dict:
-    from hetrl.trainer.loop import train
+    from hetrl.trainer.run import train
 
     cfg, rows, evals = job(case, seed, steps, str(work / f"hetrl-{case.name}-{seed}"), overrides)
     summary = train(cfg, train_dataset=rows, eval_dataset=evals)
@@ -249,7 +249,8 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
 
     from hetrl.data.rewards import completion_text
     from hetrl.integrations.trl import with_dualkv
-    from hetrl.trainer.loop import build_rewards, build_source, evaluate, paired_comparison, python_fields
+    from hetrl.trainer.evaluation import evaluate, paired_comparison
+    from hetrl.trainer.run import build_rewards, build_source, python_fields
     from hetrl.trainer.rollout import RolloutWorker
 
     name = "trl-dualkv" if dualkv else "trl"

@@ -138,15 +138,18 @@ def _episode_tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     at depth D_j = P + (j-1)(R + U). DualKV (the trie packing of hetrl's update): P + sum_j c_j (R + U_j) tokens
     per task, each attending to its ancestors only: P^2/2 + sum_j c_j (S_j D_j + S_j^2/2) pairs; the prompt once
     per micro-batch of leaves (a task cut into parts repeats it; the turns are counted once). Linear: every leaf
-    alone, L (P + C) tokens and L (P + C)^2/2 pairs, C its completion."""
-    p, g, leaves = w.prompt_tokens.mean, w.prompts_per_step, w.leaves
+    alone, L (P + C) tokens and L (P + C)^2/2 pairs, C its completion. Lengths as `pass_lengths` pads them (the
+    turns and tool results at their maxima with padding=max)."""
+    (p, completion), g, leaves = w.pass_lengths, w.prompts_per_step, w.leaves
     if not w.dualkv:
-        s = p + w.completion_tokens.mean
+        s = p + completion
         return g * leaves * s, g * leaves * s * s / 2
+    r, u = (w.response_tokens.max, w.tool_tokens.max) if w.padding == "max" else \
+        (w.response_tokens.mean, w.tool_tokens.mean)
     copies = math.ceil(leaves / min(leaves, w.micro_batch_responses))
     tokens, pairs, depth = copies * p, copies * p * p / 2, p
     for j, c in enumerate(w.turn_rows):
-        seg = w.response_tokens.mean + (w.tool_tokens.mean if j < w.turns - 1 else 0.0)
+        seg = r + (u if j < w.turns - 1 else 0.0)
         tokens += c * seg
         pairs += c * (seg * depth + seg * seg / 2)
         depth += seg

@@ -150,8 +150,7 @@ def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=N
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
                    micro_batch_tokens=cfg.micro_batch_tokens, kl_coef=0.0 if cfg.use_kl_in_reward else cfg.kl_coef,
                    max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded, precision=cfg.precision,
-                   trie=cfg.multi_turn,
-                   loss_mode=cfg.loss_mode, loss_options={**cfg.clip_options, **cfg.loss_options},
+                   trie=cfg.multi_turn, loss_mode=cfg.loss_mode, loss_options={**cfg.clip_options, **cfg.loss_options},
                    kl_loss_type=cfg.kl_loss_type, lr_at=lr_schedule(cfg), entropy_coeff=cfg.entropy_coeff)
 
 

@@ -327,6 +327,11 @@ class RunConfig:
             raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
                              f"({self.responses_per_prompt}) rollouts among them; use at least "
                              f"{self.responses_per_prompt}")
+        if self.branches > 1 and (self.adv_estimator != "grpo" or self.use_kl_in_reward):
+            raise ValueError(f"branches={self.branches} scores a task's leaves with GRPO over the leaves "
+                             f"(tree_advantage); adv_estimator={self.adv_estimator}"
+                             f"{' with use_kl_in_reward' if self.use_kl_in_reward else ''} is not defined on trees "
+                             "yet; use adv_estimator=grpo without use_kl_in_reward, or branches=1")
         unused = [f"{k}={getattr(self, k)}" for k, default in (("max_leaves", None), ("tree_advantage", "leaves"))
                   if getattr(self, k) != default]
         if self.branches == 1 and unused:

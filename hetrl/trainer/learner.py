@@ -242,8 +242,7 @@ class Learner:
             device, dtype = logp.device, logp.dtype
             w = weights[sl].to(device, dtype)
             old = logp.detach() if old_logp is None else old_logp[sl].to(device, dtype)
-            # each response's labels lie together in the micro-batch (one trie sequence or one group member)
-            lens = torch.tensor(batch.labels_per_sequence, device=device)
+            lens = torch.as_tensor(batch.labels_per_sequence)   # per [prompt, response] sequence, in label order
             pg, metrics = packed_policy_loss(self.loss_mode, old, logp, advantages[sl].to(device, dtype), w, lens,
                                              **self.loss_options)
             loss_tok = pg

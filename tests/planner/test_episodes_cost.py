@@ -38,6 +38,9 @@ def test_the_tree_of_a_task_by_hand():
     assert _tokens_and_pairs(dataclasses.replace(w, dualkv=False)) == (4 * 4 * 170, 4 * 4 * 170 ** 2 / 2)
     # two leaves per micro-batch: the prompt runs twice per task, the turns once
     assert _tokens_and_pairs(dataclasses.replace(w, micro_batch_responses=2)) == (4 * 420, 4 * 40900)
+    # padded to the maxima: turns of 12 and results of 25 tokens (the prompt is at its max already)
+    padded = _w(response_tokens={"max": 12, "mean": 10}, tool_tokens={"max": 25, "mean": 20}, padding="max")
+    assert _tokens_and_pairs(padded)[0] == 4 * (100 + 2 * 37 + 4 * 37 + 4 * 12)
 
 
 def _costs(w):

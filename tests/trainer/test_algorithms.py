@@ -110,10 +110,10 @@ def test_the_learning_rate_follows_transformers_schedule():
 def test_python_train_takes_trl_names(tmp_path, monkeypatch):
     """hetrl.train(..., loss_type=..., beta=...) over a YAML whose preset already filled the fields."""
     import hetrl
-    from hetrl.trainer import loop
+    from hetrl.trainer import run
 
     seen = {}
-    monkeypatch.setattr(loop, "train", lambda cfg, **kw: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: seen.setdefault("cfg", cfg))
     hetrl.train(TINY, loss_type="dr_grpo", beta=0.01, scale_rewards="none", out_dir=str(tmp_path))
     cfg = seen["cfg"]
     assert (cfg.aggregation, cfg.kl_coef, cfg.scale_advantages) == ("seq-mean-token-sum-norm", 0.01, False)

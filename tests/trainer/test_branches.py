@@ -152,7 +152,8 @@ def test_the_trie_update_equals_a_loss_computed_leaf_by_leaf(micro_batch_tokens)
     cfg = load_config(str(ROOT / "examples" / "runs" / "tiny.yaml"),
                       [f"tools={ROOT}/examples/tools/calculator.py:multiply", "branches=2", "tree_advantage=subtree",
                        "kl_coef=0", "responses_per_prompt=2"])
-    adv, weights = loop._per_token(kept, cfg)[0], loop._weights(kept, cfg)
+    adv, _ = loop._per_token(kept, cfg)
+    weights = loop._weights(kept, cfg)
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
     g = torch.Generator().manual_seed(3)
     old = torch.cat([s.logprobs for r in kept for s in r.samples])
@@ -179,10 +180,11 @@ def test_the_trie_update_equals_a_loss_computed_leaf_by_leaf(micro_batch_tokens)
             at += len(tokens)
             logits = m2(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
             lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-            pg, metrics = per_token_policy_loss("vanilla", old[sl], lp, adv[sl], torch.ones_like(lp),
+            pg, metrics = per_token_policy_loss("vanilla", old[sl][None], lp[None], adv[sl][None],
+                                                torch.ones(1, len(tokens), dtype=lp.dtype),
                                                 clip_ratio_low=cfg.clip_low, clip_ratio_high=cfg.clip_high,
                                                 clip_ratio_c=None)
-            c = metrics["pg_clipfrac"]
+            pg, c = pg[0], metrics["pg_clipfrac"][0]
             loss = loss + (weights[sl] * pg).sum()
             clipped += float((weights[sl] * c).sum())
     loss.backward()

@@ -22,7 +22,7 @@ from hetrl.algo import token_weights  # noqa: E402
 from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import load_cluster, plan_from_dict  # noqa: E402
 from hetrl.planner.spec import TokenLengths  # noqa: E402
-from hetrl.trainer import loop  # noqa: E402
+from hetrl.trainer.run import train  # noqa: E402
 from hetrl.trainer import build  # noqa: E402
 from hetrl.trainer.build import Policy  # noqa: E402
 from hetrl.schema import InputError  # noqa: E402
@@ -249,7 +249,7 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
 def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
     """The torch.distributed rendezvous of an emulated (one-machine) run is a file store in out_dir, and gloo
     uses the loopback interface: the learners listen on no outside address. (Ray's own gRPC servers listen on
-    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see README.)"""
+    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see docs/ray.md.)"""
     cfg = _cfg(tmp_path)
     actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, 2) for r in range(2)]
     pids = [w["pid"] for w in ray.get([a.whereabouts.remote() for a in actors])]
@@ -269,7 +269,7 @@ def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
 def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
     """PPO, so that the critic roles run asynchronously too (planned on the fly: no plan given)."""
     cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0", "algorithm=ppo", "critic_lr=1e-3")
-    summary = loop.train(cfg)
+    summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness"] <= 1 for r in rows) and any(r["staleness"] == 1 for r in rows)
@@ -287,7 +287,7 @@ def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(PLAN))
     cfg = _cfg(tmp_path, "lora_rank=4", "steps=2", "checkpoint_every=0", f"plan={plan_path}")
-    summary = loop.train(cfg)
+    summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     adapter = weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0]))
     assert adapter and all("lora_" in k for k in adapter)
@@ -319,7 +319,7 @@ def test_a_mixed_run_on_ray_samples_from_bf16_weights_and_sends_half_the_bytes(l
     assert ray.get(actor.__ray_call__.remote(lambda a: {p.dtype for p in a.policy.module.parameters()})) == \
         {torch.bfloat16}
     ray.kill(actor)
-    loop.train(cfg)
+    train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     fp32_bytes = sum(a.nbytes for a in weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0])).values())
     assert [r["weight_sync_bytes"] for r in rows] == [fp32_bytes // 2] * 2
