@@ -62,7 +62,6 @@ _PRESETS = {   # docs/algorithms.md: each one's paper and its verl / TRL setting
     "cispo": _PLAIN | dict(loss_mode="cispo", clip_low=1.0, clip_high=4.0, kl_coef=0.0, loss_agg="token-mean"),
 }
 CRITIC_ALGORITHMS = ("ppo",)
-RUN_ESTIMATORS = tuple(n for n in ADVANTAGE_ESTIMATORS if n != "remax")   # remax: see _check_algorithm
 
 
 @dataclass(frozen=True)
@@ -244,11 +243,7 @@ class RunConfig:
         if (self.adv_estimator == "gae") != critic:
             raise ValueError(f"adv_estimator={self.adv_estimator} with algorithm={self.algorithm}: gae needs the "
                              "critic of algorithm=ppo, and algorithm=ppo takes gae; the critic-free estimators: "
-                             f"{', '.join(n for n in RUN_ESTIMATORS if n != 'gae')}")
-        if self.adv_estimator == "remax":
-            raise ValueError("adv_estimator=remax needs a greedy rollout of every prompt for its baseline, which the "
-                             "trainer does not sample; use one of " + ", ".join(RUN_ESTIMATORS) + " (hetrl.algo."
-                             "advantage('remax', ..., reward_baselines=...) computes it from baselines you give)")
+                             f"{', '.join(n for n in ADVANTAGE_ESTIMATORS if n != 'gae')}")
         loss_aggregation(self.loss_mode, self.loss_agg)
         clips = sorted(set(self.loss_options) & {"clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"})
         if clips:
