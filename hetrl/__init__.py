@@ -33,7 +33,7 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
         fields = dict(config)
     else:
         raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
-    fields = resolve_aliases(fields | overrides)   # verl's and TRL's names (loss_type=dr_grpo, beta=...) too
+    fields |= resolve_aliases(overrides)   # verl's and TRL's names (loss_type=dr_grpo, beta=...) too
     fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs,
                             tools, environment_factory)
     return _train(RunConfig(**fields), resume=resume, allow_config_change=allow_config_change,

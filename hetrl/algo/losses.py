@@ -323,7 +323,8 @@ class KLController:
 
 
 def kl_in_reward(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                 response_mask: torch.Tensor, ctrl: KLController, kl_penalty_type: str = "kl") -> tuple[torch.Tensor, float]:
+                 response_mask: torch.Tensor, ctrl: KLController,
+                 kl_penalty_type: str = "kl") -> tuple[torch.Tensor, float]:
     """verl's apply_kl_penalty on [B, T]: rewards - coef * KL per token (the behaviour policy's log-probs against
     the reference's), then the controller updated on the batch's mean per-response KL. -> (rewards, that KL)."""
     kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_type) * response_mask

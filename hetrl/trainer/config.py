@@ -62,7 +62,6 @@ _PRESETS = {   # docs/algorithms.md: each one's paper and its verl / TRL setting
     "cispo": _PLAIN | dict(loss_mode="cispo", clip_low=1.0, clip_high=4.0, kl_coef=0.0, loss_agg="token-mean"),
 }
 CRITIC_ALGORITHMS = ("ppo",)
-RUN_ESTIMATORS = tuple(n for n in ADVANTAGE_ESTIMATORS if n != "remax")   # remax: see _check_algorithm
 
 
 @dataclass(frozen=True)
@@ -125,8 +124,8 @@ class RunConfig:
     clip_low: float | None = rule(None, ge=0, le=1)      # verl clip_ratio_low, TRL epsilon
     clip_high: float | None = rule(None, ge=0)           # verl clip_ratio_high, TRL epsilon_high
     clip_ratio_c: float | None = rule(None, gt=1)        # dual-clip bound for A < 0 (verl's 3.0); null: none
-    loss_options: dict = field(default_factory=dict)     # the loss's own: tau_pos, tau_neg, clip_cov_ratio, kl_cov_ratio..
-    kl_coef: float | None = rule(None, ge=0)             # verl kl_loss_coef (or kl_ctrl.kl_coef in the reward), TRL beta
+    loss_options: dict = field(default_factory=dict)     # the loss's own: tau_pos, tau_neg, clip_cov_*, kl_cov_ratio
+    kl_coef: float | None = rule(None, ge=0)             # verl kl_loss_coef (kl_ctrl.kl_coef in the reward), TRL beta
     kl_loss_type: str | None = rule(None, choices=KL_PENALTIES)   # the KL estimator (k3 = low_var_kl)
     use_kl_in_reward: bool = False                       # the KL as a per-token reward penalty instead of a loss term
     kl_ctrl: str = rule("fixed", choices=("fixed", "adaptive"))   # adaptive: kl_coef follows kl_target (Ziegler)
@@ -205,7 +204,8 @@ class RunConfig:
             raise ValueError(f"precision=bf16-mixed keeps fp32 master weights and autocasts to bf16; it needs "
                              f"dtype=float32, got dtype={self.dtype} (dtype=bfloat16 alone is pure bf16)")
         if self.algorithm not in CRITIC_ALGORITHMS and (self.critic_model is not None or self.critic_warmup_steps):
-            raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no critic")
+            raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no "
+                             "critic")
         if self.responses_per_prompt < 2 and self.algorithm != "ppo":
             raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
                              "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
@@ -241,13 +241,9 @@ class RunConfig:
         """The estimator, loss and their options fit together (each refusal names the valid choices)."""
         critic = self.algorithm in CRITIC_ALGORITHMS
         if (self.adv_estimator == "gae") != critic:
-            raise ValueError(f"adv_estimator={self.adv_estimator} with algorithm={self.algorithm}: gae needs the critic "
-                             "of algorithm=ppo, and algorithm=ppo takes gae; the critic-free estimators: "
-                             f"{', '.join(n for n in RUN_ESTIMATORS if n != 'gae')}")
-        if self.adv_estimator == "remax":
-            raise ValueError("adv_estimator=remax needs a greedy rollout of every prompt for its baseline, which the "
-                             "trainer does not sample; use one of " + ", ".join(RUN_ESTIMATORS) + " (hetrl.algo."
-                             "advantage('remax', ..., reward_baselines=...) computes it from baselines you give)")
+            raise ValueError(f"adv_estimator={self.adv_estimator} with algorithm={self.algorithm}: gae needs the "
+                             "critic of algorithm=ppo, and algorithm=ppo takes gae; the critic-free estimators: "
+                             f"{', '.join(n for n in ADVANTAGE_ESTIMATORS if n != 'gae')}")
         loss_aggregation(self.loss_mode, self.loss_agg)
         clips = sorted(set(self.loss_options) & {"clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"})
         if clips:
@@ -317,6 +313,11 @@ class RunConfig:
         if self.branches > 1 and not self.multi_turn:
             raise ValueError(f"branches={self.branches} forks an episode after a tool result; it needs "
                              "tools=FILE.py:NAME or environment=FILE.py:Class (or use branches=1)")
+        if self.branches > 1 and (self.adv_estimator != "grpo" or self.use_kl_in_reward):
+            raise ValueError(f"branches={self.branches} takes GRPO's advantages over a task's leaves (tree_advantage); "
+                             f"adv_estimator={self.adv_estimator}"
+                             f"{' with use_kl_in_reward' if self.use_kl_in_reward else ''} does not apply to them: "
+                             "use adv_estimator=grpo without use_kl_in_reward, or branches=1")
         if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
             raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
                              f"({self.responses_per_prompt}) rollouts among them; use at least "

@@ -52,6 +52,7 @@ class Rollout:
     example: Example
     samples: list[Sample]
     rewards: list[float]
+    baseline: float | None = None   # ReMax: the reward of the prompt's greedy response
 
     @property
     def prompt(self) -> list[int]:
@@ -86,10 +87,12 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
                                       **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
+        baselines = _greedy_rewards(cfg, rewards, worker, agent, examples) if cfg.adv_estimator == "remax" else None
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
-        for example, samples in zip(examples, outputs):
-            r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)])
+        for i, (example, samples) in enumerate(zip(examples, outputs)):
+            r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)],
+                        None if baselines is None else baselines[i])
             dropped = any(offset + k in failed for k in range(len(samples)))   # reward_errors=skip
             offset += len(samples)
             sampled.append(r)
@@ -98,6 +101,15 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
     split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split,
                                   **episodes.episode_metrics(episode_samples)}
+
+
+def _greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples: list[Example]) -> list[float]:
+    """ReMax's baselines: each prompt's greedy response (one more rollout), scored by the run's rewards."""
+    if agent is not None:
+        outputs = agent.generate(examples, 1, cfg.max_new_tokens, greedy=True)
+    else:
+        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.max_new_tokens, greedy=True)
+    return list(score_groups(rewards, examples, outputs).total)
 
 
 def rollout_logprobs(cfg: RunConfig, worker) -> bool:
@@ -139,6 +151,9 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None)
     takes = options_of(ADVANTAGE_ESTIMATORS[cfg.adv_estimator])
     options = {k: v for k, v in (("norm_adv_by_std_in_grpo", cfg.scale_advantages), ("gamma", cfg.gamma))
                if k in takes}
+    if "reward_baselines" in takes:   # ReMax: the greedy response's reward, for each of the prompt's samples
+        options["reward_baselines"] = torch.tensor([r.baseline for r in rollouts for _ in r.samples],
+                                                   dtype=torch.float64)
     return to_packed(advantage(cfg.adv_estimator, rewards, mask, index, **options), lens), metrics
 
 

@@ -48,9 +48,10 @@ def test_every_preset_runs_a_step_with_a_finite_loss(tmp_path, algorithm):
     ("loss_mode=kl_cov", "loss_options={kl_cov_ratio: 0.2}"), ("clip_ratio_c=3.0", "loss_agg_mode=token-sum"),
     ("use_kl_in_reward=true", "kl_ctrl=adaptive", "kl_coef=0.05", "steps=2"),
     ("loss_type=dr_grpo", "scale_rewards=none", "beta=0.01", "lr_scheduler_type=cosine", "warmup_steps=1"),
-    ("entropy_coeff=0.01", "kl_loss_type=k3+"),
+    ("entropy_coeff=0.01", "kl_loss_type=k3+"), ("adv_estimator=remax",),
 ])
 def test_estimators_and_losses_run_in_the_trainer(tmp_path, overrides):
+    """Also ReMax, whose baseline is one more (greedy) rollout per prompt, scored by the run's rewards."""
     rows = _run(tmp_path, *(overrides if any(o.startswith("steps=") for o in overrides) else (*overrides, "steps=1")))
     assert all(math.isfinite(r["loss"]) for r in rows)
     if "use_kl_in_reward=true" in overrides:
@@ -79,7 +80,6 @@ def test_verl_and_trl_names_map_onto_the_same_fields():
     (["kl_loss_type=k4"], "kl_loss_type must be one of"),
     (["loss_type=luspo"], "loss_type=luspo has no counterpart here; valid: grpo, bnpo, dapo, dr_grpo, cispo, sapo"),
     (["scale_rewards=batch"], "valid: group, none, true, false"),
-    (["adv_estimator=remax"], "remax needs a greedy rollout"),
     (["adv_estimator=gae"], "gae needs the critic of algorithm=ppo"),
     (["loss_mode=sapo", "loss_agg=token-mean"], "loss_mode=sapo aggregates by seq-mean-token-mean"),
     (["loss_options={kl_cov_ratio: 0.1}"], "loss_mode 'vanilla' takes no option kl_cov_ratio; its options:"),
@@ -105,3 +105,30 @@ def test_the_learning_rate_follows_transformers_schedule():
         opt.step()
         ref.step()
     assert build.lr_schedule(load_config(TINY)) is None   # constant, no warmup: the optimizer's own rate
+
+
+def test_python_train_takes_trl_names(tmp_path, monkeypatch):
+    """hetrl.train(..., loss_type=..., beta=...) over a YAML whose preset already filled the fields."""
+    import hetrl
+    from hetrl.trainer import run
+
+    seen = {}
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: seen.setdefault("cfg", cfg))
+    hetrl.train(TINY, loss_type="dr_grpo", beta=0.01, scale_rewards="none", out_dir=str(tmp_path))
+    cfg = seen["cfg"]
+    assert (cfg.aggregation, cfg.kl_coef, cfg.scale_advantages) == ("seq-mean-token-sum-norm", 0.01, False)
+
+
+def test_remax_advantage_is_the_reward_less_the_greedy_baseline():
+    """Every token of a response gets r - b (its reward sits on the last token; b: the prompt's greedy reward)."""
+    from hetrl.data import Example
+    from hetrl.trainer import loop
+    from hetrl.trainer.rollout import Sample
+
+    cfg = load_config(TINY, ["adv_estimator=remax"])
+    rollouts = [loop.Rollout(Example({}, [1, 2]), [Sample([5, 6, 7], "x", False), Sample([8], "y", False)],
+                             [1.0, 0.25], baseline=0.5),
+                loop.Rollout(Example({}, [3]), [Sample([9, 9], "z", False), Sample([4, 4], "w", False)],
+                             [0.0, 2.0], baseline=1.0)]
+    adv, _ = loop._per_token(rollouts, cfg)
+    assert adv.tolist() == [0.5, 0.5, 0.5, -0.25, -1.0, -1.0, 1.0, 1.0]
