@@ -17,7 +17,8 @@ from hetrl.data import Example, RewardSet, Scores, Source
 from hetrl.data.rewards import nested
 from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.rollout import RolloutWorker, Sample
+from hetrl.trainer.engine import Generator
+from hetrl.trainer.rollout import Sample
 
 
 def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]], check: bool = False
@@ -30,7 +31,7 @@ def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list
                          [s.tokens for g in outputs for s in g], check=check)
 
 
-def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker,
+def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generator,
              path: pathlib.Path, agent: episodes.EpisodeWorker | None = None) -> tuple[list[float], dict]:
     """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
     (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines

@@ -40,7 +40,7 @@ from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine
 from hetrl.trainer.evaluation import evaluate, headline, paired_comparison, score_groups, score_name
 from hetrl.trainer.metrics import MetricsLog, plot_curves
-from hetrl.trainer.rollout import RolloutWorker, Sample
+from hetrl.trainer.rollout import Sample
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Rollout:
         return self.example.prompt_ids
 
 
-def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int,
+def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine: Engine, start: int,
                      agent: episodes.EpisodeWorker | None = None):
     """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
     are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds.
@@ -70,9 +70,9 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
     scored: list[Scores] = []
     too_long = 0
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
-    phases = getattr(worker, "phase_seconds", None)     # the local worker's prefill / decode clock
-    before = dict(phases) if phases is not None else None
-    want_logprobs = rollout_logprobs(cfg, worker)
+    before = engine.phase_seconds()
+    # the sync update takes them as old log-probs; async samples carry their behaviour policy's anyway
+    want_logprobs = cfg.mode != "async" and engine.rollout_logprobs
     for _ in range(rounds):
         if len(kept) >= cfg.prompts_per_step:
             break
@@ -82,12 +82,12 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
             outputs = agent.generate(examples, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature,
                                      cfg.top_p, logprobs=want_logprobs)
         else:
-            outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
-                                      cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                                      **({"logprobs": True} if want_logprobs else {}))
+            outputs = engine.worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
+                                             cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                             **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
-        baselines = _greedy_rewards(cfg, rewards, worker, agent, examples) if cfg.adv_estimator == "remax" else None
+        baselines = _greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax" else None
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
         for i, (example, samples) in enumerate(zip(examples, outputs)):
@@ -98,7 +98,7 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
             sampled.append(r)
             if (not cfg.dynamic_sampling or len(set(r.rewards)) > 1) and not dropped:
                 kept.append(r)
-    split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
+    split = {k: v - before[k] for k, v in engine.phase_seconds().items()}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split,
                                   **episodes.episode_metrics(episode_samples)}
 
@@ -110,14 +110,6 @@ def _greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples:
     else:
         outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.max_new_tokens, greedy=True)
     return list(score_groups(rewards, examples, outputs).total)
-
-
-def rollout_logprobs(cfg: RunConfig, worker) -> bool:
-    """Whether the local RolloutWorker is asked for its samples' log-probs, which the (sync) update takes as old
-    log-probs (`old_logprobs`): auto does where those logits are fp32, i.e. not under bf16 autocast (then the two
-    agree to fp32 rounding, tests/trainer/test_rollout.py). Ray's rollout actors apply the same rule themselves
-    (RolloutActor)."""
-    return cfg.mode != "async" and isinstance(worker, RolloutWorker) and worker.gives_logprobs(cfg.old_logprobs)
 
 
 def _reward_stats(scored: list[Scores]) -> dict:
@@ -294,12 +286,11 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
 
 
 def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet, run_dir: pathlib.Path,
-              metrics: MetricsLog, evals: MetricsLog, resumed: tuple[pathlib.Path, dict] | None = None,
-              agent: episodes.Agent | None = None) -> dict:
+              metrics: MetricsLog, evals: MetricsLog, resumed: tuple[pathlib.Path, dict] | None = None) -> dict:
     """Held-out evaluation, `cfg.steps` training steps, held-out evaluation again; -> the run's summary. `resumed`:
     (the checkpoint the engine was restored from, its trainer state), the run continues at its step."""
     step, next_problem, before, version = 0, 0, None, 0
-    tool_worker = episodes.EpisodeWorker(engine.worker, agent, cfg.prompt_suffix) if agent is not None else None
+    tool_worker = engine.episodes     # a run with tools or an environment: multi-turn episodes
     last_saved: pathlib.Path | None = None
     kl_ctrl = KLController(cfg.kl_coef, cfg.kl_ctrl, cfg.kl_target, cfg.kl_horizon) if cfg.use_kl_in_reward else None
     if resumed is not None:
@@ -326,7 +317,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
             cfg.to_dict())
         return last_saved
 
-    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start, tool_worker),
+    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine, start, tool_worker),
                             next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
@@ -347,7 +338,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
             if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
                 row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
             if kept:
-                row |= update_policy(cfg, engine.learner, kept, engine.reference, getattr(engine, "critic", None),
+                row |= update_policy(cfg, engine.learner, kept, engine.reference, engine.critic,
                                      train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl)
                 version += 1
                 row |= engine.sync_weights(version)

@@ -574,7 +574,10 @@ class RolloutPool:
                 del self.recovering[ref]
                 self._lose(a, "node lost")
 
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, logprobs=False):
+        """`logprobs`: never asked (RayEngine.rollout_logprobs): each actor gives its samples' log-probs itself
+        wherever its sampling logits give them (RolloutActor)."""
+        assert not logprobs, "the rollout actors decide which samples carry log-probs (RolloutActor)"
         with self.lock:
             self.calls += 1
             self._forget_homeless()
@@ -632,6 +635,9 @@ def _remote(cls, replica: Replica, real_gpus: bool, **options):
 class RayEngine:
     """Starts (or joins) Ray, places the plan's actors, and offers the loop the Engine protocol
     (hetrl/trainer/engine.py)."""
+
+    episodes = None            # tools and environments: the local executor's rollout only (RunConfig refuses them)
+    rollout_logprobs = False   # the rollout actors give their samples' log-probs themselves (RolloutActor)
 
     def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int):
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -773,6 +779,9 @@ class RayEngine:
             self.pending_sync = [f for f in self.pending_sync + futures if f not in finished]
         out["rollout_failures"] = self.worker.failures
         return out
+
+    def phase_seconds(self) -> dict[str, float]:
+        return {}     # the rollout's phases run in the actors, unmeasured here
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
         staged = {checkpoint.CRITIC: self.critic.call_first("stage", str(run_dir))} if self.critic else None

@@ -104,12 +104,12 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
     mem = memory.check_fits(cfg, model, prompt_len, limit)
     log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
     try:
-        engine = make_engine(cfg, model, tokenizer, prompt_len)
+        engine = make_engine(cfg, model, tokenizer, prompt_len, agent)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
             resumed = None if ckpt is None else (ckpt, _resume(engine, ckpt, source, rewards, metrics, evals,
                                                                allow_config_change))
-            return loop.run_steps(cfg, engine, source, rewards, run_dir, metrics, evals, resumed, agent)
+            return loop.run_steps(cfg, engine, source, rewards, run_dir, metrics, evals, resumed)
         finally:
             engine.close()
     finally:
