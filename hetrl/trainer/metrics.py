@@ -104,8 +104,9 @@ def tracker(kind: str, run_dir: pathlib.Path, config: dict) -> Tracker | None:
 
 
 def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None:
-    """Train reward and accuracy per step (`rows`), held-out accuracy where evaluated (`evals`), and for PPO the
-    critic's value loss and explained variance, as a PNG."""
+    """Train reward and accuracy per step (`rows`), held-out accuracy where evaluated (`evals`), and in a second
+    panel for PPO the critic's value loss and explained variance, for a run with tools its calls per episode, as a
+    PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,8 +114,12 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
 
     train = [r for r in rows if r.get("reward_mean") is not None]     # null: a non-finite mean (guards)
     critic = [r for r in rows if r.get("value_loss") is not None]
-    if critic:      # PPO: a second panel with the critic's value loss and explained variance
+    tools = [r for r in rows if r.get("tool_calls_per_episode") is not None]
+    if critic or tools:
         fig, (ax, cax) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    if critic:      # PPO: the critic's value loss and explained variance
         cax.plot([r["step"] for r in critic], [r["value_loss"] for r in critic], ".-", color="C3", label="value loss")
         cax.set_ylabel("value loss")
         cax.set_xlabel("step")
@@ -127,8 +132,19 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
         cax.grid(alpha=0.3)
         lines = cax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         cax.legend(lines, [h.get_label() for h in lines], loc="upper right")
-    else:
-        fig, ax = plt.subplots(figsize=(7, 4))
+    elif tools:     # tools (never with PPO): calls per episode, and the share of calls answered with an error
+        cax.plot([r["step"] for r in tools], [r["tool_calls_per_episode"] for r in tools], ".-", color="C3",
+                 label="tool calls per episode (train, sampled)")
+        held = [(r["step"], r["eval_tool_calls_per_episode"]) for r in evals
+                if r.get("eval_tool_calls_per_episode") is not None]
+        if held:
+            cax.plot(*zip(*held), "o-", color="C2", label="tool calls per episode (held-out, greedy)")
+        cax.plot([r["step"] for r in tools], [r["tool_error_frac"] for r in tools], "s--", color="C4", alpha=0.7,
+                 label="share of train calls answered with an error")
+        cax.set_ylabel("per episode / share")
+        cax.set_xlabel("step")
+        cax.grid(alpha=0.3)
+        cax.legend(loc="upper left")
     if train:
         steps = [r["step"] for r in train]
         ax.plot(steps, [r["reward_mean"] for r in train], "--", lw=2.5, alpha=0.6, label="train reward (mean)")

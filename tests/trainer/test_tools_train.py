@@ -28,6 +28,26 @@ def test_the_acceptance_line_logs_tool_metrics(tmp_path):
     assert all(r["tokens_model"] + r["tokens_tool"] == round(r["response_len_mean"] * 16) for r in rows)
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert all("eval_tool_calls" in e for e in evals)
+    assert (out / "curves.png").stat().st_size > 0     # with a panel of tool calls per episode
+
+
+def test_the_demo_config_validates_and_its_example_call_is_well_formed(capsys):
+    """examples/runs/tools.yaml (the CPU demo, benchmarks/results/tools_demo) passes `hetrl validate`, and the one
+    example call its prompt shows parses as a call of the tool it names, with arguments that fit the signature."""
+    import inspect
+
+    from hetrl.data.tools import load_tools, parse_tool_calls
+    from hetrl.trainer.config import load_config
+
+    demo = ROOT / "examples" / "runs" / "tools.yaml"
+    assert main(["validate", str(demo)]) == 0
+    assert "ok" in capsys.readouterr().out
+    cfg = load_config(str(demo), [])
+    tools = {t.__name__: t for spec in cfg.tool_specs for t in load_tools(str(ROOT / spec))}
+    example = cfg.prompt_suffix[cfg.prompt_suffix.rindex("<tool_call>"):]   # the text before names the tag too
+    (call,) = parse_tool_calls(example)
+    assert call.error is None and call.name in tools
+    inspect.signature(tools[call.name]).bind(**call.arguments)
 
 
 def test_an_environment_from_python_adds_its_reward(tmp_path):
