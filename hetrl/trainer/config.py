@@ -313,11 +313,6 @@ class RunConfig:
         if self.branches > 1 and not self.multi_turn:
             raise ValueError(f"branches={self.branches} forks an episode after a tool result; it needs "
                              "tools=FILE.py:NAME or environment=FILE.py:Class (or use branches=1)")
-        if self.branches > 1 and (self.adv_estimator != "grpo" or self.use_kl_in_reward):
-            raise ValueError(f"branches={self.branches} takes GRPO's advantages over a task's leaves (tree_advantage); "
-                             f"adv_estimator={self.adv_estimator}"
-                             f"{' with use_kl_in_reward' if self.use_kl_in_reward else ''} does not apply to them: "
-                             "use adv_estimator=grpo without use_kl_in_reward, or branches=1")
         if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
             raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
                              f"({self.responses_per_prompt}) rollouts among them; use at least "
