@@ -44,6 +44,7 @@ from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict  # 
 from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.run import train  # noqa: E402
 from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
+from hetrl.trainer.precision import decide  # noqa: E402
 from hetrl.data import TaskSource  # noqa: E402
 
 CONFIGS = {"tiny": "examples/runs/tiny.yaml", "default": "examples/runs/default.yaml"}
@@ -345,7 +346,7 @@ def _workload(config, name, mode, steps, work, cluster_path, spec, prompt_len) -
     """The planner workload of exactly the run that is timed (its executor, mode, precision, mini-batches and
     old log-prob passes: placement.run_workload)."""
     cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path))
-    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)))
+    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)), decide(cfg).planner)
 
 
 NEW_PROBES = ("decode_mfu_by_rows", "timeshare_efficiency")
