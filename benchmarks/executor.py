@@ -43,6 +43,7 @@ from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict
 from hetrl.trainer.config import load_config
 from hetrl.trainer.run import train
 from hetrl.trainer.placement import model_spec_from_hf, run_workload
+from hetrl.trainer.precision import decide
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -322,7 +323,7 @@ def _workload(config, name, mode, steps, work, cluster_path, spec, prompt_len) -
     """The planner workload of exactly the run that is timed (its executor, mode, precision, mini-batches and
     old log-prob passes: placement.run_workload)."""
     cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path))
-    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)))
+    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)), decide(cfg).planner)
 
 
 NEW_PROBES = ("decode_mfu_by_rows", "timeshare_efficiency")

@@ -57,6 +57,7 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     from hetrl.algo import token_weights
     from hetrl.trainer import build, sharding
     from hetrl.trainer.config import load_config
+    from hetrl.trainer.precision import decide
     from hetrl.trainer.ray_executor import allreduce_grads
     from hetrl.models import load_model
 
@@ -66,7 +67,8 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     if zero == 3:
         sharding.shard(model)
     opt = build.optimizer(cfg, pol)
-    learner = build.learner(cfg, pol, opt, grad_sync=allreduce_grads if zero == 1 else None, sharded=zero == 3)
+    learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=allreduce_grads if zero == 1 else None,
+                            sharded=zero == 3)
     held = {}
 
     def count_states():   # at the end of backward, before the optimizer frees the gradients

@@ -24,6 +24,7 @@ from hetrl.bench.harness import machine, matmul_gflops, timed, write_json
 from hetrl.models import load_model
 from hetrl.trainer import build
 from hetrl.trainer.config import load_config
+from hetrl.trainer.precision import decide
 
 
 def passes(precision: str) -> dict:
@@ -32,8 +33,8 @@ def passes(precision: str) -> dict:
     cfg = load_config("examples/runs/default.yaml", [f"precision={precision}"])
     model, tokenizer = load_model(cfg.model)
     pol = build.policy(cfg, model)
-    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
-    worker = build.rollout_worker(cfg, pol.module, tokenizer)
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol), decide(cfg))
+    worker = build.rollout_worker(cfg, pol.module, tokenizer, decide(cfg))
     groups = [([random.randrange(1000) for _ in range(40)], [[random.randrange(1000) for _ in range(16)]
                                                              for _ in range(8)]) for _ in range(2)]
     k = sum(len(r) for _, rs in groups for r in rs)

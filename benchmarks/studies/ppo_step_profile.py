@@ -17,6 +17,7 @@ from hetrl.bench.harness import timed
 from hetrl.models import load_model
 from hetrl.trainer import build
 from hetrl.trainer.config import load_config
+from hetrl.trainer.precision import decide
 
 
 def main() -> None:
@@ -24,9 +25,9 @@ def main() -> None:
     random.seed(0)
     cfg = load_config("examples/runs/ppo.yaml", ["precision=fp32"])   # as profiled (auto: bf16-mixed on bf16 CPUs)
     model, _ = load_model("smollm2-135m")
-    critic = build.critic(cfg, copy.deepcopy(model))
+    critic = build.critic(cfg, copy.deepcopy(model), decide(cfg))
     pol = build.policy(cfg, model)
-    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol), decide(cfg))
     groups = [([random.randrange(1000) for _ in range(40)], [[random.randrange(1000) for _ in range(16)]
                                                              for _ in range(8)]) for _ in range(4)]
     k = sum(len(r) for _, rs in groups for r in rs)

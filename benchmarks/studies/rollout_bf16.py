@@ -31,6 +31,7 @@ def main() -> int:
     from hetrl.models import load_model
     from hetrl.trainer import build
     from hetrl.trainer.config import RunConfig
+    from hetrl.trainer.precision import decide
     from hetrl.trainer.run import build_source
     from hetrl.trainer.rollout import RolloutWorker
 
@@ -39,8 +40,8 @@ def main() -> int:
     source = build_source(cfg, tokenizer)      # the default task, as hetrl train reads it
     prompts = [e.prompt_ids for e in source.train_examples(0, 8)[0]]
     copy_bf16 = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
-    workers = {"fp32 policy under autocast": RolloutWorker(model, tokenizer, 64, precision="bf16-mixed"),
-               "bf16 copy": RolloutWorker(copy_bf16, tokenizer, 64, precision="bf16-mixed")}
+    workers = {"fp32 policy under autocast": RolloutWorker(model, tokenizer, 64, precision=decide(cfg)),
+               "bf16 copy": RolloutWorker(copy_bf16, tokenizer, 64, precision=decide(cfg))}
     for w in workers.values():
         w.eos = -1
     res = {"revision": revision(), "date": utc_now(), "machine": machine(),

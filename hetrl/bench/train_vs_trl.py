@@ -159,14 +159,14 @@ def trl_args(cfg, seed: int, out_dir: str):
     """GRPOConfig with every knob hetrl's run has set to hetrl's value (KNOBS lists what cannot be)."""
     from trl import GRPOConfig
 
-    from hetrl.trainer.learner import mixed
+    from hetrl.trainer.precision import decide
 
     n, per_step = cfg.responses_per_prompt, cfg.prompts_per_step * cfg.responses_per_prompt
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     return GRPOConfig(
         output_dir=out_dir, seed=seed, data_seed=seed, use_cpu=not cuda,
-        # fp32 weights; bf16 autocast where hetrl's precision runs bf16-mixed (learner.resolve_precision)
-        bf16=mixed(cfg.precision, "cuda" if cuda else "cpu"),
+        # fp32 weights; bf16 autocast where hetrl's run autocasts (precision.decide)
+        bf16=decide(cfg).autocast,
         model_init_kwargs={"dtype": torch.float32},
         max_steps=cfg.steps * cfg.mini_batches, per_device_train_batch_size=per_step // cfg.mini_batches,
         steps_per_generation=cfg.mini_batches, gradient_accumulation_steps=1, num_iterations=1,

@@ -17,7 +17,8 @@ import torch
 from hetrl.trainer import build, checkpoint
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.episodes import Agent, EpisodeWorker
-from hetrl.trainer.learner import CriticStats, UpdateStats, samples_in_bf16
+from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.precision import RunPrecision, samples_in_bf16
 from hetrl.trainer.rollout import Sample
 
 Groups = list[tuple[list[int], list[list[int]]]]
@@ -47,7 +48,8 @@ class Critic(Protocol):
 class Engine(Protocol):
     """Where the roles of a run live. `worker` samples (actor_gen), `learner` gives the old log-probs and takes
     optimizer steps (actor_infer, actor_train), `reference` gives the KL reference's log-probs (None without KL),
-    `critic` gives values and takes value steps (critic_infer, critic_train; PPO only, else None).
+    `critic` gives values and takes value steps (critic_infer, critic_train; PPO only, else None). `precision`:
+    what every role computes in, decided once (precision.decide) and carried by each.
     `episodes` rolls out multi-turn tool-use episodes in a run with tools or an environment (else None).
     `rollout_logprobs`: whether the loop asks `worker.generate(..., logprobs=True)` for its samples' log-probs,
     which a sync update takes as old log-probs (where the rollout's sampling logits are fp32:
@@ -59,6 +61,7 @@ class Engine(Protocol):
     critic: Critic | None
     episodes: EpisodeWorker | None
     rollout_logprobs: bool
+    precision: RunPrecision
 
     def phase_seconds(self) -> dict[str, float]:
         """Running totals of the rollout's phases measured in this process (prefill_s, decode_s, and tool_s with
@@ -81,19 +84,19 @@ class Engine(Protocol):
 
 class LocalEngine:
     """Every role in this process. The rollout worker samples from the policy itself, or, where the run is
-    bf16-mixed (learner.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes."""
+    bf16-mixed (precision.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes."""
 
-    def __init__(self, cfg: RunConfig, model, tokenizer, agent: Agent | None = None):
-        self.tokenizer = tokenizer
+    def __init__(self, cfg: RunConfig, model, tokenizer, precision: RunPrecision, agent: Agent | None = None):
+        self.tokenizer, self.precision = tokenizer, precision
         # before the policy: LoRA changes `model`
-        self.critic = build.critic(cfg, build.critic_model(cfg, model)) if cfg.algorithm == "ppo" else None
+        self.critic = build.critic(cfg, build.critic_model(cfg, model), precision) if cfg.algorithm == "ppo" else None
         self.policy = build.policy(cfg, model)
-        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
+        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model), precision)
         self.optimizer = build.optimizer(cfg, self.policy)
-        self.learner = build.learner(cfg, self.policy, self.optimizer)
-        self.bf16_rollout = samples_in_bf16(cfg, self.policy.module, self.policy.lora)
+        self.learner = build.learner(cfg, self.policy, self.optimizer, precision)
+        self.bf16_rollout = samples_in_bf16(precision, self.policy.module, self.policy.lora)
         sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
-        self.worker = build.rollout_worker(cfg, sampler, tokenizer)
+        self.worker = build.rollout_worker(cfg, sampler, tokenizer, precision)
         self.rollout_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
         self.episodes = EpisodeWorker(self.worker, agent, cfg.prompt_suffix) if agent is not None else None
 
@@ -129,11 +132,12 @@ class LocalEngine:
         pass
 
 
-def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int, agent: Agent | None = None) -> Engine:
+def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int, precision: RunPrecision,
+                agent: Agent | None = None) -> Engine:
     """`agent`: the run's tools or environment (local executor only: RunConfig refuses them with Ray)."""
     if cfg.executor == "local":
-        return LocalEngine(cfg, model, tokenizer, agent)
+        return LocalEngine(cfg, model, tokenizer, precision, agent)
     assert agent is None, "RunConfig refuses tools and environments with executor=ray"
     from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
 
-    return RayEngine(cfg, model.config, tokenizer, prompt_len)
+    return RayEngine(cfg, model.config, tokenizer, prompt_len, precision)

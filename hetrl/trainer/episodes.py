@@ -41,7 +41,7 @@ from hetrl.data.tools import (ToolTokenizer, check_environment, environment_tool
                               tool_schema, tool_suffix_ids, tool_template)
 from hetrl.dualkv import pack_sequences
 from hetrl.schema import InputError
-from hetrl.trainer.learner import amp
+from hetrl.trainer.precision import FP32, RunPrecision
 from hetrl.trainer.rollout import Sample, left_padded, sample, token_logprobs, warpers
 
 
@@ -144,7 +144,7 @@ def _start(agent: Agent, example, tokenizer, prompt_suffix: str) -> Episode:
 
 def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_tokens: int, *,
                       temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, logprobs: bool = False,
-                      batch_size: int = 64, precision: str = "fp32", prompt_suffix: str = "",
+                      batch_size: int = 64, precision: RunPrecision = FP32, prompt_suffix: str = "",
                       clock: dict | None = None) -> list[list[Sample]]:
     """examples (hetrl.data Example: prompt ids rendered with the tools, the row) -> n episodes each, as Samples
     whose `loss_mask` marks the model's tokens and whose `episode` holds the Episode (environment, counts).
@@ -220,7 +220,7 @@ def group_prompt(example, samples: list[Sample]):
 
 
 def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_tokens: int, warp,
-               scored: float | None, precision: str, clock: dict, branches: int = 1, cap: int = 0) -> list[Episode]:
+               scored: float | None, precision: RunPrecision, clock: dict, branches: int = 1, cap: int = 0) -> list[Episode]:
     """Roll out `episodes` (whole tasks where branches > 1) -> every leaf: the episodes and their forks' copies.
     An episode whose turn ends in tool calls forks into `branches` continuations while its task has at most `cap`
     leaves: after its tool results are fed, its cache row is repeated (no prefill), and each copy samples its own
@@ -234,7 +234,7 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
     ids, pmask = left_padded([list(p) for p in distinct], pad)
     ids, pmask = ids.to(device), pmask.to(device)
     rows = torch.tensor(prompt_of, device=device)
-    with torch.no_grad(), amp(model, precision):
+    with torch.no_grad(), precision.amp(model):
         if ids.shape[1] > 1:   # each distinct prompt but its last token, once; then its K/V given to its rows
             pre = pmask[:, :-1]
             positions = (pre.long().cumsum(-1) - 1).masked_fill(pre == 0, 0)

@@ -10,9 +10,7 @@ per-token losses (weights from `token_weights`), hence gradient accumulation ove
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +19,7 @@ import torch
 from hetrl.algo import clipped_value_loss, kl_penalty, packed_policy_loss, weighted_sum
 from hetrl.dualkv import (TreeBatch, pack_groups, pack_sequences, shared_prompt_head, shared_prompt_logprobs,
                           split_by_token_budget, split_sequences_by_token_budget)
+from hetrl.trainer.precision import FP32, RunPrecision
 
 Groups = list[tuple[list[int], list[list[int]]]]
 
@@ -92,82 +91,16 @@ def _dummy_passes(n: int, sharded: bool) -> int:
 DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
-CPU_BF16_ENV = "HETRL_CPU_BF16"   # 1 / 0: say whether the CPU has fast bf16 instead of asking it
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where bf16-mixed pays off: on such a host
-    the bf16 matmul peak measured 2.4x the fp32 one (benchmarks/results/precision_cpu_avx512.md) and the default
-    job's step 0.90x of fp32's, its held-out accuracy kept over 3 seeds (precision_seeds.md); without them the bf16
-    matmul ran ~100x below fp32's and the update 20x slower (precision_cpu.md). HETRL_CPU_BF16=1 or 0 says it
-    instead (the test suite pins 0, so that precision=auto means fp32 on the CPU on every machine it runs on)."""
-    said = os.environ.get(CPU_BF16_ENV, "")
-    if said:
-        if said not in ("0", "1"):
-            raise ValueError(f"{CPU_BF16_ENV}={said!r}: use 1 (the CPU has fast bf16) or 0 (it has not), or unset "
-                             "it to ask the CPU")
-        return said == "1"
-    return _cpu_bf16_instructions()
-
-
-@functools.cache
-def _cpu_bf16_instructions() -> bool:
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):   # torch's own CPU capability checks
-        try:
-            if getattr(torch.cpu, probe)():
-                return True
-        except (AttributeError, RuntimeError):   # a torch without the probe: the instruction is not assumed
-            pass
-    return False
-
-
-def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """What a run's `precision` means on `device`: "bf16-mixed" or "fp32". precision=auto is bf16-mixed on CUDA
-    and on CPUs with bf16 instructions (cpu_has_fast_bf16), fp32 on other CPUs. The one rule every part of a run
-    (learner, rollout, reference, memory estimate, planner workload, the TRL bench) asks."""
-    if precision != "auto":
-        return precision
-    kind = torch.device(device).type
-    return "bf16-mixed" if kind == "cuda" or (kind == "cpu" and cpu_has_fast_bf16()) else "fp32"
-
-
-def mixed(precision: str, device: torch.device | str) -> bool:
-    """Whether `precision` runs bf16-mixed on `device` (resolve_precision)."""
-    return resolve_precision(precision, device) == "bf16-mixed"
-
-
-def samples_in_bf16(cfg, model, lora: bool) -> bool:
-    """Whether the rollout samples from bf16 weights of its own: where the run is bf16-mixed on the policy's device
-    and the policy is fully fine-tuned with fp32 weights, as vLLM and SGLang sample from bf16 weights. Autocast
-    already caches its bf16 casts of the weights for a whole generate call, so what changes is the rest of the
-    decode in bf16 (activations and residual stream; measured on the CPU: 0.89-1.02x the autocast rollout's time,
-    within the spread of two runs, benchmarks/results/rollout_bf16.md) and, on Ray, weight sync in bf16 (half the
-    bytes). Otherwise (fp32 runs; LoRA, which samples through its unmerged adapter) the rollout samples from the
-    policy itself."""
-    p = next(model.parameters())
-    return not lora and p.dtype == torch.float32 and mixed(cfg.precision, p.device)
-
-
-def amp(model, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on `model`'s device where the run is bf16-mixed there (`mixed`): fp32 weights stay the master
-    copy, a frozen bf16 copy (the reference) runs as it is; else nothing. The log-softmax runs in fp32 either way
-    (hetrl.dualkv promotes the logits)."""
-    p = next(model.parameters())
-    if mixed(precision, p.device):
-        return torch.autocast(p.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 class Scorer:
     """No-grad log-probs of sampled responses under a fixed model (the reference, or a rollout worker's
     behaviour policy), through the same DualKV path as the learner."""
 
     def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 sharded: bool = False, precision: str = "fp32", trie: bool = False):
+                 sharded: bool = False, precision: RunPrecision = FP32, trie: bool = False):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
         self.trie = trie         # pack each mini-batch's samples as one trie (_micro_batches): multi-turn episodes
-        self.precision = precision   # the run's precision: bf16 autocast or not (amp)
+        self.precision = precision   # the run's (precision.decide): bf16 autocast or not
         self.context = context   # entered around every pass (a LoRA reference: the adapter off)
         self.sharded = sharded   # an FSDP2 rank: runs as many passes as the others (sharding.py)
 
@@ -175,7 +108,7 @@ class Scorer:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
         batches = _micro_batches(groups, self.micro_batch_tokens, self.trie)
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
-        with torch.no_grad(), self.context(), amp(self.model, self.precision):
+        with torch.no_grad(), self.context(), self.precision.amp(self.model):
             parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature).cpu()
                      for b, _ in batches]
             for _ in range(dummies):
@@ -195,7 +128,7 @@ class Learner:
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
-                 precision: str = "fp32", trie: bool = False, loss_mode: str = "vanilla",
+                 precision: RunPrecision = FP32, trie: bool = False, loss_mode: str = "vanilla",
                  loss_options: dict | None = None, kl_loss_type: str = "low_var_kl",
                  lr_at: Callable[[int], float] | None = None, entropy_coeff: float = 0.0):
         self.model, self.optimizer, self.precision, self.trie = model, optimizer, precision, trie
@@ -236,7 +169,7 @@ class Learner:
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
         for batch, sl in batches:     # sl: the micro-batch's positions in the per-token tensors
             offset += sl.numel()
-            with amp(self.model, self.precision):   # the forward; its backward follows autocast's casts
+            with self.precision.amp(self.model):   # the forward; its backward follows autocast's casts
                 logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl,
                                                        temperature=self.temperature, return_entropy=True)
             device, dtype = logp.device, logp.dtype
@@ -263,7 +196,7 @@ class Learner:
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
         for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
-            with amp(self.model, self.precision):
+            with self.precision.amp(self.model):
                 logp = shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl,
                                               temperature=self.temperature)
             (0.0 * logp.sum()).backward()
@@ -302,7 +235,8 @@ class Critic:
 
     def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
                  micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0,
-                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, precision: str = "fp32"):
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None,
+                 precision: RunPrecision = FP32):
         self.model, self.head, self.optimizer, self.precision = model, head, optimizer, precision
         self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
             max_grad_norm
@@ -312,7 +246,7 @@ class Critic:
         return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
 
     def _values(self, batch) -> torch.Tensor:
-        with amp(self.model, self.precision):
+        with self.precision.amp(self.model):
             v = shared_prompt_head(self.model, batch, self.head, impl=self.impl).squeeze(-1)
         return v.to(self.head.weight.dtype)     # the value loss in the master dtype
 

@@ -197,13 +197,6 @@ def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic, kl: tuple 
     return old_values, adv, ret, metrics
 
 
-def run_precision_name(cfg: RunConfig) -> str:
-    """The precision the run computes in, precision=auto resolved (learner.resolve_precision): bf16-mixed or fp32."""
-    from hetrl.trainer.placement import run_precision
-
-    return "bf16-mixed" if run_precision(cfg) == "bf16" else "fp32"
-
-
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None     # metrics.jsonl stays strict JSON (no NaN)
 
@@ -375,7 +368,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
                **paired_comparison(before, after), "steps": step,
                "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
                "eval_prompts_too_long": source.eval_too_long, "data": source.description,
-               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "precision": run_precision_name(cfg),
+               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "precision": engine.precision.name,
                "checkpoint": str(final),
                **({"merged_model": str(merged)} if merged else {}),
                "config": cfg.to_dict()}

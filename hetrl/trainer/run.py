@@ -32,6 +32,7 @@ from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.metrics import MetricsLog, tracker
+from hetrl.trainer.precision import decide
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
                      environment_factory=None, allow_config_change: bool = False) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
+    precision = decide(cfg)   # once for the run: every role, the plan, the log and summary.json carry it
     if device.type == "cuda":
-        build.fast_fp32_matmuls(cfg)
+        build.fast_fp32_matmuls(precision)
     tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
@@ -97,14 +99,14 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
                       "renders no tools)"))
     tqdm.write(f"prompts: {source.description}; rewards: "
                + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights))
-               + f"; precision: {loop.run_precision_name(cfg)}" + (" (auto)" if cfg.precision == "auto" else ""))
+               + f"; precision: {precision}")
     first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
     prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
     limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else memory.available_bytes(device)
-    mem = memory.check_fits(cfg, model, prompt_len, limit)
+    mem = memory.check_fits(cfg, model, prompt_len, precision, limit)
     log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
     try:
-        engine = make_engine(cfg, model, tokenizer, prompt_len, agent)
+        engine = make_engine(cfg, model, tokenizer, prompt_len, precision, agent)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
             resumed = None if ckpt is None else (ckpt, _resume(engine, ckpt, source, rewards, metrics, evals,

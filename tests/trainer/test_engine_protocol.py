@@ -33,7 +33,7 @@ def test_a_run_needs_nothing_of_its_engine_beyond_the_protocol(tmp_path, monkeyp
                                         "    return [len(set(c[-1]['content'])) / 8 for c in completions]\n")
     args = ["train", "--config", TINY, "steps=2", "eval_size=8", "checkpoint_every=0", "algorithm=ppo",
             f"reward=[partial, {tmp_path / 'spread.py'}:distinct]"]
-    assert {"worker", "learner", "reference", "critic", "episodes", "rollout_logprobs", "phase_seconds",
+    assert {"worker", "learner", "reference", "critic", "episodes", "rollout_logprobs", "precision", "phase_seconds",
             "sync_weights", "save", "load", "save_merged", "close"} <= PROTOCOL
     assert main([*args, f"out_dir={tmp_path / 'local'}"]) == 0
     made = run.make_engine
