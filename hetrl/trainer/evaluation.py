@@ -1,8 +1,9 @@
 """Scoring samples with the run's rewards, and the held-out evaluation with its paired sign test.
 
 `score_groups` scores a step's groups and the held-out replies alike (every reward function once per batch, TRL's
-convention); `evaluate` writes each greedy held-out reply with its scores; `paired_comparison` says whether the
-change between two evaluations on the same prompts is more than evaluation noise.
+convention), and ReMax's greedy baselines (`greedy_rewards`); `evaluate` writes each greedy held-out reply with
+its scores; `paired_comparison` says whether the change between two evaluations on the same prompts is more than
+evaluation noise.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
     means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
     per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else scores.total
     return per_prompt, means
+
+
+def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples: list[Example]) -> list[float]:
+    """ReMax's baselines: each prompt's greedy response (one more rollout), scored by the run's rewards."""
+    if agent is not None:
+        outputs = agent.generate(examples, 1, cfg.max_new_tokens, greedy=True)
+    else:
+        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.max_new_tokens, greedy=True)
+    return list(score_groups(rewards, examples, outputs).total)
 
 
 def paired_comparison(before: list[float], after: list[float]) -> dict:

@@ -38,7 +38,7 @@ from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine
-from hetrl.trainer.evaluation import evaluate, headline, paired_comparison, score_groups, score_name
+from hetrl.trainer.evaluation import evaluate, greedy_rewards, headline, paired_comparison, score_groups, score_name
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import Sample
 
@@ -87,7 +87,7 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
                                              **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
-        baselines = _greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax" else None
+        baselines = greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax" else None
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
         for i, (example, samples) in enumerate(zip(examples, outputs)):
@@ -101,15 +101,6 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
     split = {k: v - before[k] for k, v in engine.phase_seconds().items()}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split,
                                   **episodes.episode_metrics(episode_samples)}
-
-
-def _greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples: list[Example]) -> list[float]:
-    """ReMax's baselines: each prompt's greedy response (one more rollout), scored by the run's rewards."""
-    if agent is not None:
-        outputs = agent.generate(examples, 1, cfg.max_new_tokens, greedy=True)
-    else:
-        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.max_new_tokens, greedy=True)
-    return list(score_groups(rewards, examples, outputs).total)
 
 
 def _reward_stats(scored: list[Scores]) -> dict:
