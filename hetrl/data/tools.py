@@ -65,7 +65,9 @@ HERMES_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# a block runs from its own <tool_call> (the last before its </tool_call>): a tag named in prose before a call
+# is not part of the call
+_TOOL_CALL = re.compile(r"<tool_call>\s*((?:(?!<tool_call>).)*?)\s*</tool_call>", re.S)
 _PROBE_TOOL = {"type": "function", "function": {"name": "hetrl_probe_tool", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
 

@@ -99,6 +99,9 @@ def test_calls_are_parsed_in_the_hermes_format():
     assert calls[:2] == [ToolCall("multiply", {"a": 6, "b": 7}), ToolCall("add", {"a": 1, "b": 2})]
     assert calls[2].error.startswith("the tool call is not valid JSON") and calls[3].error
     assert parse_tool_calls("no calls here") == []
+    prose = ('I will write <tool_call> and then call it: '
+             '<tool_call>{"name": "multiply", "arguments": {"a": 1, "b": 2}}</tool_call>')   # the tag named in prose
+    assert parse_tool_calls(prose) == [ToolCall("multiply", {"a": 1, "b": 2})]
 
 
 def test_a_template_with_response_parsing_is_asked_to_parse():
