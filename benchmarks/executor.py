@@ -1,8 +1,10 @@
-"""Executor benchmark: steps/s of `hetrl train executor=ray`, sync vs async and 1 vs 2 rollout workers, on the
-tiny and the default run, next to the planner's predicted iteration time for the same plan on this machine
-seen as a 2-"GPU" cluster (one device per core, type cpu-core, measured in this run).
+"""Whether the planner ranks placements as they run: steps/s of `hetrl train executor=ray`, sync vs async and 1 vs 2
+rollout workers, on the tiny and the default run, next to the planner's predicted iteration time for the same plan on
+this machine seen as a 2-"GPU" cluster (one device per core, type cpu-core, measured in this run); results:
+benchmarks/results/executor.md and executor_ranking.md.
 
-    python benchmarks/executor.py [--configs tiny,default] [--steps 4] [--out benchmarks/results]
+    python -m benchmarks.executor [--configs tiny,default] [--steps 4] [--out benchmarks/results]
+    python -m benchmarks.executor --configs default --plans split,colocated --name executor_ranking
 
 Plans: `split` puts generation on core 0 and log-probs, reference and training on core 1 (1 rollout worker,
 1 learner); `colocated` runs every task on both cores (2 rollout workers, 2 data-parallel learners, 2
@@ -23,7 +25,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,19 +33,19 @@ import time
 import torch
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from hetrl.bench.harness import calls_per_s, interleaved_times, machine, revision, timed, write_results
+from hetrl.data import TaskSource
+from hetrl.models import load_model
+from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks
+from hetrl.planner.cost import task_costs
+from hetrl.planner.plan import Group, Parallelism
+from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict
+from hetrl.trainer.config import load_config
+from hetrl.trainer.run import train
+from hetrl.trainer.placement import model_spec_from_hf, run_workload
+from hetrl.trainer.precision import decide
 
-from hetrl.bench.train_vs_trl import revision  # noqa: E402
-from hetrl.models import load_model  # noqa: E402
-from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks  # noqa: E402
-from hetrl.planner.cost import task_costs  # noqa: E402
-from hetrl.planner.plan import Group, Parallelism  # noqa: E402
-from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict  # noqa: E402
-from hetrl.trainer.config import load_config  # noqa: E402
-from hetrl.trainer.loop import train  # noqa: E402
-from hetrl.trainer.placement import model_spec_from_hf, run_workload  # noqa: E402
-from hetrl.data import TaskSource  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CONFIGS = {"tiny": "examples/runs/tiny.yaml", "default": "examples/runs/default.yaml"}
 
@@ -58,13 +59,7 @@ def measure_core() -> dict:
     y = torch.empty_like(x)
 
     def best(fn):
-        fn(), fn()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
+        return min(interleaved_times({"probe": fn}, 5, warmup=2)["probe"])
 
     flops = 2 * 2048**3 / best(lambda: a @ b)
     copy = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
@@ -72,17 +67,13 @@ def measure_core() -> dict:
     return {"fp32_matmul_flops": flops, "copy_bytes_per_s": copy}
 
 
-def _copy_worker(seconds: float, start, out) -> None:
+def _copy_worker(duration_s: float, start, out) -> None:
     torch.set_num_threads(1)
     x = torch.empty(64 << 20)
     y = torch.empty_like(x)
     y.copy_(x)
     start.wait()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        y.copy_(x)
-        n += 1
-    out.put(2 * x.numel() * 4 * n / (time.perf_counter() - t0))
+    out.put(2 * x.numel() * 4 * calls_per_s(lambda: y.copy_(x), duration_s, warmup=0))
 
 
 def copy_together(processes: int, seconds: float = 3.0) -> float:
@@ -109,13 +100,7 @@ def measure_pool(core: dict) -> dict:
     core copying at once against one process alone). A 135M model's passes are small matmuls and weight reads,
     so the bandwidth ratio is the one that binds where the cores share a memory system."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b, a @ b
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    flops = 2 * 2048**3 / min(times)
+    flops = 2 * 2048**3 / min(interleaved_times({"matmul": lambda: a @ b}, 5, warmup=2)["matmul"])
     cores = os.cpu_count()
     alone, together = copy_together(1), copy_together(cores)
     ratio = min(flops / core["fp32_matmul_flops"], together / alone)
@@ -134,9 +119,7 @@ def _gloo_worker(rank: int, port: int, nbytes: int, out) -> None:
     times = []
     for _ in range(5):
         dist.barrier()
-        t = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t)
+        times.append(timed(lambda: dist.all_reduce(x))[1])
     if rank == 0:
         out.put(min(times))
     dist.destroy_process_group()
@@ -188,12 +171,7 @@ def _pass_worker(model_name: str, rounds: int, ready, start, out) -> None:
     once()
     ready.put(True)
     start.wait()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t)
-    out.put(statistics.median(times))
+    out.put(statistics.median(interleaved_times({"pass": once}, rounds, warmup=0)["pass"]))
 
 
 def _passes_at_once(model_name: str, processes: int, rounds: int) -> list[float]:
@@ -345,7 +323,7 @@ def _workload(config, name, mode, steps, work, cluster_path, spec, prompt_len) -
     """The planner workload of exactly the run that is timed (its executor, mode, precision, mini-batches and
     old log-prob passes: placement.run_workload)."""
     cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path))
-    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)))
+    return run_workload(cfg, spec, TokenLengths(prompt_len, float(prompt_len)), decide(cfg).planner)
 
 
 NEW_PROBES = ("decode_mfu_by_rows", "timeshare_efficiency")
@@ -389,9 +367,7 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
             plan_file.write_text(json.dumps(plan_dict))
             predicted = _predict(cluster, independent, workload, plan_dict, before)
         cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path, plan_file))
-        t0 = time.perf_counter()
-        train(cfg)
-        wall = time.perf_counter() - t0
+        _, wall = timed(lambda: train(cfg))
         metrics = [json.loads(x) for x in (pathlib.Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
         timed = metrics[1:] or metrics
         step_s = statistics.median(r["step_s"] for r in timed)
@@ -523,6 +499,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="tiny,default")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="executor", help="results file name (NAME.json, NAME.md)")
     ap.add_argument("--plans", default="local,split,colocated,planner")
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--no-device-probes", dest="device_probes", action="store_false",
@@ -535,9 +512,7 @@ def main(argv=None) -> int:
     if args.repredict:
         path = pathlib.Path(args.repredict)
         result = repredict(path)
-        out = path.with_name(path.stem + "_repredicted")
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-        out.with_suffix(".md").write_text(markdown(result))
+        write_results(path.parent, path.stem + "_repredicted", result, markdown(result))
         print(markdown(result))
         return 0
     import ray
@@ -559,13 +534,9 @@ def main(argv=None) -> int:
                 for r in run(c, args.steps, work, cluster_path, cluster, independent, args.plans.split(","),
                              args.modes.split(","), _without_new_probes(core))]
     result = {"date": datetime.date.today().isoformat(), "steps": args.steps, "core": core,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                          "ray": ray.__version__},
+              "machine": {**machine(), "ray": ray.__version__},
               "rows": rows}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "executor.json").write_text(json.dumps(result, indent=2))
-    (out / "executor.md").write_text(markdown(result))
+    write_results(args.out, args.name, result, markdown(result))
     print(markdown(result))
     return 0
 

@@ -1,7 +1,8 @@
-"""Learner memory and step time with the plan's `zero: 3` (FSDP2 shards over 2 ranks) against `zero: 1` (2 replicas,
-gradients all-reduced), on SmolLM2-135M in fp32 with gloo: what hetrl/trainer/sharding.py buys on this machine.
+"""What a plan's `zero: 3` buys a learner (hetrl/trainer/sharding.py): memory and step time of FSDP2 shards over 2
+ranks against `zero: 1` (2 replicas, gradients all-reduced), SmolLM2-135M in fp32 with gloo; result:
+benchmarks/results/learner_sharding.md.
 
-    python benchmarks/learner_sharding.py [--steps 4] [--out benchmarks/results]
+    python -m benchmarks.learner_sharding [--steps 4] [--out benchmarks/results]
 
 Each setting starts 2 processes (torch.multiprocessing, gloo on loopback, 1 torch thread each: one core each), builds
 the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 3, sharding.shard before
@@ -21,19 +22,17 @@ import gc
 import json
 import os
 import pathlib
-import platform
 import resource
 import statistics
-import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hetrl.bench.harness import machine, timed, write_results
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _vm_hwm() -> int:
@@ -58,6 +57,7 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     from hetrl.algo import token_weights
     from hetrl.trainer import build, sharding
     from hetrl.trainer.config import load_config
+    from hetrl.trainer.precision import decide
     from hetrl.trainer.ray_executor import allreduce_grads
     from hetrl.models import load_model
 
@@ -67,7 +67,8 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     if zero == 3:
         sharding.shard(model)
     opt = build.optimizer(cfg, pol)
-    learner = build.learner(cfg, pol, opt, grad_sync=allreduce_grads if zero == 1 else None, sharded=zero == 3)
+    learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=allreduce_grads if zero == 1 else None,
+                            sharded=zero == 3)
     held = {}
 
     def count_states():   # at the end of backward, before the optimizer frees the gradients
@@ -97,10 +98,8 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     times = []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
-        old = learner.logprobs(groups)
-        learner.update(groups, advantages, weights, old + 0.01)
-        times.append(time.perf_counter() - t0)
+        _, seconds = timed(lambda: learner.update(groups, advantages, weights, learner.logprobs(groups) + 0.01))
+        times.append(seconds)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pathlib.Path(out, f"{zero}-{rank}.json").write_text(json.dumps(
         {"zero": zero, "rank": rank, **held, "peak_rss": peak, "peak_rss_setup": loaded_peak,
@@ -129,7 +128,7 @@ def markdown(res: dict) -> str:
 
     lines = ["# Learner sharding: zero 3 (FSDP2, 2 ranks) vs zero 1 (2 replicas)", "",
              f"SmolLM2-135M, fp32, gloo on loopback, 2 processes with 1 torch thread each; {res['date']}, "
-             f"{res['machine']['cpus']} CPUs ({res['machine']['platform']}). `python benchmarks/learner_sharding.py`. "
+             f"{res['machine']['cpus']} CPUs ({res['machine']['platform']}). `python -m benchmarks.learner_sharding`. "
              f"Batch: 4 prompts x 4 responses per rank (40 + 32 tokens), {res['steps']} updates (log-probs + "
              "update), the first a warm-up.", "",
              f"Conditions: {res.get('conditions', 'not stated')}", "",
@@ -168,12 +167,9 @@ def main() -> None:
     parser.add_argument("--conditions", default="", help="how the machine was shared during the run")
     args = parser.parse_args()
     res = {"date": datetime.date.today().isoformat(), "steps": args.steps,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "machine": machine(),
            "conditions": args.conditions or "not stated", "rows": run(args.steps)}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learner_sharding.json").write_text(json.dumps(res, indent=2))
-    (out / "learner_sharding.md").write_text(markdown(res))
+    write_results(args.out, "learner_sharding", res, markdown(res))
     print(markdown(res))
 
 

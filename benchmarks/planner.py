@@ -1,7 +1,7 @@
-"""Planner benchmark: the paper's 4 scenarios x 12 workloads (hybrid, ilp, verl, verl-all, streamrl), then hybrid search
-time on synthetic clusters of 16-1024 GPUs. Writes benchmarks/results/planner.{json,md}.
+"""How good and how fast the planner's plans are: the paper's 4 scenarios x 12 workloads (hybrid, ilp, verl, verl-all,
+streamrl), then hybrid search time on synthetic clusters of 16-1024 GPUs; result: benchmarks/results/planner.md.
 
-    python benchmarks/planner.py [--quick]
+    python -m benchmarks.planner [--quick]
 
 Everything is the cost model's prediction (no GPU runs here); search times are wall-clock on this machine.
 """
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import time
 
 from tqdm import tqdm
 
+from hetrl.bench.harness import machine, timed, write_results
 from hetrl.planner import estimate, load_cluster, load_workload, plan
 from hetrl.planner.spec import cluster_from_dict
 
@@ -80,21 +79,19 @@ def run(quick: bool, partial: pathlib.Path) -> dict:
     w = load_workload(str(ROOT / "examples" / "workloads" / "qwen3-8b-grpo-async.yaml"))
     for n in tqdm(SYNTHETIC[:2] if quick else SYNTHETIC, desc="scaling"):
         cluster = synthetic_cluster(n)
-        t0 = time.perf_counter()
-        r = plan(cluster, w, "hybrid", time_limit_s=50.0)
-        scaling.append({"gpus": n, "search_time_s": time.perf_counter() - t0, "evaluated": r.evaluated,
+        r, search_s = timed(lambda: plan(cluster, w, "hybrid", time_limit_s=50.0))
+        scaling.append({"gpus": n, "search_time_s": search_s, "evaluated": r.evaluated,
                         "best_found_s": r.best_found_s,
                         "iteration_time_s": r.iteration_time_s,
                         "verl_iteration_time_s": plan(cluster, w, "verl").iteration_time_s})
-    return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version()},
+    return {"machine": machine(),
             "date": time.strftime("%Y-%m-%d"), "rows": rows, "scaling": scaling}
 
 
 def markdown(res: dict) -> str:
     lines = ["# Planner benchmark", "",
              f"Predicted seconds per iteration (cost model), {res['date']}, {res['machine']['cpus']} CPUs "
-             f"({res['machine']['platform']}). Search times are wall-clock here. `python benchmarks/planner.py`.", "",
+             f"({res['machine']['platform']}). Search times are wall-clock here. `python -m benchmarks.planner`.", "",
              *([f"Conditions: {res['conditions']}", ""] if res.get("conditions") else []),
              "`verl` = all tasks colocated on the best homogeneous pool (the planner issue's definition); `verl-all` = "
              "verl as the HetRL paper ran it, all tasks colocated on all 64 GPUs with DP replicas fed evenly (verl "
@@ -180,11 +177,7 @@ def main() -> None:
         res = json.loads((out / f"{'planner_quick' if args.quick else 'planner'}.json").read_text())
     else:
         res = run(args.quick, partial)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    name = "planner_quick" if args.quick else "planner"
-    (out / f"{name}.json").write_text(json.dumps(res, indent=2))
-    (out / f"{name}.md").write_text(markdown(res))
+    write_results(ROOT / "benchmarks" / "results", "planner_quick" if args.quick else "planner", res, markdown(res))
     partial.unlink(missing_ok=True)
     print(markdown(res))
 

@@ -1,20 +1,18 @@
-"""Memory strategies in the planner: published setups scored by --evaluate, the strategies the search picks on
-paper-multi-continent qwen3-14b PPO sync, and time limits at 2048 GPUs. Writes
-benchmarks/results/planner_strategies.{json,md}.
+"""What the planner's memory strategies and time limits do: published setups scored by --evaluate, the strategies the
+search picks on paper-multi-continent qwen3-14b PPO sync, and time limits at 2048 GPUs; result:
+benchmarks/results/planner_strategies.md.
 
-    python benchmarks/planner_strategies.py
+    python -m benchmarks.planner_strategies
 
 Seconds per iteration are the cost model's predictions; search and configure times are wall-clock here.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import platform
 import time
 
+from hetrl.bench.harness import machine, timed, write_results
 from hetrl.planner import estimate, load_cluster, load_plan, load_workload, plan
 from hetrl.planner.space import configure, groupings, pools
 from hetrl.planner.spec import cluster_from_dict
@@ -53,17 +51,13 @@ def run() -> dict:
         {"name": f"a{i}", "region": "r", "gpu": "A100-80G", "count": 8} for i in range(256)]})
     w8 = load_workload(str(EX / "workloads" / "qwen3-8b-grpo-sync.yaml"))
     blocks = sorted({b for g in groupings(w8) for b in g})
-    t0 = time.perf_counter()
-    for b in blocks:
-        configure(big, w8, b, tuple(p.steps for p in pools(big)))
-    configure_s = time.perf_counter() - t0
+    _, configure_s = timed(lambda: [configure(big, w8, b, tuple(p.steps for p in pools(big))) for b in blocks])
     limits = []
     for method in ("hybrid", "ilp"):
-        t0 = time.perf_counter()
-        res = plan(big, w8, method, time_limit_s=5.0)
-        limits.append({"method": method, "limit_s": 5.0, "wall_s": time.perf_counter() - t0,
+        res, wall_s = timed(lambda: plan(big, w8, method, time_limit_s=5.0))
+        limits.append({"method": method, "limit_s": 5.0, "wall_s": wall_s,
                        "iteration_time_s": res.iteration_time_s, "stopped": res.stopped})
-    return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+    return {"machine": machine(),
             "date": time.strftime("%Y-%m-%d"), "published": published, "multi_continent_qwen3_14b_ppo": chosen,
             "configure_2048_gpus_all_blocks_s": configure_s, "time_limits_2048_gpus": limits}
 
@@ -71,7 +65,7 @@ def run() -> dict:
 def markdown(res: dict) -> str:
     lines = ["# Planner memory strategies", "",
              f"{res['date']}, {res['machine']['cpus']} CPUs ({res['machine']['platform']}); "
-             "`python benchmarks/planner_strategies.py`. Seconds per iteration are predictions.", "",
+             "`python -m benchmarks.planner_strategies`. Seconds per iteration are predictions.", "",
              "## Published setups (`hetrl plan --evaluate`)", "",
              "| plan | feasible | s/iter | peak GB per GPU | largest terms |", "|---|---|---|---|---|"]
     for p in res["published"]:
@@ -94,9 +88,7 @@ def markdown(res: dict) -> str:
 
 def main() -> None:
     res = run()
-    out = ROOT / "benchmarks" / "results"
-    (out / "planner_strategies.json").write_text(json.dumps(res, indent=2))
-    (out / "planner_strategies.md").write_text(markdown(res))
+    write_results(ROOT / "benchmarks" / "results", "planner_strategies", res, markdown(res))
     print(markdown(res))
 
 

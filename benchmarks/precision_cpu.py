@@ -1,6 +1,7 @@
-"""precision=fp32 against precision=bf16-mixed on this machine's CPU: the matmul peaks, then each pass of a step.
+"""Whether `precision=bf16-mixed` pays on this machine's CPU: the matmul peaks, then each pass of a step at fp32 and
+bf16-mixed; results: benchmarks/results/precision_cpu.md (AVX2) and precision_cpu_avx512.md.
 
-    python benchmarks/precision_cpu.py [--out benchmarks/results/precision_cpu.json]
+    python -m benchmarks.precision_cpu [--out benchmarks/results/precision_cpu.json]
 
 1. Matmul throughput, fp32 and bf16, 1024 x 1024 x 1024 on torch's threads (the bf16 peak is what bf16-mixed can
    gain from; CPUs without AVX512-BF16 or AMX have no fast bf16 matmul).
@@ -15,16 +16,15 @@ Writes the JSON (with the machine: CPU model, flags that matter, torch threads) 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import time
 
 import torch
 
-from hetrl.bench.machine import cpu, matmul_gflops
+from hetrl.bench.harness import machine, matmul_gflops, timed, write_json
 from hetrl.models import load_model
 from hetrl.trainer import build
 from hetrl.trainer.config import load_config
+from hetrl.trainer.precision import decide
 
 
 def passes(precision: str) -> dict:
@@ -33,8 +33,8 @@ def passes(precision: str) -> dict:
     cfg = load_config("examples/runs/default.yaml", [f"precision={precision}"])
     model, tokenizer = load_model(cfg.model)
     pol = build.policy(cfg, model)
-    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
-    worker = build.rollout_worker(cfg, pol.module, tokenizer)
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol), decide(cfg))
+    worker = build.rollout_worker(cfg, pol.module, tokenizer, decide(cfg))
     groups = [([random.randrange(1000) for _ in range(40)], [[random.randrange(1000) for _ in range(16)]
                                                              for _ in range(8)]) for _ in range(2)]
     k = sum(len(r) for _, rs in groups for r in rs)
@@ -42,14 +42,10 @@ def passes(precision: str) -> dict:
     advantages = torch.randn(k, dtype=torch.float64)
     out = {}
     for _ in range(2):
-        t0 = time.perf_counter()
-        worker.generate([p for p, _ in groups], 8, 16, temperature=0.7)
-        t1 = time.perf_counter()
-        logp = learner.logprobs(groups)
-        t2 = time.perf_counter()
-        learner.update(groups, advantages, weights, logp, logp)
-        t3 = time.perf_counter()
-        out = {"rollout_s": t1 - t0, "logprobs_s": t2 - t1, "update_s": t3 - t2}
+        _, rollout_s = timed(lambda: worker.generate([p for p, _ in groups], 8, 16, temperature=0.7))
+        logp, logprobs_s = timed(lambda: learner.logprobs(groups))
+        _, update_s = timed(lambda: learner.update(groups, advantages, weights, logp, logp))
+        out = {"rollout_s": rollout_s, "logprobs_s": logprobs_s, "update_s": update_s}
     return out
 
 
@@ -57,11 +53,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/precision_cpu.json")
     args = ap.parse_args()
-    result = {"machine": cpu(), "matmul_gflops": {"fp32": matmul_gflops(torch.float32),
+    result = {"machine": machine(), "matmul_gflops": {"fp32": matmul_gflops(torch.float32),
                                                   "bf16": matmul_gflops(torch.bfloat16)},
               "passes_s": {p: passes(p) for p in ("fp32", "bf16-mixed")}}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     m = result["matmul_gflops"]
     print(f"{result['machine']['model']} ({', '.join(result['machine']['flags'])}), "
           f"{result['machine']['torch_threads']} torch threads")

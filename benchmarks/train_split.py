@@ -1,12 +1,13 @@
-"""`hetrl train` per phase on one device (#20 item 8): rollout, log-probs and update seconds, tokens/s and MFU.
+"""Where a `hetrl train` step goes on one device, against the device's peak (#20 item 8): rollout, log-probs and update
+seconds, tokens/s and MFU; result: benchmarks/results/train_split_cpu.md (GPU: not run yet).
 
-    python benchmarks/train_split.py --device cuda --out benchmarks/results/gpu
-    python benchmarks/train_split.py --device cpu --out benchmarks/results        # the same jobs on the CPU
+    python -m benchmarks.train_split --device cuda --out benchmarks/results/gpu
+    python -m benchmarks.train_split --device cpu --out benchmarks/results        # the same jobs on the CPU
 
 Each model runs the default job (GRPO, 8 prompts x 8 samples of the default task, 16 new tokens, 2 mini-batches,
 precision auto) for `--steps` steps as `python -m hetrl train` in its own process, with a small held-out set
 (`eval_size`, only to finish the run) and no checkpoints. The models are real architectures with random weights
-(`config:NAME`: the embedded weights cannot reach a GPU machine, README "GPU"), so the numbers are speed only;
+(`config:NAME`: the embedded weights cannot reach a GPU machine), so the numbers are speed only;
 random weights rarely sample EOS, so every response runs to max_new_tokens.
 
 Per phase, from metrics.jsonl, the median over the steps after the first (the first compiles and warms up):
@@ -21,7 +22,7 @@ Per phase, from metrics.jsonl, the median over the steps after the first (the fi
              bandwidth measured in the run (#20 item 5's HBM floor on a GPU)
 Attention FLOPs are left out (short sequences here). MFU = FLOP/s over the device's bf16 peak: the planner
 catalog's entry for a GPU it names (hetrl.planner.catalog), or this CPU's bf16 (fp32 for an fp32 run) matmul
-peak measured in the run (hetrl.bench.machine).
+peak measured in the run (hetrl.bench.harness).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from hetrl.bench import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODELS = ("config:smollm2-135m", "config:qwen2.5-0.5b")
 JOB = {"eval_size": 8, "checkpoint_every": 0}
@@ -47,9 +48,7 @@ def run_job(model: str, device: str, steps: int, work: pathlib.Path, extra: list
     out = work / model.replace(":", "_")
     cmd = [sys.executable, "-m", "hetrl", "train", f"model={model}", f"device={device}", f"steps={steps}",
            f"out_dir={out}"] + [f"{k}={v}" for k, v in JOB.items()] + extra
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    proc, wall = harness.timed(lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True))
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -62,7 +61,6 @@ def run_job(model: str, device: str, steps: int, work: pathlib.Path, extra: list
 def peak_flops(device: str, precision: str) -> tuple[float, str]:
     import torch
 
-    from hetrl.bench.machine import matmul_gflops
     from hetrl.planner.catalog import GPUS
 
     if device.startswith("cuda"):
@@ -72,7 +70,7 @@ def peak_flops(device: str, precision: str) -> tuple[float, str]:
                 return g.dense_bf16_flops, f"catalog {key} ({g.source})"
         raise ValueError(f"{name} is not in the planner catalog; add it to compare MFU")
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-    return matmul_gflops(dtype, 1024, 3.0) * 1e9, f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here"
+    return harness.matmul_gflops(dtype, 1024, 3.0) * 1e9, f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here"
 
 
 def decode_floor(spec, cfg, precision: str, prompt_tokens: float, bandwidth: float) -> float:
@@ -125,7 +123,7 @@ def phases(model: str, rows: list[dict], run: dict, peak: float, bandwidth: floa
 
 def markdown(res: dict) -> str:
     lines = [f"# `hetrl train` per phase on {res['device_name']}", "",
-             f"`python benchmarks/train_split.py --device {res['device']}` at {res['revision']}, {res['date']}. "
+             f"`python -m benchmarks.train_split --device {res['device']}` at {res['revision']}, {res['date']}. "
              f"{res['machine']}; torch {res['torch']}. Peak for MFU: {res['peak_flops'] / 1e12:.3g} TFLOP/s "
              f"({res['peak_source']}); memory bandwidth {res['copy_bytes_per_s'] / 1e9:.0f} GB/s (a 1 GiB copy, read + "
              "written). Decode per step against its memory floor: weights and KV cache read once per step over that "
@@ -160,17 +158,13 @@ def main() -> int:
 
     import torch
 
-    from hetrl.bench.machine import copy_bytes_per_s, cpu
-    from hetrl.bench.results import write_results
-    from hetrl.bench.train_vs_trl import revision
-
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA GPU here", file=sys.stderr)
         return 2
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="hetrl_split_"))
-    info = cpu()
-    res = {"device": args.device, "revision": revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "torch": torch.__version__, "machine": f"{info['model']}, {info['cores']} cores",
+    info = harness.machine()
+    res = {"device": args.device, "revision": harness.revision(), "date": harness.utc_now(),
+           "torch": torch.__version__, "machine": f"{info['model']}, {info['cpus']} cores",
            "device_name": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
            else f"CPU ({info['model']}, {info['torch_threads']} threads)", "runs": {}}
     name = f"train_split_{args.device.split(':')[0]}"
@@ -178,11 +172,11 @@ def main() -> int:
         run, rows = run_job(model, args.device, args.steps, work, args.set)
         if "peak_flops" not in res:       # measured after the first run, on an otherwise idle device
             res["peak_flops"], res["peak_source"] = peak_flops(args.device, run["precision"])
-            res["copy_bytes_per_s"] = copy_bytes_per_s(args.device)
+            res["copy_bytes_per_s"] = harness.copy_bytes_per_s(args.device)
         run["phases"] = phases(model, rows, run, res["peak_flops"], res["copy_bytes_per_s"])
         run["metrics"] = rows
         res["runs"][model] = run
-        write_results(args.out, name, res, markdown(res))      # after every model: a run cut short keeps it
+        harness.write_results(args.out, name, res, markdown(res))      # after every model: a run cut short keeps it
         print(f"{model}: {run['phases']['step_s']:.2f} s/step", flush=True)
     print(markdown(res))
     return 0

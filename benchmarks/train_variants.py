@@ -1,5 +1,6 @@
-"""Variants of the default job (SmolLM2-135M, GRPO, 8 prompts x 8 responses) against full fine-tuning: LoRA, and
-activation checkpointing; peak memory and step time, measured side by side in one run.
+"""What LoRA and activation checkpointing cost and save: variants of the default job (SmolLM2-135M, GRPO, 8 prompts x
+8 responses) against full fine-tuning, peak memory and step time side by side in one run; results:
+benchmarks/results/lora_vs_full.md and checkpointing_vs_full.md.
 
 Each variant trains in a fresh child process (`hetrl.train`), rounds interleaved (full, lora, full, lora, ...).
 Memory: the process's peak RSS while the run trains (evaluation, steps and the final checkpoint), with the peak
@@ -7,8 +8,8 @@ reset (/proc/self/clear_refs) after the model is loaded, so loading the GGUF fil
 also the whole process's peak. Step time: the mean `step_s` of metrics.jsonl over steps 2.. (step 1 warms up).
 The machine and how it was shared are written with the results.
 
-    python benchmarks/train_variants.py --variants full lora --name lora_vs_full --out benchmarks/results
-    python benchmarks/train_variants.py --variants full checkpointing --name checkpointing_vs_full --out ...
+    python -m benchmarks.train_variants --variants full lora --name lora_vs_full --out benchmarks/results
+    python -m benchmarks.train_variants --variants full checkpointing --name checkpointing_vs_full --out ...
     (about 15 minutes each on 2 cores)
 """
 
@@ -16,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from hetrl.bench.harness import machine, timed, write_results
 
 VARIANTS = {
     "full": [],
@@ -42,13 +42,13 @@ def peak_kib():
             return int(line.split()[1])
 
 marks = {}
-run = loop._run
+run = loop.run_steps
 def measured_run(*args, **kwargs):
     marks["after_load_kib"] = peak_kib()
     with open("/proc/self/clear_refs", "w") as f:   # reset the peak: from here on, the training run alone
         f.write("5")
     return run(*args, **kwargs)
-loop._run = measured_run
+loop.run_steps = measured_run
 out_dir, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 fields = dict(kv.split("=", 1) for kv in overrides)
 fields = {k: (float(v) if "." in v or "e-" in v else int(v)) for k, v in fields.items()}
@@ -63,15 +63,14 @@ print("MARKS " + json.dumps(marks))
 
 def run_variant(name: str, steps: int, work: pathlib.Path, round_: int) -> dict:
     out = work / f"{name}-{round_}"
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *VARIANTS[name]],
-                          capture_output=True, text=True)
+    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *VARIANTS[name]],
+                                                capture_output=True, text=True))
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     marks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MARKS "))[6:])
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
-    return {"variant": name, "round": round_, "wall_s": time.perf_counter() - t0,
+    return {"variant": name, "round": round_, "wall_s": wall_s,
             "step_s_mean": statistics.mean(r["step_s"] for r in rows[1:]),
             "update_s_mean": statistics.mean(r["update_s"] for r in rows[1:]),
             "logprob_s_mean": statistics.mean(r["logprob_s"] for r in rows[1:]),
@@ -90,7 +89,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# {' and '.join(others)} vs {base} on the default job",
         "",
-        f"Made by `python benchmarks/train_variants.py --variants {' '.join(names)} --name {result['name']} --out "
+        f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --name {result['name']} --out "
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
         f"{result['rounds']} interleaved rounds, medians. {result['conditions']}",
         "",
@@ -124,9 +123,8 @@ def main() -> int:
     parser.add_argument("--conditions", default="The machine was otherwise idle.",
                         help="how the CPU was shared while this ran (written with the results)")
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    result = {"machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}", "steps": args.steps,
+    host = machine()
+    result = {"machine": f"{host['model']}, {host['cpus']} cores, Python {host['python']}", "steps": args.steps,
               "rounds": args.rounds, "conditions": args.conditions, "variants": args.variants, "name": args.name,
               "rows": []}
     with tempfile.TemporaryDirectory(prefix="hetrl-lora-bench-") as work:
@@ -138,10 +136,7 @@ def main() -> int:
     text = markdown(result)
     print(text)
     if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
-        (out / f"{args.name}.md").write_text(text)
+        write_results(args.out, args.name, result, text)
     return 0
 
 

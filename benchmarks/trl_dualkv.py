@@ -1,6 +1,7 @@
-"""TRL 1.16's GRPOTrainer, stock against DualKVGRPOTrainer (hetrl.integrations.trl): its log-prob passes on one batch.
+"""What DualKV buys inside TRL: TRL 1.16's GRPOTrainer, stock against DualKVGRPOTrainer (hetrl.integrations.trl), its
+log-prob passes on one batch; result: benchmarks/results/trl_dualkv.md.
 
-    python benchmarks/trl_dualkv.py [--out benchmarks/results/trl_dualkv.json]
+    python -m benchmarks.trl_dualkv [--out benchmarks/results/trl_dualkv.json]
 
 Both trainers are built the same way: the default job's model (embedded SmolLM2-135M-Instruct, fp32, saved once to
 a temporary directory for TRL), lr 2e-5, clip 0.2, KL 0.001, temperature 0.7. They get one batch in TRL's own
@@ -26,10 +27,10 @@ import argparse
 import json
 import os
 import tempfile
-import time
 
 import torch
 
+from hetrl.bench.harness import machine, median_times, write_json
 from hetrl.integrations.trl import with_dualkv
 from hetrl.trainer.config import load_config
 
@@ -74,16 +75,6 @@ def trainer(cls, model_dir, tokenizer, data):
                train_dataset=data, processing_class=tokenizer)
 
 
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def measure(t, pid, pm, cid, cm, repeats: int) -> dict:
     ids, am = torch.cat([pid, cid], 1), torch.cat([pm, cm], 1)
 
@@ -98,7 +89,8 @@ def measure(t, pid, pm, cid, cm, repeats: int) -> dict:
         t.model.zero_grad()
         t.compute_loss(t.model, inputs).backward()
 
-    return {"logprobs_no_grad_s": median_s(old, repeats), "loss_forward_backward_s": median_s(update, repeats)}
+    return {"logprobs_no_grad_s": median_times({"old": old}, repeats)["old"],
+            "loss_forward_backward_s": median_times({"update": update}, repeats)["update"]}
 
 
 def main() -> None:
@@ -119,7 +111,7 @@ def main() -> None:
     del model
     data = dataset(cfg, tokenizer, 8)
     rows = batch(cfg, tokenizer)
-    result = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+    result = {"machine": machine(),
               "batch": {"prompts": 8, "completions_per_prompt": 8, "prompt_tokens_padded": rows[0].size(1),
                         "prompt_tokens_mean": float(rows[1].sum(1).float().mean()), "completion_tokens": 16}}
     for name, cls in (("stock", GRPOTrainer), ("dualkv", with_dualkv(GRPOTrainer))):
@@ -127,8 +119,7 @@ def main() -> None:
         print(name, json.dumps(result[name]))
     for key in result["stock"]:
         result[f"speedup_{key}"] = result["stock"][key] / result["dualkv"][key]
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(", ".join(f"{k}: stock {result['stock'][k]:.2f} s, dualkv {result['dualkv'][k]:.2f} s "
                     f"({result['speedup_' + k]:.2f}x)" for k in result["stock"]))
 

@@ -22,8 +22,8 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
       data is accepted on resume and logged in out_dir/resumes.jsonl).
     Returns the run's summary (as summary.json).
     """
-    from hetrl.trainer.config import RunConfig, load_config
-    from hetrl.trainer.loop import python_fields, train as _train
+    from hetrl.trainer.config import RunConfig, load_config, resolve_aliases
+    from hetrl.trainer.run import python_fields, train as _train
 
     if isinstance(config, RunConfig):
         fields = config.to_dict()
@@ -33,7 +33,7 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
         fields = dict(config)
     else:
         raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
-    fields |= overrides
+    fields |= resolve_aliases(overrides)   # verl's and TRL's names (loss_type=dr_grpo, beta=...) too
     fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs,
                             tools, environment_factory)
     return _train(RunConfig(**fields), resume=resume, allow_config_change=allow_config_change,

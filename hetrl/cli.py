@@ -43,7 +43,7 @@ def _bench_train(args) -> int:
 
 def _bench_tree(args) -> int:
     from hetrl.bench import tree
-    from hetrl.bench.results import write_results
+    from hetrl.bench.harness import write_results
 
     result = tree.run(args.quick, args.repeats, memory=not args.no_memory, max_leaves=args.max_leaves)
     text = tree.markdown(result)
@@ -95,7 +95,7 @@ def _bench_dualkv(args) -> int:
 
 
 def _train(args) -> int:
-    from hetrl.trainer.loop import train_command
+    from hetrl.trainer.run import train_command
     from hetrl.trainer.placement import ExecutorFailure
 
     try:

@@ -59,7 +59,7 @@ def _validate_run_config(path: str) -> str:
     why = unknown_model(cfg.model)
     if why:
         raise InputError(f"{path}: {why}", located=True)
-    # the same checks `hetrl train` makes before the model loads (loop.up_front): every file and every reward is
+    # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is
     # checked, and all their problems are said together
     from hetrl.data.rewards import convention, load_reward
     from hetrl.data.sources import read_checked

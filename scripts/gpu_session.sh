@@ -7,7 +7,7 @@
 #            (P x mb = 8Kx8, 16Kx8, 32Kx4, 8Kx32), then the rest of the grid while time lasts; the table is built
 #            from the rows finished so far even when the stage's time runs out (#20 items 4, 6, 7)
 #   qwen3    the same for the real Qwen3-8B layer
-#   train    benchmarks/train_split.py --device cuda: `hetrl train` per phase on config:smollm2-135m and
+#   train    python -m benchmarks.train_split --device cuda: `hetrl train` per phase on config:smollm2-135m and
 #            config:qwen2.5-0.5b (random weights) (#20 item 8)
 #
 # Before the first call, here: `bash scripts/gpu_wheels.sh` (writes the git-ignored .whl/). Each call:
@@ -80,7 +80,7 @@ EOF
   paper) layer paper ;;
   qwen3) layer qwen3-8b ;;
   train)
-    timeout "$BUDGET" $PY benchmarks/train_split.py --device "$DEVICE" --steps 4 --out "$OUT" --work /tmp/split_runs \
+    timeout "$BUDGET" $PY -m benchmarks.train_split --device "$DEVICE" --steps 4 --out "$OUT" --work /tmp/split_runs \
       > "$OUT/train_split.log" 2>&1
     echo "train_split: exit $?"; tail -20 "$OUT/train_split.log"
     ;;

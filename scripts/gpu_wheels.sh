@@ -5,7 +5,7 @@
 # them into /tmp/site.
 #   transformers 5.23.0   hetrl's pin: the reference path's 2-D logits_to_keep and the checkpointing API need it
 #   prefix-grouper        the layer benchmark's Prefix-Grouper baseline (pure Python)
-#   reasoning-gym + needs `hetrl train`'s default task (benchmarks/train_split.py); pycosat, zss and cellpylib come
+#   reasoning-gym + needs `hetrl train`'s default task (benchmarks.train_split); pycosat, zss and cellpylib come
 #                         as source only and are built here for Python 3.12 (pyenv's 3.12, or any python3.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."

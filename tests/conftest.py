@@ -3,7 +3,7 @@ import os
 import pytest
 
 # precision=auto means bf16-mixed on a CPU with bf16 instructions and fp32 on one without: the suite pins "without"
-# (learner.cpu_has_fast_bf16), so that every test means the same on every machine, Ray actors included (they inherit
+# (precision.cpu_has_fast_bf16), so that every test means the same on every machine, Ray actors included (they inherit
 # the environment); tests of the bf16 path ask for precision=bf16-mixed or set HETRL_CPU_BF16 themselves.
 os.environ["HETRL_CPU_BF16"] = "0"
 

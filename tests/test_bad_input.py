@@ -183,12 +183,12 @@ def test_bad_value_in_a_run_file_names_the_file(tmp_path, capsys):
 
 
 def test_unusable_out_dir_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import hetrl.trainer.loop as loop
+    from hetrl.trainer import run
 
     def never(*_, **__):
         raise AssertionError("the model was loaded before out_dir was checked")
 
-    monkeypatch.setattr(loop, "load_model", never)
+    monkeypatch.setattr(run, "load_model", never)
     a_file = tmp_path / "file"
     a_file.write_text("x")
     one_line_error(capsys, main(["train", "--config", TINY, f"out_dir={a_file}"]), "exists and is not a directory")

@@ -44,10 +44,11 @@ def test_one_way_imports(package):
 
 def test_the_local_trainer_does_not_load_ray():
     """`hetrl train` with the default local executor should not pay for importing Ray."""
-    assert not {m for m in _modules_loaded_by("hetrl.trainer.loop") if m == "ray" or m.startswith("ray.")}
+    assert not {m for m in _modules_loaded_by("hetrl.trainer.run") if m == "ray" or m.startswith("ray.")}
 
 
 def test_the_ray_engine_does_not_import_the_loop():
-    """loop -> engine -> (ray_executor, lazily): the Ray engine needs only the Engine contract, never the loop."""
+    """run -> loop -> engine -> (ray_executor, lazily): the Ray engine needs only the Engine contract, never the run's
+    entry or the loop."""
     loaded = _modules_loaded_by("hetrl.trainer.ray_executor")
-    assert "hetrl.trainer.loop" not in loaded and "hetrl.trainer.engine" not in loaded
+    assert not loaded & {"hetrl.trainer.run", "hetrl.trainer.loop", "hetrl.trainer.engine"}

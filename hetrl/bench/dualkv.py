@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm import tqdm
 
+from hetrl.bench.harness import machine, median_times
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.models import EMBEDDED, load_model
 
@@ -60,12 +57,6 @@ class DemoResult:
     logprob_speedup: float
 
 
-def machine_info() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
 def _prompt_ids(tokenizer, n_shots: int) -> list[int]:
     messages = [{"role": "system", "content": "You are a careful calculator. End with 'The answer is N.'"}]
     for q, a in FEW_SHOT[:n_shots]:
@@ -86,19 +77,6 @@ def sample_responses(model, tokenizer, prompt: list[int], n: int, max_new_tokens
     for row in out[:, len(prompt):].tolist():
         responses.append(row[: row.index(eos) + 1] if eos in row else row)
     return responses
-
-
-def median_times(fns: dict, repeats: int, desc: str | None = None) -> dict:
-    """Run each fn once to warm up, then `repeats` rounds interleaved; median seconds per fn."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in tqdm(range(repeats), desc=desc, unit="round", disable=desc is None):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
@@ -130,7 +108,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     logprob_s = median_times({"standard": logprob("reference"), "dualkv": logprob("sdpa")}, cfg.repeats,
                               "log-prob pass")
     return DemoResult(
-        machine=machine_info(), config=asdict(cfg), prompt_tokens=len(prompt),
+        machine=machine(), config=asdict(cfg), prompt_tokens=len(prompt),
         response_tokens=[len(r) for r in responses], packed_tokens=batch.num_tokens,
         standard_tokens=batch.num_standard_tokens, rho=batch.rho, max_abs_logprob_diff=max_diff,
         update_s=update_s, logprob_s=logprob_s,

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.dualkv import machine_info, median_times
+from hetrl.bench.harness import machine, median_times
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 
 VARIANTS = ("padded", "packed", "prefix_grouper", "dualkv", "reference")
@@ -41,7 +41,7 @@ QWEN3_SHAPED = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
                     tie_word_embeddings=False)
 GRID = [(n, p, r) for n in (4, 8, 16) for p in (256, 1024, 2048) for r in (64, 256)]
 QUICK = [(4, 128, 32), (8, 128, 32)]          # under 2 minutes on 2 cores, memory included
-SMOLLM2_GRID = [(4, 256, 64), (8, 256, 64), (4, 1024, 64)]   # 135M params: ~5x the Qwen3-shaped model's time
+SMOLLM2_GRID = [(4, 256, 64), (8, 256, 64), (4, 1024, 64)]   # few: 135M params is slow (benchmarks/README.md)
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
     for case in tqdm(todo, desc="bench dualkv", unit="case"):
         model = models.setdefault(case.model, build_model(case.model))
         row = {**asdict(case), "rho": case.rho, "flop_ratio": flop_ratio(model, case), "repeats": repeats,
-               "machine": machine_info(), **measure_times(model, case, repeats)}
+               "machine": machine(), **measure_times(model, case, repeats)}
         if memory:
             row["memory"] = measure_memory(case, jobs=2 if quick else 1)   # the grid's largest need 1 at a time
         done.append(row)
@@ -323,7 +323,7 @@ def run(quick: bool, repeats: int, memory: bool, cases: list[Case] | None = None
                 f.write(json.dumps(row) + "\n")
     grid = {(c.model, c.n, c.p, c.r) for c in all_cases(quick)}
     rows = sorted(done, key=lambda r: (r["model"] != "qwen3-shaped", r["n"], r["p"], r["r"]))
-    return {"machine": machine_info(), "repeats": repeats, "rows": rows,
+    return {"machine": machine(), "repeats": repeats, "rows": rows,
             "grid_cases": len(grid), "grid_cases_measured": len(grid & {_key(r) for r in rows})}
 
 

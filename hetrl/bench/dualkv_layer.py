@@ -41,14 +41,13 @@ import contextvars
 import inspect
 import json
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.dualkv import machine_info
+from hetrl.bench.harness import interleaved_times, machine
 from hetrl.bench.dualkv_grid import _SEGMENTS, _logp, _prefix_grouper  # _SEGMENTS: its per-segment SDPA attention
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.dualkv.impl import flex
@@ -241,25 +240,6 @@ def layout_logprobs(layout: str, model, prompt, responses, device):
     return packed
 
 
-def _timed(fn, device, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return out
-
-
 def _error(e: BaseException) -> str:
     if isinstance(e, torch.OutOfMemoryError):
         return "out of memory"
@@ -291,7 +271,7 @@ def measure(model, case: LayerCase, device, warmup: int, repeats: int, layouts=L
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            times = _timed(step, device, warmup, repeats)
+            times = interleaved_times({"step": step}, repeats, warmup, device=device)["step"]
             entry |= {"seconds": statistics.median(times), "times": times}
             entry["tflops"] = entry["flops"] / entry["seconds"] / 1e12
             if device.type == "cuda":
@@ -346,7 +326,7 @@ def run(layer: str, device: str = "cpu", grid: str | None = None, warmup: int = 
             with open(rows_path, "a") as f:
                 f.write(json.dumps({"layer": layer, "device": str(dev)} | rows[-1]) + "\n")
     return {"layer": layer, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "grid": grid,
-            "warmup": warmup, "repeats": repeats, "seed": seed, "machine": machine_info(),
+            "warmup": warmup, "repeats": repeats, "seed": seed, "machine": machine(),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "layouts": list(layouts), "rows": rows}
 
@@ -366,7 +346,7 @@ def from_rows(rows_path: str, repeats: int, warmup: int = 2, seed: int = 0) -> d
     layouts = list(dict.fromkeys(k for r in rows for k in r["layouts"]))
     return {"layer": layer, "device": device, "dtype": "bfloat16" if dev.type == "cuda" else "float32",
             "grid": "tiny" if layer == "tiny" else "full", "warmup": warmup, "repeats": repeats, "seed": seed,
-            "machine": machine_info(), "torch": torch.__version__,
+            "machine": machine(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "layouts": layouts, "rows": rows}
 
 
@@ -439,6 +419,6 @@ def markdown(res: dict) -> str:
 
 
 def write(res: dict, out: str) -> str:
-    from hetrl.bench.results import write_results
+    from hetrl.bench.harness import write_results
 
     return write_results(out, f"dualkv_layer_{res['layer']}_{res['device'].split(':')[0]}", res, markdown(res))

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hetrl.bench import harness
+
 SYSTEMS = ("hetrl", "trl-dualkv", "trl")
 RESULTS = "train_vs_trl"
 
@@ -136,7 +138,7 @@ def matmul_params(model) -> int:
 
 
 def run_hetrl(case: Case, seed: int, steps: int, work: pathlib.Path, overrides: tuple[str, ...] = ()) -> dict:
-    from hetrl.trainer.loop import train
+    from hetrl.trainer.run import train
 
     cfg, rows, evals = job(case, seed, steps, str(work / f"hetrl-{case.name}-{seed}"), overrides)
     summary = train(cfg, train_dataset=rows, eval_dataset=evals)
@@ -157,14 +159,14 @@ def trl_args(cfg, seed: int, out_dir: str):
     """GRPOConfig with every knob hetrl's run has set to hetrl's value (KNOBS lists what cannot be)."""
     from trl import GRPOConfig
 
-    from hetrl.trainer.learner import mixed
+    from hetrl.trainer.precision import decide
 
     n, per_step = cfg.responses_per_prompt, cfg.prompts_per_step * cfg.responses_per_prompt
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     return GRPOConfig(
         output_dir=out_dir, seed=seed, data_seed=seed, use_cpu=not cuda,
-        # fp32 weights; bf16 autocast where hetrl's precision runs bf16-mixed (learner.resolve_precision)
-        bf16=mixed(cfg.precision, "cuda" if cuda else "cpu"),
+        # fp32 weights; bf16 autocast where hetrl's run autocasts (precision.decide)
+        bf16=decide(cfg).autocast,
         model_init_kwargs={"dtype": torch.float32},
         max_steps=cfg.steps * cfg.mini_batches, per_device_train_batch_size=per_step // cfg.mini_batches,
         steps_per_generation=cfg.mini_batches, gradient_accumulation_steps=1, num_iterations=1,
@@ -247,7 +249,8 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
 
     from hetrl.data.rewards import completion_text
     from hetrl.integrations.trl import with_dualkv
-    from hetrl.trainer.loop import build_rewards, build_source, evaluate, paired_comparison, python_fields
+    from hetrl.trainer.evaluation import evaluate, paired_comparison
+    from hetrl.trainer.run import build_rewards, build_source, python_fields
     from hetrl.trainer.rollout import RolloutWorker
 
     name = "trl-dualkv" if dualkv else "trl"
@@ -385,7 +388,7 @@ def markdown(table: dict, records: list[dict]) -> str:
     bf16 = [r["machine"]["matmul_gflops"]["bf16"] for r in records]
     lines = ["# `hetrl train` against TRL 1.16's GRPOTrainer, whole steps", "",
              f"`hetrl bench train` on {' and on '.join(hosts)} (the VM's host changed between invocations; each "
-             f"record keeps its own), {m['cores']} cores, torch "
+             f"record keeps its own), {m['cpus']} cores, torch "
              f"{m['torch']} with {m['torch_threads']} threads; 1024^3 matmul peaks measured at the start of each "
              f"invocation: fp32 {min(fp32):.1f}-{max(fp32):.1f} GFLOP/s, bf16 {min(bf16):.1f}-{max(bf16):.1f} "
              "GFLOP/s (this VM's throughput varies between invocations; each run is compared with its own). Runs one "
@@ -462,10 +465,10 @@ def markdown(table: dict, records: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------- driver
 
 
-def machine() -> dict:
-    from hetrl.bench.machine import cpu, matmul_gflops
-
-    return {**cpu(), "matmul_gflops": {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}}
+def machine_with_peaks() -> dict:
+    """The machine with its fp32 and bf16 matmul peaks, measured now (each run's step is read against them)."""
+    peaks = {"fp32": harness.matmul_gflops(torch.float32), "bf16": harness.matmul_gflops(torch.bfloat16)}
+    return {**harness.machine(), "matmul_gflops": peaks}
 
 
 def write_report(out: pathlib.Path, records: list[dict]) -> dict:
@@ -481,21 +484,6 @@ def read_records(out: pathlib.Path) -> list[dict]:
     store = out / f"{RESULTS}.jsonl"
     return [json.loads(line) for line in open(store)] if store.exists() else []
 
-
-def revision() -> str | None:
-    """The git commit the code runs from (with `+dirty` when the package's files differ from it; results
-    written meanwhile do not count), or None outside git."""
-    import subprocess
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "hetrl"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | None, out: pathlib.Path,
@@ -513,7 +501,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
     work = work or pathlib.Path(tempfile.mkdtemp(prefix="hetrl-bench-train-"))
     torch.set_num_threads(os.cpu_count() or 1)
     mach = params = None
-    code = revision()      # the code this invocation runs (read now: the tree may change while it runs)
+    code = harness.revision()      # the code this invocation runs (read now: the tree may change while it runs)
     for case_name in cases:
         case = CASES[case_name]
         n = steps or (2 if case.few_shot_tokens else 16)
@@ -523,7 +511,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
                     print(f"{case_name} {system} seed {seed}: in {store} already", flush=True)
                     continue
                 if mach is None:      # measured once per invocation, before its first run
-                    mach = machine()
+                    mach = machine_with_peaks()
                     print(f"matmul peaks: fp32 {mach['matmul_gflops']['fp32']:.1f}, bf16 "
                           f"{mach['matmul_gflops']['bf16']:.1f} GFLOP/s", flush=True)
                     cfg0 = job(case, 0, 1, str(work / "probe"), overrides)[0]

@@ -16,9 +16,9 @@ loss is GRPO's clipped surrogate on the model's tokens, one advantage per trajec
 The LM head runs only on the rows that predict trained tokens in every layout. `linear` and `treerow` take
 the log-softmax over their [rows, vocab] logits whole (as `hetrl bench dualkv`'s baselines do); `prompt` and
 `tree` go through hetrl's head, which above 256 MB of logits runs in row chunks recomputed in the backward
-(~12% more time, far less memory: api.CHUNK_LOGITS_ABOVE_BYTES), so at the grid's largest trees the memory
+(more time, far less memory: api.CHUNK_LOGITS_ABOVE_BYTES), so at the grid's largest trees the memory
 columns compare that head as much as the layouts. Times: median of interleaved rounds
-after a warm-up (hetrl.bench.dualkv.median_times); memory: peak RSS increase of the update in a fresh process per
+after a warm-up (hetrl.bench.harness.median_times); memory: peak RSS increase of the update in a fresh process per
 layout (VmHWM reset just before the step), as `hetrl bench dualkv` measures it. The FLOP ratio is linear / tree:
 the body's parameters x tokens, the LM head x predicting rows, attention x (query, key) pairs; `tree` is expected
 at >= 0.85 of it.
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.dualkv import machine_info, median_times
+from hetrl.bench.harness import machine, median_times
 from hetrl.dualkv import pack_groups, pack_sequences, sequence_logprobs, shared_prompt_logprobs
 
 LAYOUTS = ("linear", "prompt", "treerow", "tree")
@@ -290,7 +290,7 @@ def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped
         if memory:
             row["memory"] = measure_memory(model_name, case, jobs=2 if quick else 1)
         rows.append(row)
-    return {"machine": machine_info(), "model": model_name, "repeats": repeats, "quick": quick, "rows": rows}
+    return {"machine": machine(), "model": model_name, "repeats": repeats, "quick": quick, "rows": rows}
 
 
 def markdown(res: dict) -> str:

@@ -2,7 +2,7 @@
 (its line) and the column.
 
 JSONL, JSON and CSV are read here rather than by `datasets`, whose readers coerce a column's type across rows
-(a CSV string column "007" became 7), hold a whole over-long line several times over (a 50 MB line took 24 GB),
+(a CSV string column "007" became 7), hold a whole over-long line several times over (benchmarks/README.md),
 and name no file for a bad encoding or an empty file. Here: UTF-8 strictly, one line at a time with at most
 MAX_LINE_BYTES held (a longer line is refused), CSV cells kept as the text written, JSON values as written.
 Parquet and `save_to_disk` directories are typed by their writer and still read with `datasets`.

@@ -197,7 +197,7 @@ def _check_model(model, batch: TreeBatch, needs_grad: bool) -> None:
 
 def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: torch.Tensor,
                     temperature: float, return_entropy: bool):
-    """logits [U, V], row_of_label [K], labels [K] -> logp [K] (and entropy [K], without gradient: for logging).
+    """logits [U, V], row_of_label [K], labels [K] -> logp [K] (and entropy [K], with its gradient).
     Computed in fp32 at least (bf16 logits are promoted chunk by chunk, never as a whole [U, V] copy)."""
     logp, entropy = _GatheredLogSoftmax.apply(logits, row_of_label, labels, float(temperature), return_entropy)
     return (logp, entropy[row_of_label]) if return_entropy else logp
@@ -205,8 +205,7 @@ def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: to
 
 # Rows of [U, V] logits the log-softmax works through at once: about this many bytes of fp32, so that the several
 # elementwise passes over a chunk (scale, max, exp, sums) run in cache instead of each streaming all [U, V] through
-# memory. Measured at [1300, 49152] (the default job's update, 2-core AVX512 VM): 0.61 s for forward + backward with
-# entropy as whole-matrix passes, 0.19 s at 16-row chunks (3 MiB); 8 and 32 rows 0.20 and 0.24 s.
+# memory. 3 MiB was the fastest chunk measured (benchmarks/README.md, "Numbers behind constants in the code").
 CACHE_CHUNK_BYTES = 3 << 20
 
 
@@ -218,7 +217,8 @@ def _scaled_rows(z: torch.Tensor, c: int, rows: int, work: torch.dtype, inv: flo
 
 class _GatheredLogSoftmax(torch.autograd.Function):
     """log-softmax(z / T)[row_of_label, labels] without a [U, V] log-softmax tensor or its gradient, and
-    (when asked) each row's entropy from the same scaled logits, without gradient.
+    (when asked) each row's entropy from the same scaled logits, with its gradient (an entropy bonus):
+    dH/dz_j = -p_j (log p_j + H) / T, added in the same pass over each chunk.
 
     autograd through logsumexp + advanced indexing costs ~8 passes over [U, V] in the backward (two
     zero fills, an index_put, the logsumexp grad, their sum, a copy); this one writes the gradient in
@@ -242,25 +242,34 @@ class _GatheredLogSoftmax(torch.autograd.Function):
             if with_entropy:
                 entropy[c:c + rows] = m - (zt - m[:, None]).exp_().mul_(zt).sum(-1)
         logp = z[row_of_label, labels].to(work) * inv - lse[row_of_label]
-        ctx.save_for_backward(z, row_of_label, labels, lse)
+        ctx.save_for_backward(z, row_of_label, labels, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)   # an entropy only logged has no gradient to add
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        z, row_of_label, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        z, row_of_label, labels, lse, entropy = ctx.saved_tensors
         inv, rows = 1.0 / ctx.temperature, ctx.rows
+        if grad_logp is None:
+            grad_logp = torch.zeros(labels.shape, dtype=lse.dtype, device=lse.device)
         g_row = torch.zeros_like(lse).index_add_(0, row_of_label, grad_logp)   # a row may predict several labels
         scale = g_row.mul_(-inv)                                                  # d logp / dz = (onehot - softmax) / T
         onehot = grad_logp.to(lse.dtype) * inv
+        g_ent = None if grad_entropy is None else grad_entropy.to(lse.dtype) * -inv   # dH/dz = -p (log p + H) / T
         order = torch.argsort(row_of_label, stable=True)      # the labels of each chunk's rows, for its scatter
         sorted_rows = row_of_label[order]
         bounds = torch.searchsorted(sorted_rows, torch.arange(0, z.shape[0] + rows, rows, device=z.device)).tolist()
         dz = torch.empty_like(z)
         for i, c in enumerate(range(0, z.shape[0], rows)):
             zt = _scaled_rows(z, c, rows, lse.dtype, inv)
-            zt.sub_(lse[c:c + rows, None]).exp_().mul_(scale[c:c + rows, None])
+            if g_ent is None:
+                zt.sub_(lse[c:c + rows, None]).exp_().mul_(scale[c:c + rows, None])
+            else:
+                log_p = zt.sub_(lse[c:c + rows, None])
+                p = log_p.exp()
+                bonus = log_p.add_(entropy[c:c + rows, None]).mul_(p).mul_(g_ent[c:c + rows, None])
+                zt = p.mul_(scale[c:c + rows, None]).add_(bonus)
             k = order[bounds[i]:bounds[i + 1]]
             zt.index_put_((row_of_label[k] - c, labels[k]), onehot[k], accumulate=True)   # in fp32, then one rounding
             dz[c:c + rows] = zt
@@ -269,13 +278,10 @@ class _GatheredLogSoftmax(torch.autograd.Function):
 
 # Above this many bytes of [rows, vocab] logits, the LM head and the log-softmax run in row chunks that are
 # recomputed in the backward (_ChunkedLogProbs), so no [rows, vocab] tensor is kept for autograd. Below it
-# the single pass is faster (no recompute). Profiled at N=16, P=2048, R=256 (4,081 rows x 32,000 words):
-# the logits, their softmax and gradients were ~2.5 GB of the update's 4.2 GB. A chunk is CHUNK_BYTES of fp32
-# logits: each one recomputes its rows' head GEMM in the backward and accumulates the head's gradient in place,
-# so small chunks at a large vocabulary cost GEMM efficiency and a pass over the [V, D] gradient apiece
-# (2048 rows at Qwen's 151,936 words, forward + backward of the head alone on 2 cores: 27-row chunks (16 MiB)
-# took 33 s, 220 rows (128 MiB) 16 s, 441 rows 14.5 s, the whole logits 10-12 s; 4 GEMMs against 3 is the
-# floor of recomputing). benchmarks/results/lm_head_chunks.md measures the pass's memory.
+# the single pass is faster (no recompute). A chunk is CHUNK_BYTES of fp32 logits: each one recomputes its rows'
+# head GEMM in the backward and accumulates the head's gradient in place, so small chunks at a large vocabulary
+# cost GEMM efficiency and a pass over the [V, D] gradient apiece (4 GEMMs against 3 is the floor of recomputing).
+# Both sizes were measured: benchmarks/README.md, "Numbers behind constants in the code".
 CHUNK_LOGITS_ABOVE_BYTES = 256 << 20
 CHUNK_BYTES = 128 << 20
 _SCALED_HEAD_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")
@@ -285,7 +291,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """log-softmax(h W^T + b)[label] / T per row, chunk by chunk; the backward recomputes each chunk's logits.
 
     h [K, D] (the hidden state that predicts each label), weight [V, D], bias [V] or None, labels [K]
-    -> logp [K] and entropy [K] (empty unless with_entropy; for logging: not differentiable).
+    -> logp [K] and entropy [K] (empty unless with_entropy; with its gradient, as _GatheredLogSoftmax's).
     """
 
     @staticmethod
@@ -300,22 +306,30 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     p_times_z = torch.softmax(z, dim=-1).mul_(z)       # one more [chunk, V] buffer, not two
                     entropy.append(m - p_times_z.sum(-1))
                 lse.append(m)
-        ctx.save_for_backward(h, weight, bias, labels, torch.cat(lse))
-        ctx.temperature, ctx.chunk = temperature, chunk
         out_entropy = torch.cat(entropy) if with_entropy else h.new_zeros(0)
-        ctx.mark_non_differentiable(out_entropy)
+        ctx.save_for_backward(h, weight, bias, labels, torch.cat(lse), out_entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)   # an entropy only logged has no gradient to add
         return torch.cat(logp), out_entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        h, weight, bias, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        h, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros(labels.shape, dtype=lse.dtype, device=lse.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         for c in range(0, h.shape[0], ctx.chunk):
             hc, g = h[c:c + ctx.chunk], grad_logp[c:c + ctx.chunk, None]
             dz = _scaled_logits(hc, weight, bias, ctx.temperature)      # in place from here: one buffer
-            dz.sub_(lse[c:c + ctx.chunk, None]).exp_().mul_(-g)          # d logp / dz = onehot - softmax
+            if grad_entropy is None:
+                dz.sub_(lse[c:c + ctx.chunk, None]).exp_().mul_(-g)      # d logp / dz = onehot - softmax
+            else:                                                        # + dH/dz = -p (log p + H)
+                log_p = dz.sub_(lse[c:c + ctx.chunk, None])
+                p = log_p.exp()
+                bonus = log_p.add_(entropy[c:c + ctx.chunk, None]).mul_(p).mul_(-grad_entropy[c:c + ctx.chunk, None])
+                dz = p.mul_(-g).add_(bonus)
             dz.scatter_add_(1, labels[c:c + ctx.chunk, None], g)
             if ctx.temperature != 1.0:
                 dz.div_(ctx.temperature)
@@ -375,7 +389,7 @@ def shared_prompt_logprobs(model, batch: TreeBatch, *, impl: str = "auto", tempe
       batch: from `pack_groups` (or any TreeBatch: its labels); moved to the model's device.
       impl: "auto" (flex on CUDA, sdpa elsewhere), "reference", "sdpa" or "flex".
       temperature: logits are divided by it before the softmax (> 0).
-      return_entropy: also return the entropy of each predicting row's distribution (no gradient: for logging).
+      return_entropy: also return the entropy of each predicting row's distribution (with its gradient).
 
     Returns:
       logp [K] (autograd-enabled when grad is on), K = total response tokens (labels), ordered group by

@@ -225,6 +225,13 @@ def engine_workload(d: Draft, w: WorkloadSpec, plan: Plan, engine: str, splittin
                     keep_micro: bool, mode: str) -> WorkloadSpec:
     """The workload as an engine runs it: no DualKV, bf16, the batch rounded for even splits (even_batches); each
     change recorded as a gap on its workload field."""
+    if w.turns > 1:
+        d.gap("workload.turns", f"{w.turns} turns with tool results" + (f", forking into {w.branches}"
+              if w.branches > 1 else "") + f": the export configures {engine}'s single-turn rollout (no agent loop "
+              f"or tools); each of a task's {w.leaves} leaves runs as one response of its {w.completion_tokens.max} "
+              "tokens")
+        w = dataclasses.replace(w, turns=1, tool_tokens=None, tool_latency_s=0.0, branches=1, max_leaves=None,
+                                responses_per_prompt=w.leaves, response_tokens=w.completion_tokens)
     if w.dualkv:
         d.gap("workload.dualkv", f"{engine} computes each response with its own copy of the prompt")
     if w.precision != "bf16":
@@ -264,6 +271,11 @@ def workload_dict(w: WorkloadSpec, original: dict) -> dict:
         out[f] = getattr(w, f)
     out["prompt_tokens"] = {"max": w.prompt_tokens.max, "mean": w.prompt_tokens.mean}
     out["response_tokens"] = {"max": w.response_tokens.max, "mean": w.response_tokens.mean}
+    for f in ("turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves"):   # an export's runs one turn
+        out.pop(f, None)
+    if w.turns > 1:
+        out |= {"turns": w.turns, "tool_tokens": {"max": w.tool_tokens.max, "mean": w.tool_tokens.mean},
+                "tool_latency_s": w.tool_latency_s, "branches": w.branches, "max_leaves": w.max_leaves}
     return out
 
 

@@ -79,7 +79,7 @@ class Estimate:
         """(samples/s, tokens/s); tokens are prompt + response of every sample."""
         if not self.feasible:
             return 0.0, 0.0
-        tokens = workload.samples * (workload.prompt_tokens.mean + workload.response_tokens.mean)
+        tokens = workload.samples * (workload.prompt_tokens.mean + workload.completion_tokens.mean)
         return workload.samples / self.iteration_time_s, tokens / self.iteration_time_s
 
 
@@ -120,8 +120,11 @@ def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     """Tokens and causal attention (query, key) pairs one pass over the batch processes.
 
     With DualKV the prompt runs once per micro-batch of responses (a group larger than the micro-batch is
-    split into sub-groups that each carry the prompt), so rho is capped by the micro-batch."""
-    p, r, n, g = w.prompt_tokens.mean, w.response_tokens.mean, w.responses_per_prompt, w.prompts_per_step
+    split into sub-groups that each carry the prompt), so rho is capped by the micro-batch. Episodes (turns > 1)
+    are trees: every turn shared by the leaves below it is computed once (_episode_tokens_and_pairs)."""
+    if w.turns > 1:
+        return _episode_tokens_and_pairs(w)
+    (p, r), n, g = w.pass_lengths, w.responses_per_prompt, w.prompts_per_step
     if w.dualkv:
         copies = math.ceil(n / min(n, w.micro_batch_responses))
         return g * (copies * p + n * r), g * (copies * p * p / 2 + n * (r * p + r * r / 2))
@@ -129,16 +132,45 @@ def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     return g * n * s, g * n * s * s / 2
 
 
+def _episode_tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
+    """_tokens_and_pairs of multi-turn episodes, at mean lengths. Turn j (of `turns`) runs on c_j rows of each
+    task (w.turn_rows), each a turn of R model tokens and, but for the last, a tool result of U tokens, starting
+    at depth D_j = P + (j-1)(R + U). DualKV (the trie packing of hetrl's update): P + sum_j c_j (R + U_j) tokens
+    per task, each attending to its ancestors only: P^2/2 + sum_j c_j (S_j D_j + S_j^2/2) pairs; the prompt once
+    per micro-batch of leaves (a task cut into parts repeats it; the turns are counted once). Linear: every leaf
+    alone, L (P + C) tokens and L (P + C)^2/2 pairs, C its completion. Lengths as `pass_lengths` pads them (the
+    turns and tool results at their maxima with padding=max)."""
+    (p, completion), g, leaves = w.pass_lengths, w.prompts_per_step, w.leaves
+    if not w.dualkv:
+        s = p + completion
+        return g * leaves * s, g * leaves * s * s / 2
+    r, u = (w.response_tokens.max, w.tool_tokens.max) if w.padding == "max" else \
+        (w.response_tokens.mean, w.tool_tokens.mean)
+    copies = math.ceil(leaves / min(leaves, w.micro_batch_responses))
+    tokens, pairs, depth = copies * p, copies * p * p / 2, p
+    for j, c in enumerate(w.turn_rows):
+        seg = r + (u if j < w.turns - 1 else 0.0)
+        tokens += c * seg
+        pairs += c * (seg * depth + seg * seg / 2)
+        depth += seg
+    return g * tokens, g * pairs
+
+
 def _micro_batch_tokens(w: WorkloadSpec) -> float:
-    """Tokens of one micro-batch of `micro_batch_responses` responses of one prompt, at maximum lengths."""
-    p, r, m = w.prompt_tokens.max, w.response_tokens.max, w.micro_batch_responses
+    """Tokens of one micro-batch of `micro_batch_responses` responses of one prompt, at maximum lengths (an
+    episode's leaves counted whole: an upper bound where they share turns)."""
+    p, r, m = w.prompt_tokens.max, w.completion_tokens.max, w.micro_batch_responses
     return p + m * r if w.dualkv else m * (p + r)
 
 
-def _shards(group: Group, par: Parallelism):
+def _shards(group: Group, par: Parallelism) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """[replica][stage] -> GPU ids of that stage's tensor-parallel group."""
-    g, tp, pp = group.gpus, par.tp, par.pp
-    return [[g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)] for r in range(par.replicas)]
+    return _shards_of(group.gpus, par.tp, par.pp, par.replicas)
+
+
+@functools.lru_cache(maxsize=20_000)   # the search prices many options of one group's degrees
+def _shards_of(g: tuple[int, ...], tp: int, pp: int, replicas: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(g[(r * pp + s) * tp:(r * pp + s) * tp + tp] for s in range(pp)) for r in range(replicas))
 
 
 def pooled(cluster: ClusterSpec, ids) -> dict[int, float]:
@@ -183,27 +215,52 @@ def _hbm(cluster: ClusterSpec, i: int, share: dict[int, float]) -> float:
     return cluster.gpus[i].type.hbm_bytes_per_s * share[i]
 
 
-def _replica_speeds(cluster, shards, mfu) -> list[float]:
+@functools.lru_cache(maxsize=20_000)
+def _slowest_hbm(cluster, gpus: tuple[int, ...]) -> float:
+    """HBM bytes/s of the slowest of `gpus` while all of them run (pooled)."""
+    share = pooled(cluster, gpus)
+    return min(_hbm(cluster, i, share) for i in gpus)
+
+
+@functools.lru_cache(maxsize=20_000)   # pure in (cluster, shards, mfu); the search asks for the same ones often
+def _replica_speeds(cluster, shards, mfu) -> tuple[float, ...]:
     """FLOP/s of each DP replica: its pipeline runs at the pace of its slowest stage."""
     share = pooled(cluster, [i for stages in shards for ids in stages for i in ids])
-    return [len(stages) * min(len(ids) * min(_achieved(cluster, i, share, mfu) for i in ids)
-                              for ids in stages) for stages in shards]
+    return tuple(len(stages) * min(len(ids) * min(_achieved(cluster, i, share, mfu) for i in ids)
+                                   for ids in stages) for stages in shards)
 
 
-def _shares(group: Group, speeds: list[float]) -> list[float]:
+def _shares(group: Group, speeds) -> list[float]:
     """Fraction of the batch each DP replica processes."""
-    if group.data_split == "even":
+    return _split(group.data_split, speeds)
+
+
+def _split(data_split: str, speeds) -> list[float]:
+    if data_split == "even":
         return [1 / len(speeds)] * len(speeds)
     total = sum(speeds)
     return [v / total for v in speeds]
 
 
-def _dp_groups(shards, par: Parallelism) -> list[list[int]]:
+def _dp_groups(shards, par: Parallelism) -> tuple[tuple[int, ...], ...]:
     """GPU ids of each data-parallel group: the replicas' GPUs holding the same stage and tensor slice."""
-    return [[shards[r][s][t] for r in range(par.replicas)] for s in range(par.pp) for t in range(par.tp)]
+    return _dp_groups_of(shards, par.replicas, par.pp, par.tp)
 
 
-def _dp_links(cluster, dp_groups) -> list[tuple[float, float]]:
+@functools.lru_cache(maxsize=20_000)
+def _dp_groups_of(shards, replicas: int, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(shards[r][s][t] for r in range(replicas)) for s in range(pp) for t in range(tp))
+
+
+@functools.lru_cache(maxsize=20_000)
+def _replica_links(cluster, shards) -> tuple[tuple[tuple, tuple], ...]:
+    """Per replica: the slowest link of each stage's TP group, and of each pair of adjacent stages (a PP hop)."""
+    return tuple((tuple(slowest_link(cluster, ids) for ids in stages),
+                  tuple(slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:]))) for stages in shards)
+
+
+@functools.lru_cache(maxsize=20_000)   # pure in (cluster, groups)
+def _dp_links(cluster, dp_groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[float, float], ...]:
     """The link each DP group's ring runs at. Rings that leave their node run side by side (one per stage and
     tensor slice) and share each node's network: a node carrying k such rings gives each 1/k of its bandwidth."""
     nodes = [{cluster.gpus[i].node for i in ids} for ids in dp_groups]
@@ -216,7 +273,7 @@ def _dp_links(cluster, dp_groups) -> list[tuple[float, float]]:
     for ids, ns in zip(dp_groups, nodes):
         lat, bw = slowest_link(cluster, ids)
         links.append((lat, bw / max(crossing[n] for n in ns)) if len(ns) > 1 else (lat, bw))
-    return links
+    return tuple(links)
 
 
 def _overlapped(seconds: float, compute: float, layers: float) -> float:
@@ -306,13 +363,18 @@ def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int)
 
 def _busy(cluster: ClusterSpec, ids) -> dict[str, int]:
     """GPUs of each node among `ids` (they all send across the node's NIC at once in an all-to-all phase)."""
+    return dict(_busy_of(cluster, tuple(ids)))
+
+
+@functools.lru_cache(maxsize=20_000)
+def _busy_of(cluster: ClusterSpec, ids: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
     out: dict[str, int] = {}
     for i in ids:
         out[cluster.gpus[i].node] = out.get(cluster.gpus[i].node, 0) + 1
-    return out
+    return tuple(out.items())
 
 
-def _finish_new_layout(cluster, w, model, group, par, terms, compute, micro_batches, steps, passes, dp_links, train,
+def _finish_new_layout(cluster, w, model, gpus, par, terms, compute, micro_batches, steps, passes, dp_links, train,
                        vb, layers_per_stage) -> TaskCost:
     """DP communication, optimizer and offload of a task that uses ep, sp, vpp or an engine: the same physics as
     the default path, with parameters split by param_split (experts over EP, states over dp x sp)."""
@@ -341,8 +403,7 @@ def _finish_new_layout(cluster, w, model, group, par, terms, compute, micro_batc
     if par.offload == "params":
         offload += _overlapped(passes * vb * shard_dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
     if train:
-        share = pooled(cluster, group.gpus)
-        slowest_hbm = min(_hbm(cluster, i, share) for i in group.gpus)
+        slowest_hbm = _slowest_hbm(cluster, gpus)
         if par.offload == "none":
             written = shard_dp if par.zero == 3 else shard
             terms["optimizer"] = steps * (16 * shard_dp + 4 * written) / (slowest_hbm * HBM_EFF)
@@ -361,6 +422,40 @@ def _ep_groups(shards, par: Parallelism, stage: int) -> list[list[int]]:
     return [ids[k:k + par.ep] for k in range(0, len(ids), par.ep)]
 
 
+def _ep_alltoall_coeffs(cluster, gpus: tuple[int, ...], shards, par: Parallelism) -> tuple[tuple[float, float], ...]:
+    """alltoall_s's (seconds per byte, latency per call) of every node of every EP group of every stage, with the
+    group's GPUs all sending at once: the max over them of per_byte x bytes + latency x calls is the slowest EP
+    group's all-to-all (alltoall_s of each group, maxed), without rebuilding the groups for every call."""
+    return _ep_coeffs(cluster, gpus, shards, par.ep, par.pp, par.replicas)
+
+
+@functools.lru_cache(maxsize=20_000)
+def _ep_coeffs(cluster, gpus, shards, ep, pp, replicas) -> tuple[tuple[float, float], ...]:
+    busy = tuple(sorted(_busy_of(cluster, gpus)))
+    out = []
+    for s in range(pp):
+        ids = [i for r in range(replicas) for i in shards[r][s]]
+        for k in range(0, len(ids), ep):
+            g = tuple(ids[k:k + ep])
+            out += _alltoall_coeffs(cluster, g, busy) if len(g) > 1 else [(0.0, 0.0)]
+    # a pair no larger in both than another can never be the max of per_byte x bytes + latency x calls
+    return tuple(c for c in set(out) if not any(o != c and o[0] >= c[0] and o[1] >= c[1] for o in out))
+
+
+@functools.lru_cache(maxsize=20_000)
+def _sp_coeffs(cluster, shards, dp: int, pp: int, sp: int) -> tuple[tuple[tuple[tuple[float, float], ...], ...], ...]:
+    """[dp rank][stage] -> alltoall_s's coefficients of the sp GPUs (first tensor rank) of that sequence-parallel
+    group; ((0, 0),) for a group of one GPU, whose all-to-all costs nothing."""
+    out = []
+    for d in range(dp):
+        stages = []
+        for s in range(pp):
+            ids = tuple(i for j in range(sp) for i in shards[d * sp + j][s][:1])
+            stages.append(_alltoall_coeffs(cluster, ids, ()) if len(ids) > 1 else ((0.0, 0.0),))
+        out.append(tuple(stages))
+    return tuple(out)
+
+
 def micro_batches_per_replica(w: WorkloadSpec, par: Parallelism, tokens: float, samples: float) -> int:
     """Micro-batches each data-parallel replica (a group of sp GPUs) runs over `samples` (of `tokens` in all):
     by responses (micro_batch_responses), or packed to max_tokens_per_micro_batch per GPU (sp of them share one)."""
@@ -375,25 +470,40 @@ def _moe_expert_time_factor(cluster, w: WorkloadSpec, model: ModelSpec, par: Par
     the tokens each expert receives per micro-batch (catalog.gemm_efficiency, gate/up and down GEMMs weighted
     by their FLOPs), times the load imbalance the busiest EP rank sees (MOE_LOAD_IMBALANCE, ep > 1 only).
     1 exactly when neither applies."""
-    per_expert = mb_tokens * model.experts_per_token * par.ep / model.experts
+    return _expert_factor(cluster, model, par.ep, par.tp, tuple(ids), mb_tokens, mfu)
+
+
+@functools.lru_cache(maxsize=100_000)   # pure; the search prices many options with the same expert GEMMs
+def _expert_factor(cluster, model: ModelSpec, ep: int, tp: int, ids: tuple[int, ...], mb_tokens: float,
+                   mfu: float) -> float:
+    per_expert = mb_tokens * model.experts_per_token * ep / model.experts
     share = pooled(cluster, ids)
     i = min(ids, key=lambda g: _achieved(cluster, g, share, mfu))
     flops, hbm = _achieved(cluster, i, share, mfu), _hbm(cluster, i, share) * HBM_EFF
-    split = 1 if par.ep > 1 else par.tp        # with ep = 1 experts are TP-sharded: narrower GEMMs
+    split = 1 if ep > 1 else tp        # with ep = 1 experts are TP-sharded: narrower GEMMs
     up = gemm_efficiency(per_expert, model.hidden, 2 * model.moe_intermediate / split, flops, hbm)
     down = gemm_efficiency(per_expert, model.moe_intermediate / split, model.hidden, flops, hbm)
     eff = 1.0 / ((2 / 3) / up + (1 / 3) / down)
-    imbalance = MOE_LOAD_IMBALANCE if par.ep > 1 else 1.0
+    imbalance = MOE_LOAD_IMBALANCE if ep > 1 else 1.0
     return imbalance / eff
 
 
 def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: str, train: bool) -> TaskCost:
-    par = group.par(task)
-    shards = _shards(group, par)
-    tokens, pairs = _tokens_and_pairs(w)
     passes_over = w.old_logprob_share if task == "actor_infer" else 1.0   # of the samples this pass runs on
     if passes_over == 0:
         return TaskCost(0.0, {"compute": 0.0})
+    cost = _pass_cost(cluster, w, model, group.gpus, group.data_split, group.par(task), train, passes_over)
+    return TaskCost(cost.seconds, dict(cost.terms))   # a copy: the cached terms stay as computed
+
+
+@functools.lru_cache(maxsize=200_000)
+def _pass_cost(cluster, w: WorkloadSpec, model: ModelSpec, gpus: tuple[int, ...], data_split: str, par: Parallelism,
+               train: bool, passes_over: float) -> TaskCost:
+    """A training or log-prob pass of `model` with `par` on `gpus`: it depends on nothing else of its group or task,
+    so the search's many pricings of one option (a task alone while sorting options, then in its group; the
+    reference and reward passes of the actor's model) are computed once."""
+    shards = _shards_of(gpus, par.tp, par.pp, par.replicas)
+    tokens, pairs = _tokens_and_pairs(w)
     tokens, pairs = tokens * passes_over, pairs * passes_over
     vb = precision_bytes(w)[0]   # bytes of a weight, gradient or activation value
     attn = 4 * model.layers * model.heads * model.head_dim * pairs
@@ -404,16 +514,16 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
         flops = 2 * model.active_params * tokens + attn
     mfu = MFU_TRAIN if train else MFU_INFER
     speeds = _replica_speeds(cluster, shards, mfu)
-    shares = _shares(group, speeds)
+    shares = _split(data_split, speeds)
     micro_batches = micro_batches_per_replica(w, par, tokens, w.samples * passes_over)
     mb_tokens = tokens / (par.dp * micro_batches)     # tokens of one micro-batch of one replica (its sp GPUs)
     expert_factor = 1.0
     if model.experts:   # the routed experts' share of the FLOPs at the grouped GEMM's efficiency
-        expert_factor = _moe_expert_time_factor(cluster, w, model, par, group.gpus, mb_tokens / (par.sp * par.tp)
+        expert_factor = _moe_expert_time_factor(cluster, w, model, par, gpus, mb_tokens / (par.sp * par.tp)
                                                 if par.ep > 1 else mb_tokens / par.sp, mfu)
     attn_eff = None
-    if par.engine is not None and all(cluster.gpus[i].type.mfu is None for i in group.gpus):
-        attn_eff = attention_efficiency(w.prompt_tokens.mean + w.response_tokens.mean)
+    if par.engine is not None and all(cluster.gpus[i].type.mfu is None for i in gpus):
+        attn_eff = attention_efficiency(sum(w.pass_lengths))
     if expert_factor == 1.0 and attn_eff is None:
         compute = max(flops * f / v for f, v in zip(shares, speeds))     # the slowest replica sets the pace
     else:   # GEMMs at the pass's MFU, attention at its kernel's efficiency by length, experts at their factor
@@ -430,17 +540,16 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
         bubble /= par.vpp
     layers_per_stage = model.layers / par.pp
     tp_comm = pp_comm = 0.0
-    for f, stages in zip(shares, shards):
+    # replicas with the same share and links cost the same: each distinct one once (the max is unchanged)
+    for f, (stage_links, hop_links) in set(zip(shares, _replica_links(cluster, shards))):
         share = tokens * f
         act_bytes = share * model.hidden * vb
         per_layer = 4 if train else 2
         if par.tp > 1:
             tp_comm = max(tp_comm, max(allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
-                                                   slowest_link(cluster, ids), int(per_layer * layers_per_stage
-                                                                                   * micro_batches))
-                                       for ids in stages))
-        for a, b in zip(stages, stages[1:]):
-            lat, bw = slowest_link(cluster, a + b)
+                                                   link, int(per_layer * layers_per_stage * micro_batches))
+                                       for link in stage_links))
+        for lat, bw in hop_links:
             hop = (2 if train else 1) * (act_bytes / bw + micro_batches * lat)
             pp_comm = max(pp_comm, hop * par.vpp if par.vpp > 1 else hop)   # interleaving crosses vpp x the hops
     terms = {"compute": compute, "pipeline_bubble": bubble, "tp_comm": tp_comm, "pp_comm": pp_comm}
@@ -449,26 +558,24 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
         # the busiest replica's tokens (TP ranks split them before dispatch) over the slowest EP group: an
         # all-to-all's seconds only grow with its bytes, so this is the max over every replica and group
         nbytes = tokens * max(shares) / par.tp * model.experts_per_token * model.hidden * vb
-        busy = _busy(cluster, group.gpus)
         terms["ep_comm"] = 2 * directions * model.moe_layers / par.pp * max(
-            alltoall_s(cluster, ids, nbytes, busy, micro_batches)
-            for s in range(par.pp) for ids in _ep_groups(shards, par, s))
+            per_byte * nbytes + lat * micro_batches for per_byte, lat in _ep_alltoall_coeffs(cluster, gpus,
+                                                                                              shards, par))
     if par.sp > 1:   # Ulysses: q, k, v to head shards and the output back, per layer and direction
         sp_comm = 0.0
         qkvo = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / par.tp
-        for d in range(par.dp):
+        for d, stages in enumerate(_sp_coeffs(cluster, shards, par.dp, par.pp, par.sp)):
             f = sum(shares[d * par.sp:(d + 1) * par.sp])
-            for s in range(par.pp):
-                ids = [i for j in range(par.sp) for i in shards[d * par.sp + j][s][:1]]
-                nbytes = tokens * f / par.sp * qkvo * vb    # one GPU's tokens (of this replica's share)
-                sp_comm = max(sp_comm, directions * model.layers / par.pp
-                              * alltoall_s(cluster, ids, nbytes, messages=micro_batches))
+            nbytes = tokens * f / par.sp * qkvo * vb    # one GPU's tokens (of this replica's share)
+            for coeffs in stages:   # alltoall_s over the stage's sp GPUs (0 for one GPU), by its coefficients
+                sp_comm = max(sp_comm, directions * model.layers / par.pp * max(
+                    per_byte * nbytes + lat * micro_batches for per_byte, lat in coeffs))
         terms["sp_comm"] = sp_comm
     shard_params = model.params / (par.tp * par.pp)
     passes = (3 if par.recompute else 2) if train else 1   # times the weights are read: fwd, recompute, bwd
     dp_links = _dp_links(cluster, _dp_groups(shards, par)) if par.replicas > 1 else []
     if not par.default_layout:
-        return _finish_new_layout(cluster, w, model, group, par, terms, compute, micro_batches, steps, passes,
+        return _finish_new_layout(cluster, w, model, gpus, par, terms, compute, micro_batches, steps, passes,
                                   dp_links, train, vb, layers_per_stage)
     if par.zero == 3 and par.dp > 1:
         # FSDP frees a layer's gathered weights after use, so every micro-batch all-gathers each layer's shards for
@@ -488,8 +595,7 @@ def _dense_pass(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, task: 
     if par.offload == "params":   # each pass streams this rank's weight shard in from host memory
         offload += _overlapped(passes * vb * shard_params / par.dp / PCIE_BYTES_PER_S, compute, layers_per_stage)
     if train:
-        share = pooled(cluster, group.gpus)
-        slowest_hbm = min(_hbm(cluster, i, share) for i in group.gpus)
+        slowest_hbm = _slowest_hbm(cluster, gpus)
         if par.offload == "none":
             weights_written = shard_params / par.dp if par.zero == 3 else shard_params
             terms["optimizer"] = steps * (16 * shard_params / par.dp + 4 * weights_written) / (slowest_hbm * HBM_EFF)
@@ -512,7 +618,7 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
     # same sharing that lets the prompt be prefilled once), so a sequence occupies P/N + R tokens of cache, its
     # layers spread over the PP stages.
     kv_stage = kv_token / par.pp    # a token's K and V on one pipeline stage's TP shard
-    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.response_tokens.max) * kv_stage
+    kv_seq = (w.prompt_tokens.max / w.responses_per_prompt + w.completion_tokens.max) * kv_stage
     pool = pooled(cluster, group.gpus)
     caps = [min(min(_hbm(cluster, i, pool) for i in ids) for ids in stages) * par.tp for stages in shards]
     worst, worst_terms = -1.0, {}
@@ -521,45 +627,61 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         busy = _busy(cluster, group.gpus)
     for share, stages in zip(_shares(group, caps), shards):
         ids = [i for s in stages for i in s]
-        batch = w.samples * share
+        batch = w.generated_samples * share
         free = min(free_bytes[i] for i in ids)
         if free < kv_seq:
             return TaskCost(math.inf, {"infeasible": math.inf})
         hbm = min(_hbm(cluster, i, pool) for i in ids) * HBM_EFF
         prefill_flops = min(_achieved(cluster, i, pool, MFU_INFER) for i in ids)
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
-        n = w.responses_per_prompt
-        prefill = 2 * model.active_params * (batch / n) * p / (par.tp * prefill_flops)
-        # Continuous batching over paged KV (vLLM, SGLang): a sequence holds P/N + the tokens it has made so
-        # far, and a finished one's blocks go to a waiting one at once. The decode lasts R_max steps (the
-        # longest response) or, when the KV memory binds, as many steps as the cache needs to hold every
-        # sequence's tokens for its lifetime: batch x R x (P/N + R/2) token-steps over the free tokens.
-        steps = max(r_max, batch * r * (p / n + r / 2) / (free / kv_stage))
-        rows = batch * r / steps   # sequences a decode step runs, on average
-        decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
-        if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
-            weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
-                * vb / par.tp / hbm
-        else:
-            weights_read = steps * model.params * vb / par.tp / hbm
-        kv_read = batch * r * (p + r / 2) * kv_token / hbm
-        decode_compute = 2 * model.active_params * batch * r / (par.tp * decode_flops)
-        tp_comm = 0.0
-        if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
-            tp_comm = max(_decode_allreduce_s(cluster, s, 2 * model.layers * batch * r * model.hidden * vb,
-                                              2 * model.layers * steps) for s in stages)
-        pp_comm = sum(steps * lat + batch * r * model.hidden * vb / bw
-                      for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
-        terms = {"compute": prefill, "tp_comm": tp_comm, "pp_comm": pp_comm}
-        if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
-            nbytes = batch * r / par.tp * model.experts_per_token * model.hidden * vb
-            mine = set(ids)
-            terms["ep_comm"] = max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy, round(steps))
-                                   for g in ep_groups if mine.intersection(g))
-        if weights_read + kv_read >= decode_compute:
-            terms["hbm"] = weights_read + kv_read
-        else:
-            terms["compute"] += decode_compute
+        u = w.tool_tokens.mean if w.tool_tokens is not None else 0.0
+        prefill = 2 * model.active_params * (batch / w.leaves) * p / (par.tp * prefill_flops)
+        terms = {"compute": prefill, "tp_comm": 0.0, "pp_comm": 0.0}
+        if par.ep > 1:
+            terms["ep_comm"] = 0.0
+        hbm_s, memory_bound = 0.0, False
+        # One decode per turn (a single-turn workload: one), on the task's episodes alive in it (turn_rows: forks
+        # add rows); the turns before it are context, each row's own (a fork copies its rows).
+        for j, c in enumerate(w.turn_rows):
+            rows_j = batch * (c / w.leaves)   # sequences decoding this turn
+            context = j * (r + u)              # tokens of the earlier turns and tool results, per sequence
+            if j:   # the tool results, fed as one chunk per episode before it forks
+                fed = batch * (w.turn_rows[j - 1] / w.leaves) * u
+                terms["compute"] += 2 * model.active_params * fed / (par.tp * prefill_flops)
+            # Continuous batching over paged KV (vLLM, SGLang): a sequence holds P/c + its context + the tokens it
+            # has made so far, and a finished one's blocks go to a waiting one at once. The decode lasts R_max
+            # steps (the longest turn) or, when the KV memory binds, as many steps as the cache needs to hold every
+            # sequence's tokens for its lifetime: rows x R x (P/c + context + R/2) token-steps over the free tokens.
+            steps = max(r_max, rows_j * r * (p / c + context + r / 2) / (free / kv_stage))
+            rows = rows_j * r / steps   # sequences a decode step runs, on average
+            decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
+            if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
+                weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
+                    * vb / par.tp / hbm
+            else:
+                weights_read = steps * model.params * vb / par.tp / hbm
+            kv_read = rows_j * r * (p + context + r / 2) * kv_token / hbm
+            decode_compute = 2 * model.active_params * rows_j * r / (par.tp * decode_flops)
+            if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step
+                terms["tp_comm"] += max(_decode_allreduce_s(cluster, s, 2 * model.layers * rows_j * r * model.hidden
+                                                            * vb, 2 * model.layers * steps) for s in stages)
+            terms["pp_comm"] += sum(steps * lat + rows_j * r * model.hidden * vb / bw
+                                    for lat, bw in (slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:])))
+            if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
+                nbytes = rows_j * r / par.tp * model.experts_per_token * model.hidden * vb
+                mine = set(ids)
+                terms["ep_comm"] += max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy,
+                                                                                   round(steps))
+                                        for g in ep_groups if mine.intersection(g))
+            if weights_read + kv_read >= decode_compute:
+                hbm_s += weights_read + kv_read
+                memory_bound = True
+            else:
+                terms["compute"] += decode_compute
+        if memory_bound:
+            terms["hbm"] = hbm_s
+        if w.turns > 1:   # every turn boundary waits for its round's calls (they run at once), the GPUs idle
+            terms["tool_wait"] = (w.turns - 1) * w.tool_latency_s
         total = sum(terms.values())
         if total > worst:
             worst, worst_terms = total, terms
@@ -642,7 +764,7 @@ def in_flight_micro_batches(par: Parallelism, micro_batches: int) -> float:
 def sequence_tokens(w: WorkloadSpec) -> int:
     """Tokens of the longest single sequence a training or log-prob micro-batch must hold at once: a prompt with
     its response (DualKV: the prompt with the micro-batch's responses, which share it)."""
-    p, r = w.prompt_tokens.max, w.response_tokens.max
+    p, r = w.prompt_tokens.max, w.completion_tokens.max
     return p + w.micro_batch_responses * r if w.dualkv else p + r
 
 
@@ -808,8 +930,9 @@ def group_transfer_s(cluster, a: Group, b: Group, nbytes: float) -> float:
 
 
 def sample_bytes(w: WorkloadSpec) -> float:
-    """Bytes of one iteration's samples moved from the generation group to another group."""
-    return w.samples * (w.prompt_tokens.max + w.response_tokens.max) * SAMPLE_BYTES_PER_TOKEN
+    """Bytes of one iteration's samples moved from the generation group to another group (every generated sample:
+    dynamic sampling filters them after they leave the rollout to be rewarded)."""
+    return w.generated_samples * (w.prompt_tokens.max + w.completion_tokens.max) * SAMPLE_BYTES_PER_TOKEN
 
 
 def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float:

@@ -42,7 +42,7 @@ class SearchResult:
 
 class Deadline:
     """The time limit of one search. Checked between group configurations, so a search ends at most one
-    `configure` call (about 2 s at 4096 GPUs on a 2-core machine) after the limit."""
+    `configure` call after the limit (measured: benchmarks/README.md, "Numbers behind constants in the code")."""
 
     def __init__(self, time_limit_s: float | None):
         if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0
@@ -67,7 +67,7 @@ def _score(cluster, w, grouping, counts, deadline: Deadline | None = None) -> tu
         return math.inf, None
     configs = []
     for tasks, c in zip(grouping, counts):
-        if deadline is not None and deadline.passed():   # between group configurations (~1 s at 2048 GPUs)
+        if deadline is not None and deadline.passed():   # between group configurations
             raise _OutOfTime
         cfg = configure(cluster, w, tasks, c)
         if cfg is None:
@@ -252,12 +252,12 @@ def _neighbours(cluster, counts):
             for dst in range(k + 1):
                 if dst == src:
                     continue
-                c = [list(x) for x in counts]
+                c = list(counts)     # only the two rows that change are rebuilt
                 if src < k:
-                    c[src][j] -= 1
+                    c[src] = (*counts[src][:j], counts[src][j] - 1, *counts[src][j + 1:])
                 if dst < k:
-                    c[dst][j] += 1
-                yield tuple(map(tuple, c))
+                    c[dst] = (*counts[dst][:j], counts[dst][j] + 1, *counts[dst][j + 1:])
+                yield tuple(c)
 
 
 def _crossover(rng, cluster, a, b):

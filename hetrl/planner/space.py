@@ -122,9 +122,13 @@ def parallelisms(w: WorkloadSpec, task: str, n: int, long_sequences: bool = Fals
     """TP/PP/DP options of a task on n GPUs, and for an MoE every admissible ep (expert_degrees). With
     `long_sequences` (the memory ladder: nothing fit without it) also Ulysses sp in SP_DEGREES for training and
     log-prob tasks, where sp x tp divides the heads."""
-    model = w.model(ROLE_OF[task])
+    return list(_parallelisms(w.model(ROLE_OF[task]), task == "actor_gen", n, long_sequences))
+
+
+@functools.lru_cache(maxsize=10_000)   # the search asks for the same model, task kind and size many times
+def _parallelisms(model, gen: bool, n: int, long_sequences: bool) -> tuple[Parallelism, ...]:
     out = []
-    sps = (1, *SP_DEGREES) if long_sequences and task != "actor_gen" else (1,)
+    sps = (1, *SP_DEGREES) if long_sequences and not gen else (1,)
     for sp in sps:
         for tp in (1, 2, 4, 8):
             if tp > MAX_TP or n % (tp * sp) or model.heads % (tp * sp):
@@ -135,7 +139,7 @@ def parallelisms(w: WorkloadSpec, task: str, n: int, long_sequences: bool = Fals
                 dp = n // (tp * sp * pp)
                 out.append(Parallelism(tp, pp, dp, sp=sp))
                 out += [Parallelism(tp, pp, dp, sp=sp, ep=e) for e in expert_degrees(model, tp, dp, sp)]
-    return out
+    return tuple(out)
 
 
 def _task_seconds(cluster, w, group: Group, task: str) -> float:
@@ -170,23 +174,24 @@ TRAIN_STRATEGIES = ({}, {"zero": 2}, {"zero": 3}, {"zero": 3, "offload": "optimi
 INFER_STRATEGIES = ({}, {"zero": 3}, {"zero": 3, "offload": "params"})
 
 
-def _variants(task: str, p: Parallelism, strategies: bool) -> list[Parallelism]:
+@functools.lru_cache(maxsize=100_000)   # pure; options repeat across the groups the search configures
+def _variants(task: str, p: Parallelism, strategies: bool) -> tuple[Parallelism, ...]:
     """Options of one task for one set of degrees. Always, for training, those that can be faster: no
     recompute (a quarter less compute where memory allows) and, on pure data parallelism, ZeRO-3 (FSDP as
     verl and NeMo-RL run it: gathers that hide behind compute instead of TP and pipeline costs). With
     `strategies` (memory forces it), every rung of the ladder."""
     if task == "actor_gen":
-        return [p]
+        return (p,)
     if not strategies:
         if task not in TRAIN_TASKS:
-            return [p]
+            return (p,)
         out = [p, dataclasses.replace(p, recompute=False)]
         if p.tp == p.pp == 1 and p.dp > 1 and p.sp == 1:
             out += [dataclasses.replace(p, zero=3), dataclasses.replace(p, zero=3, recompute=False)]
-        return out
+        return tuple(out)
     ladder = TRAIN_STRATEGIES if task in TRAIN_TASKS else INFER_STRATEGIES
     # ZeRO-2/3 shard over the DP group: with one replica only offloading changes anything
-    return [dataclasses.replace(p, **s) for s in ladder if p.replicas > 1 or not s or "offload" in s]
+    return tuple(dataclasses.replace(p, **s) for s in ladder if p.replicas > 1 or not s or "offload" in s)
 
 
 @functools.lru_cache(maxsize=500_000)

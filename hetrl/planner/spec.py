@@ -7,6 +7,7 @@ is an error that lists the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: q_lora_rank and rope_head_dim describe multi-head latent attention; "
                              "set kv_lora_rank > 0 too or leave them out")
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def moe_layers(self) -> int:
         """Layers whose MLP is the routed experts: after the first `first_k_dense`, every `moe_every`-th."""
         if not self.experts:
@@ -118,7 +119,7 @@ class ModelSpec:
                     + 3 * self.hidden * self.shared_intermediate)
         return self.mlp_params_per_layer
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def expert_params(self) -> int:
         """Routed experts' weights of every MoE layer."""
         return self.moe_layers * self.expert_params_per_layer
@@ -127,7 +128,7 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def params(self) -> int:
         """All parameters (what memory holds)."""
         if not self.dense_layers or not self.experts:   # one kind of layer (the only form before MoE patterns)
@@ -135,7 +136,7 @@ class ModelSpec:
         return (self.layers * self.attn_params_per_layer + self.moe_layers * self.mlp_params_per_layer
                 + self.dense_layers * self.dense_mlp_params + self.embedding_params)
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def active_params(self) -> int:
         """Parameters each token touches (what FLOPs scale with)."""
         if not self.dense_layers or not self.experts:
@@ -143,7 +144,7 @@ class ModelSpec:
         return (self.layers * self.attn_params_per_layer + self.moe_layers * self.active_mlp_params_per_layer
                 + self.dense_layers * self.dense_mlp_params + self.embedding_params)
 
-    @property
+    @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def expert_active_params(self) -> int:
         """Routed-expert weights each token touches over all layers (the grouped-GEMM part of its FLOPs)."""
         return self.moe_layers * self.experts_per_token * 3 * self.hidden * self.moe_intermediate
@@ -391,11 +392,31 @@ class WorkloadSpec:
     # use_dynamic_bsz with ppo_max_token_len_per_gpu, remove-padding; NeMo-RL's sequence packing): a micro-batch
     # holds at most this many tokens on one GPU (x sp over a sequence-parallel group); absent: micro_batch_responses
     max_tokens_per_micro_batch: int | None = rule(None, ge=1)
+    # dynamic sampling (DAPO): the rollout generates this many times the prompts that are trained, and groups whose
+    # rewards do not vary are dropped before the log-prob passes and the update (NeMo-RL grpo.batch_multiplier with
+    # use_dynamic_sampling; verl's DAPO recipe data.gen_batch_size / data.train_batch_size). A lower bound where the
+    # engine draws further batches until enough groups are kept.
+    rollout_batch_multiplier: float = rule(1.0, ge=1)
+    # what the training and log-prob passes compute over: 'none', the real tokens (packed micro-batches, verl's
+    # remove-padding, NeMo-RL's sequence packing); 'prompt', every prompt padded to the longest a prompt may be
+    # (DeepSpeed-Chat's DataCollatorRLHF), responses at their mean; 'max', prompts and responses padded to their
+    # maxima (an engine that pads each micro-batch to its longest sequence, where that reaches the caps)
+    padding: str = rule("none", choices=("none", "prompt", "max"))
+    # multi-turn tool-use episodes (hetrl train tools=..., docs/agents.md): `turns` model turns of response_tokens
+    # each, a tool result of tool_tokens between two turns; a round's calls run at once, so every turn boundary
+    # waits tool_latency_s. After each tool result an episode forks into `branches` continuations while its task
+    # has at most max_leaves leaves (default responses_per_prompt x branches), as hetrl train's branches= does
+    turns: int = rule(1, ge=1)
+    tool_tokens: TokenLengths | None = None
+    tool_latency_s: float = rule(0.0, ge=0)
+    branches: int = rule(1, ge=1)
+    max_leaves: int | None = rule(None, ge=1)
 
     def __post_init__(self):
         check(self)
-        if self.micro_batch_responses is None:
-            object.__setattr__(self, "micro_batch_responses", self.responses_per_prompt)
+        self._check_turns()
+        if self.micro_batch_responses is None:   # a whole group: a task's leaves
+            object.__setattr__(self, "micro_batch_responses", self.leaves)
         if self.prompts_per_step % self.optimizer_steps:
             raise ValueError(f"optimizer_steps must divide prompts_per_step ({self.prompts_per_step}) so every "
                              f"mini-batch holds whole prompt groups, got {self.optimizer_steps}")
@@ -409,9 +430,68 @@ class WorkloadSpec:
             object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
         return self.__dict__["_hash"]
 
+    def _check_turns(self) -> None:
+        if self.turns == 1:
+            given = [k for k, default in (("tool_tokens", None), ("tool_latency_s", 0.0), ("branches", 1),
+                                          ("max_leaves", None)) if getattr(self, k) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} describe what happens between turns, and turns is 1; set "
+                                 "turns (model turns per episode, >= 2) or leave them out")
+            return
+        if self.tool_tokens is None:
+            raise ValueError(f"turns={self.turns} puts a tool result between two turns; give its length as "
+                             "tool_tokens: {max: N, mean: M}")
+        if self.branches == 1 and self.max_leaves is not None:
+            raise ValueError(f"max_leaves={self.max_leaves} bounds the leaves of forks, and branches is 1 (no forks); "
+                             "set branches >= 2 or leave it out")
+        if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
+            raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
+                             f"({self.responses_per_prompt}) rollouts among them; use at least "
+                             f"{self.responses_per_prompt}")
+
+    @property
+    def turn_rows(self) -> tuple[int, ...]:
+        """Episodes of one task alive in each turn: responses_per_prompt in the first; after each tool result every
+        episode forks into `branches` while the task's leaves stay within max_leaves (in order, as hetrl train's
+        rollout does when every episode calls a tool every turn)."""
+        k, rows = self.branches, [self.responses_per_prompt]
+        cap = self.max_leaves or self.responses_per_prompt * k
+        for _ in range(self.turns - 1):
+            c = rows[-1]
+            rows.append(c + (k - 1) * min(c, (cap - c) // (k - 1)) if k > 1 else c)
+        return tuple(rows)
+
+    @property
+    def leaves(self) -> int:
+        """Samples per task: its episodes' leaves (responses_per_prompt without forks)."""
+        return self.turn_rows[-1]
+
     @property
     def samples(self) -> int:
-        return self.prompts_per_step * self.responses_per_prompt
+        """Samples trained per step: the kept groups under dynamic sampling, each of a task's leaves for episodes."""
+        return self.prompts_per_step * self.leaves
+
+    @property
+    def completion_tokens(self) -> TokenLengths:
+        """One sample's tokens after its prompt: response_tokens, or for episodes every turn and tool result along
+        one leaf."""
+        if self.turns == 1:
+            return self.response_tokens
+        t, r, u = self.turns, self.response_tokens, self.tool_tokens
+        return TokenLengths(t * r.max + (t - 1) * u.max, t * r.mean + (t - 1) * u.mean)
+
+    @property
+    def generated_samples(self) -> float:
+        """Samples the rollout generates per step: `samples` x rollout_batch_multiplier."""
+        return self.samples * self.rollout_batch_multiplier
+
+    @property
+    def pass_lengths(self) -> tuple[float, float]:
+        """(prompt, completion) tokens per sample that the training and log-prob passes compute over: the means, or
+        the maxima where the engine pads to them (`padding`)."""
+        p = self.prompt_tokens.max if self.padding != "none" else self.prompt_tokens.mean
+        r = self.completion_tokens.max if self.padding == "max" else self.completion_tokens.mean
+        return p, r
 
     def model(self, role: str) -> ModelSpec | None:
         return getattr(self, role)
@@ -435,7 +515,8 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
-                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch")
+                 "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch", "rollout_batch_multiplier",
+                 "padding", "turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
@@ -448,12 +529,14 @@ def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
                          located=True)
     specs = {role: model_spec(models.get(role), f"{where}: models.{role}") for role in ROLES}
     lengths = {}
-    for key in ("prompt_tokens", "response_tokens"):
+    for key in ("prompt_tokens", "response_tokens", "tool_tokens"):
         v = data.get(key)
+        if key == "tool_tokens" and v is None:
+            continue
         if not isinstance(v, dict):
             raise InputError(f"{where}: {key} must be {{max: N, mean: M}}, got {show(v)}", located=True)
         lengths[key] = from_mapping(TokenLengths, {"mean": v.get("max"), **v} if "max" in v else v, f"{where}: {key}")
-    rest = {k: v for k, v in data.items() if k not in ("models", "prompt_tokens", "response_tokens")}
+    rest = {k: v for k, v in data.items() if k not in ("models", "prompt_tokens", "response_tokens", "tool_tokens")}
     with located(where):
         return WorkloadSpec(**{"algorithm": "grpo", "mode": "sync", "prompts_per_step": 128,
                                "responses_per_prompt": 8, **rest}, **specs, **lengths)

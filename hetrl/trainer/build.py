@@ -10,16 +10,19 @@ copy. LoRA goes through peft (`get_peft_model`, `disable_adapter`, `merge_and_un
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import difflib
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from hetrl.schema import InputError
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import Critic, Learner, Scorer, mixed
+from hetrl.trainer.learner import Critic, Learner, Scorer
+from hetrl.trainer.precision import RunPrecision
 from hetrl.trainer.rollout import RolloutWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -144,22 +147,39 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
-def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, grad_sync=None, sharded: bool = False) -> Learner:
+def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, precision: RunPrecision, grad_sync=None,
+            sharded: bool = False) -> Learner:
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
-                   micro_batch_tokens=cfg.micro_batch_tokens, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded,
-                   precision=cfg.precision)
+                   micro_batch_tokens=cfg.micro_batch_tokens, kl_coef=0.0 if cfg.use_kl_in_reward else cfg.kl_coef,
+                   max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, sharded=sharded, precision=precision,
+                   trie=cfg.multi_turn, loss_mode=cfg.loss_mode, loss_options={**cfg.clip_options, **cfg.loss_options},
+                   kl_loss_type=cfg.kl_loss_type, lr_at=lr_schedule(cfg), entropy_coeff=cfg.entropy_coeff)
 
 
-def fast_fp32_matmuls(cfg: RunConfig) -> None:
-    """On CUDA, unless precision=fp32: TF32 for the matmuls that stay fp32 (outside autocast)."""
-    if cfg.precision != "fp32":
+def lr_schedule(cfg: RunConfig) -> Callable[[int], float] | None:
+    """Optimizer step (0, 1, ...) -> learning rate, by transformers' scheduler `lr_scheduler_type` with its
+    warmup over the run's steps x mini_batches optimizer steps; None for a constant rate without warmup."""
+    total = cfg.steps * cfg.mini_batches
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+    if cfg.lr_scheduler_type == "constant" and not warmup:
+        return None
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)   # the schedule's factor, read off
+    factor = get_scheduler(name, probe, num_warmup_steps=warmup, num_training_steps=total).lr_lambdas[0]
+    return lambda step: cfg.lr * factor(step)
+
+
+def fast_fp32_matmuls(precision: RunPrecision) -> None:
+    """On CUDA, unless the run is fp32: TF32 for the matmuls that stay fp32 (outside autocast)."""
+    if precision.name != "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
 
-def rollout_worker(cfg: RunConfig, model, tokenizer) -> RolloutWorker:
-    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=cfg.precision)
+def rollout_worker(cfg: RunConfig, model, tokenizer, precision: RunPrecision) -> RolloutWorker:
+    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=precision)
 
 
 def bf16_copy(model):
@@ -171,19 +191,19 @@ def bf16_copy(model):
 
 def bf16_weights_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A bf16 copy of a state dict's floating tensors, the rest copied as they are (what a rollout that samples
-    from bf16 weights loads after each update; learner.samples_in_bf16)."""
+    from bf16 weights loads after each update; precision.samples_in_bf16)."""
     with torch.no_grad():
         return {k: v.detach().to(torch.bfloat16, copy=True) if v.is_floating_point() else v.detach().clone()
                 for k, v in state.items()}
 
 
-def scorer(cfg: RunConfig, model, context=contextlib.nullcontext) -> Scorer:
+def scorer(cfg: RunConfig, model, precision: RunPrecision, context=contextlib.nullcontext) -> Scorer:
     """No-grad log-probs of `model` through the DualKV path, inside `context` (the adapter off for the reference)."""
     return Scorer(model, impl=cfg.impl, temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
-                  context=context, precision=cfg.precision)
+                  context=context, precision=precision, trie=cfg.multi_turn)
 
 
-def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
+def reference(cfg: RunConfig, pol: Policy, load_base, precision: RunPrecision) -> Scorer | None:
     """The KL reference: with LoRA, the policy's own base weights with the adapter off (no second copy); else a
     frozen copy of the initial model, from `load_base()`, held in bf16 where the run is bf16-mixed (it is never
     trained, so it needs no fp32 master copy: half the memory, as verl's and the planner's reference). None when
@@ -191,15 +211,15 @@ def reference(cfg: RunConfig, pol: Policy, load_base) -> Scorer | None:
     if cfg.kl_coef == 0:
         return None
     if pol.lora:
-        return scorer(cfg, pol.module, pol.base_off)
-    return scorer(cfg, frozen(cfg, load_base()))
+        return scorer(cfg, pol.module, precision, pol.base_off)
+    return scorer(cfg, frozen(load_base(), precision), precision)
 
 
-def frozen(cfg: RunConfig, model):
-    """`model` as a frozen scorer's copy: eval, no gradients, and bf16 weights where the run is bf16-mixed on its
-    device (it is never trained, so it needs no fp32 master copy)."""
+def frozen(model, precision: RunPrecision):
+    """`model` as a frozen scorer's copy: eval, no gradients, and bf16 weights where the run autocasts to bf16
+    (it is never trained, so it needs no fp32 master copy)."""
     model = model.eval().requires_grad_(False)
-    if mixed(cfg.precision, next(model.parameters()).device) and next(model.parameters()).dtype == torch.float32:
+    if precision.autocast and next(model.parameters()).dtype == torch.float32:
         model = model.to(torch.bfloat16)
     return model
 
@@ -226,7 +246,7 @@ def critic_model(cfg: RunConfig, policy_model=None):
     return model if policy_model is None else model.to(policy_model.get_input_embeddings().weight.device)
 
 
-def critic(cfg: RunConfig, model, grad_sync=None) -> Critic | None:
+def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None) -> Critic | None:
     """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
     own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). None unless algorithm=ppo."""
     if cfg.algorithm != "ppo":
@@ -241,4 +261,4 @@ def critic(cfg: RunConfig, model, grad_sync=None) -> Critic | None:
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
-                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=cfg.precision)
+                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision)

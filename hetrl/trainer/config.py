@@ -2,8 +2,9 @@
 
 Algorithm presets fill the knobs left unset (None): GRPO = symmetric clip 0.2, KL (k3) 0.001,
 per-sequence token-mean loss; DAPO = clip-higher 0.2/0.28, token-level loss, no KL, dynamic
-sampling and overlong filtering. Prompts come from `task` (a reasoning-gym generator) unless `data`
-names the user's rows, which then replace the task (README "Your data and reward").
+sampling and overlong filtering; the others are in docs/algorithms.md. verl's and TRL's names for the
+same knobs are accepted (ALIASES, resolve_aliases). Prompts come from `task` (a reasoning-gym
+generator) unless `data` names the user's rows, which then replace the task (README "Your data and reward").
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import Any
 
 import yaml
 
-from hetrl.algo.losses import LOSS_AGGREGATIONS
+from hetrl.algo import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, loss_aggregation
+from hetrl.algo.advantages import check_options, options_of
+from hetrl.algo.losses import TRL_LOSS_TYPES, from_trl
 from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 
-ALGORITHMS = ("grpo", "dapo", "ppo")
+ALGORITHMS = ("grpo", "dapo", "ppo", "gspo", "dr_grpo", "rloo", "reinforce_pp", "cispo")
+LR_SCHEDULES = ("constant", "linear", "cosine")   # transformers' get_scheduler names (with warmup)
 # Built-in reward names (hetrl.data): verifier and partial are a reasoning-gym task's own check; exact_match and
 # math_verify compare with the answer column (answer_key); format: the reply is exactly its final answer.
 BUILTIN_REWARDS = ("verifier", "partial", "exact_match", "math_verify", "format")
@@ -37,15 +41,27 @@ MODES = ("sync", "async")
 DEFAULT_TASK_CONFIG = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=["+", "-"],
                            allow_negation=False, allow_parentheses=False)
 
-_PRESETS = {
-    "grpo": dict(clip_low=0.2, clip_high=0.2, kl_coef=0.001, loss_agg="seq-mean-token-mean",
-                 dynamic_sampling=False, overlong_filter=False),
-    "dapo": dict(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_agg="token-mean",
-                 dynamic_sampling=True, overlong_filter=True),
+_PLAIN = dict(adv_estimator="grpo", loss_mode="vanilla", clip_low=0.2, clip_high=0.2, kl_loss_type="low_var_kl",
+              scale_advantages=True, dynamic_sampling=False, overlong_filter=False)
+_PRESETS = {   # docs/algorithms.md: each one's paper and its verl / TRL settings
+    "grpo": _PLAIN | dict(kl_coef=0.001, loss_agg="seq-mean-token-mean"),
+    "dapo": _PLAIN | dict(clip_high=0.28, kl_coef=0.0, loss_agg="token-mean", dynamic_sampling=True,
+                          overlong_filter=True),
     # PPO: per-token advantages from a critic (GAE); the KL to the reference as for GRPO
-    "ppo": dict(clip_low=0.2, clip_high=0.2, kl_coef=0.001, loss_agg="token-mean",
-                dynamic_sampling=False, overlong_filter=False),
+    "ppo": _PLAIN | dict(adv_estimator="gae", kl_coef=0.001, loss_agg="token-mean"),
+    # GSPO: the sequence ratio, clipped at 3e-4 / 4e-4 as the paper (and verl's recipe)
+    "gspo": _PLAIN | dict(loss_mode="gspo", clip_low=0.0003, clip_high=0.0004, kl_coef=0.0,
+                          loss_agg="seq-mean-token-mean"),
+    # Dr. GRPO: no std in the advantage, token sums over a constant (max_new_tokens), no KL
+    "dr_grpo": _PLAIN | dict(scale_advantages=False, kl_coef=0.0, loss_agg="seq-mean-token-sum-norm"),
+    "rloo": _PLAIN | dict(adv_estimator="rloo", kl_coef=0.001, loss_agg="token-mean"),
+    # REINFORCE++: whitened returns-to-go, its KL (k2) in the loss as verl's example
+    "reinforce_pp": _PLAIN | dict(adv_estimator="reinforce_plus_plus", kl_coef=0.001, kl_loss_type="k2",
+                                  loss_agg="token-mean"),
+    # CISPO: the ratio capped at 5 (TRL's epsilon_high), no lower clip, token-level loss
+    "cispo": _PLAIN | dict(loss_mode="cispo", clip_low=1.0, clip_high=4.0, kl_coef=0.0, loss_agg="token-mean"),
 }
+CRITIC_ALGORITHMS = ("ppo",)
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,11 @@ class RunConfig:
     environment: str | None = None        # FILE.py:Class: one instance per rollout (reset, tool methods, get_reward)
     max_tool_calls: int = rule(4, ge=1)   # tool-calling turns per episode (TRL's max_tool_calling_iterations)
     tool_timeout_s: float = rule(10.0, gt=0)  # a call still running then is answered with a timeout error
+    # tree-shaped sampling (docs/agents.md): after a tool result an episode forks into `branches` continuations
+    # that share its cache, while its task has at most max_leaves leaves (default responses_per_prompt x branches)
+    branches: int = rule(1, ge=1)
+    max_leaves: int | None = rule(None, ge=1)
+    tree_advantage: str = rule("leaves", choices=("leaves", "subtree"))   # GRPO over a task's leaves, or per subtree
     # LoRA through peft (0: full fine-tuning); the reference is the base model with the adapter off
     lora_rank: int = rule(0, ge=0)
     lora_alpha: float = rule(16.0, gt=0)
@@ -97,11 +118,26 @@ class RunConfig:
     lr: float = rule(2e-5, gt=0)
     weight_decay: float = rule(0.0, ge=0)
     max_grad_norm: float = rule(1.0, ge=0)
-    clip_low: float | None = rule(None, ge=0, lt=1)
-    clip_high: float | None = rule(None, ge=0)
-    kl_coef: float | None = rule(None, ge=0)
-    loss_agg: str | None = rule(None, choices=LOSS_AGGREGATIONS)
-    scale_advantages: bool = True
+    # the knobs below, by verl's names (docs/algorithms.md); unset (None) ones come from the algorithm's preset
+    adv_estimator: str | None = rule(None, choices=tuple(ADVANTAGE_ESTIMATORS))
+    loss_mode: str | None = rule(None, choices=tuple(POLICY_LOSSES))
+    clip_low: float | None = rule(None, ge=0, le=1)      # verl clip_ratio_low, TRL epsilon
+    clip_high: float | None = rule(None, ge=0)           # verl clip_ratio_high, TRL epsilon_high
+    clip_ratio_c: float | None = rule(None, gt=1)        # dual-clip bound for A < 0 (verl's 3.0); null: none
+    loss_options: dict = field(default_factory=dict)     # the loss's own: tau_pos, tau_neg, clip_cov_*, kl_cov_ratio
+    kl_coef: float | None = rule(None, ge=0)             # verl kl_loss_coef (kl_ctrl.kl_coef in the reward), TRL beta
+    kl_loss_type: str | None = rule(None, choices=KL_PENALTIES)   # the KL estimator (k3 = low_var_kl)
+    use_kl_in_reward: bool = False                       # the KL as a per-token reward penalty instead of a loss term
+    kl_ctrl: str = rule("fixed", choices=("fixed", "adaptive"))   # adaptive: kl_coef follows kl_target (Ziegler)
+    kl_target: float = rule(0.1, gt=0)                   # verl kl_ctrl.target_kl
+    kl_horizon: int = rule(10000, ge=1)                  # verl kl_ctrl.horizon (samples)
+    entropy_coeff: float = rule(0.0, ge=0)               # the loss subtracts entropy_coeff x the mean entropy
+    loss_agg: str | None = rule(None, choices=LOSS_AGGREGATIONS)   # verl loss_agg_mode
+    loss_scale_factor: float | None = rule(None, gt=0)   # seq-mean-token-sum-norm's constant (default max_new_tokens)
+    scale_advantages: bool | None = None                 # verl norm_adv_by_std_in_grpo, TRL scale_rewards
+    lr_scheduler_type: str = rule("constant", choices=LR_SCHEDULES)   # over steps x mini_batches optimizer steps
+    warmup_steps: int = rule(0, ge=0)                    # optimizer steps of linear warmup (TRL's)
+    warmup_ratio: float = rule(0.0, ge=0, lt=1)          # or this share of all optimizer steps
     dynamic_sampling: bool | None = None
     max_sampling_rounds: int = rule(3, ge=1)
     overlong_filter: bool | None = None
@@ -150,11 +186,15 @@ class RunConfig:
     ray_temp_dir: str | None = None       # ray with emulate_cluster=: Ray's session files (default: out_dir/ray)
 
     def __post_init__(self):
+        fixed = POLICY_LOSSES[self.loss_mode].aggregation if self.loss_mode in POLICY_LOSSES else None
+        if fixed is not None and self.loss_agg is None:   # sapo, geo_mean: their own, not the preset's
+            object.__setattr__(self, "loss_agg", fixed)
         if self.algorithm in _PRESETS:
             for name, value in _PRESETS[self.algorithm].items():
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, value)
         check(self)
+        self._check_algorithm()
         self._check_data_and_rewards()
         if self.mini_batches > self.prompts_per_step:
             raise ValueError(
@@ -163,13 +203,15 @@ class RunConfig:
         if self.precision == "bf16-mixed" and self.dtype != "float32":
             raise ValueError(f"precision=bf16-mixed keeps fp32 master weights and autocasts to bf16; it needs "
                              f"dtype=float32, got dtype={self.dtype} (dtype=bfloat16 alone is pure bf16)")
-        if self.algorithm != "ppo" and (self.critic_model is not None or self.critic_warmup_steps):
-            raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no critic")
+        if self.algorithm not in CRITIC_ALGORITHMS and (self.critic_model is not None or self.critic_warmup_steps):
+            raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no "
+                             "critic")
         if self.responses_per_prompt < 2 and self.algorithm != "ppo":
             raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
                              "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
-        if self.tools or self.environment is not None:
+        if self.multi_turn:
             self._check_tools()
+        self._check_branches()
         if self.algorithm == "dapo" and self.kl_coef > 0:
             raise ValueError(f"DAPO has no KL term, but kl_coef is {self.kl_coef}; set kl_coef=0 or algorithm=grpo")
         if not self.out_dir.strip():
@@ -194,6 +236,36 @@ class RunConfig:
             raise ValueError("executor=ray needs exactly one of cluster=C.yaml (a running Ray cluster at ray_address) "
                              "or emulate_cluster=C.yaml (a local Ray declaring C's GPUs, e.g. "
                              "examples/clusters/cpu-2x2.yaml); plan=PLAN.json is optional")
+
+    def _check_algorithm(self) -> None:
+        """The estimator, loss and their options fit together (each refusal names the valid choices)."""
+        critic = self.algorithm in CRITIC_ALGORITHMS
+        if (self.adv_estimator == "gae") != critic:
+            raise ValueError(f"adv_estimator={self.adv_estimator} with algorithm={self.algorithm}: gae needs the "
+                             "critic of algorithm=ppo, and algorithm=ppo takes gae; the critic-free estimators: "
+                             f"{', '.join(n for n in ADVANTAGE_ESTIMATORS if n != 'gae')}")
+        loss_aggregation(self.loss_mode, self.loss_agg)
+        clips = sorted(set(self.loss_options) & {"clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"})
+        if clips:
+            raise ValueError(f"loss_options {', '.join(clips)}: the clip range is clip_low, clip_high and clip_ratio_c")
+        fn = POLICY_LOSSES[self.loss_mode].fn
+        check_options("loss_mode", self.loss_mode, fn, {**self.loss_options, **self.clip_options})
+        if self.clip_ratio_c is not None and self.loss_mode != "vanilla":
+            raise ValueError(f"clip_ratio_c (dual-clip) is loss_mode=vanilla's; loss_mode={self.loss_mode} has none")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("give warmup_steps or warmup_ratio, not both")
+
+    @property
+    def clip_options(self) -> dict:
+        """clip_low / clip_high under verl's names, for the losses that clip (none for sapo, gpg, kl_cov)."""
+        takes = set(options_of(POLICY_LOSSES[self.loss_mode].fn))
+        return {k: v for k, v in (("clip_ratio_low", self.clip_low), ("clip_ratio_high", self.clip_high),
+                                  ("clip_ratio_c", self.clip_ratio_c)) if k in takes}
+
+    @property
+    def aggregation(self) -> str:
+        """The aggregation the run's loss uses (sapo and geo_mean fix theirs)."""
+        return loss_aggregation(self.loss_mode, self.loss_agg)
 
     def _check_data_and_rewards(self) -> None:
         if self.data is not None and self.task is not None:
@@ -237,6 +309,31 @@ class RunConfig:
                              f"(TRL's environments=), which cannot go to reward_workers={self.reward_workers} "
                              "processes; set reward_workers=0")
 
+    def _check_branches(self) -> None:
+        if self.branches > 1 and not self.multi_turn:
+            raise ValueError(f"branches={self.branches} forks an episode after a tool result; it needs "
+                             "tools=FILE.py:NAME or environment=FILE.py:Class (or use branches=1)")
+        if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
+            raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
+                             f"({self.responses_per_prompt}) rollouts among them; use at least "
+                             f"{self.responses_per_prompt}")
+        if self.branches > 1 and (self.adv_estimator != "grpo" or self.use_kl_in_reward):
+            raise ValueError(f"branches={self.branches} scores a task's leaves with GRPO over the leaves "
+                             f"(tree_advantage); adv_estimator={self.adv_estimator}"
+                             f"{' with use_kl_in_reward' if self.use_kl_in_reward else ''} is not defined on trees "
+                             "yet; use adv_estimator=grpo without use_kl_in_reward, or branches=1")
+        unused = [f"{k}={getattr(self, k)}" for k, default in (("max_leaves", None), ("tree_advantage", "leaves"))
+                  if getattr(self, k) != default]
+        if self.branches == 1 and unused:
+            raise ValueError(f"{', '.join(unused)} shape the trees of branches >= 2, and branches is 1 (no forks); "
+                             "set branches=2 (or more), or leave them out")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are multi-turn tool-use episodes (tools or an environment): the update then packs each
+        task's samples as a trie (hetrl.dualkv.pack_sequences), every shared turn computed once."""
+        return bool(self.tools) or self.environment is not None
+
     @property
     def tool_specs(self) -> tuple[str, ...]:
         return (self.tools,) if isinstance(self.tools, str) else tuple(self.tools)
@@ -251,6 +348,61 @@ class RunConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
+# verl's and TRL's names for knobs that exist here (docs/algorithms.md); resolve_aliases maps them
+ALIASES = {"loss_agg_mode": "loss_agg", "clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
+           "kl_loss_coef": "kl_coef", "norm_adv_by_std_in_grpo": "scale_advantages", "kl_penalty": "kl_loss_type",
+           "entropy_coef": "entropy_coeff", "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high"}
+TRL_OPTIONS = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}   # into loss_options
+TRL_KEYS = ("loss_type", "importance_sampling_level", "scale_rewards")
+ALIAS_KEYS = (*ALIASES, *TRL_OPTIONS, *TRL_KEYS)
+
+
+def resolve_aliases(data: dict[str, Any]) -> dict[str, Any]:
+    """Config keys by verl's or TRL's names -> this config's fields (a name given twice must agree). TRL's
+    loss_type picks loss_mode and loss_agg (from_trl), importance_sampling_level=sequence is GSPO, scale_rewards
+    group / none is scale_advantages true / false; what has no counterpart is refused with the valid values."""
+    out = dict(data)
+
+    def put(field_name: str, value, given_as: str) -> None:
+        if field_name in out and out[field_name] is not None and out[field_name] != value:
+            raise InputError(f"{given_as} sets {field_name} to {value!r}, but {field_name} is also given as "
+                             f"{out[field_name]!r}; give one of them")
+        out[field_name] = value
+
+    loss_type, level = out.pop("loss_type", None), out.pop("importance_sampling_level", None)
+    if loss_type is not None:
+        if loss_type == "cispo" and "epsilon_high" not in out:
+            raise InputError("loss_type=cispo caps the ratio at TRL's epsilon_high; give it (5.0 is TRL's advice) "
+                             "or use algorithm=cispo")
+        names = from_trl(loss_type, level or "token", out.get("epsilon", 0.2), out.get("epsilon_high"))
+        if names["loss_mode"] == "cispo":   # TRL's epsilon_high is the cap itself, not 1 + clip_high
+            out.pop("epsilon", None), out.pop("epsilon_high")
+            put("clip_low", names["clip_ratio_low"], "loss_type=cispo")
+            put("clip_high", names["clip_ratio_high"], "loss_type=cispo with epsilon_high")
+        put("loss_mode", names["loss_mode"], f"loss_type={loss_type}")
+        put("loss_agg", names["loss_agg_mode"], f"loss_type={loss_type}")
+    elif level is not None:
+        if level not in ("token", "sequence"):
+            raise InputError(f"importance_sampling_level must be token or sequence, got {level!r}")
+        if level == "sequence":
+            if out.get("loss_mode") not in (None, "vanilla", "gspo"):
+                raise InputError(f"importance_sampling_level=sequence is GSPO, the clipped loss with the sequence's "
+                                 f"ratio; it does not apply to loss_mode={out['loss_mode']}")
+            out["loss_mode"] = "gspo"
+    if "scale_rewards" in out:
+        value = out.pop("scale_rewards")
+        scaled = {True: True, "group": True, False: False, "none": False}.get(value)
+        if scaled is None:
+            raise InputError(f"scale_rewards={value} has no counterpart here (batch: PPO-Lite's std over the batch); "
+                             "valid: group, none, true, false")
+        put("scale_advantages", scaled, f"scale_rewards={value}")
+    for alias, field_name in ALIASES.items():
+        if alias in out:
+            put(field_name, out.pop(alias), alias)
+    for alias, option in TRL_OPTIONS.items():
+        if alias in out:
+            out["loss_options"] = {**out.get("loss_options", {}), option: out.pop(alias)}
+    return out
 _TYPES = typing.get_type_hints(RunConfig)
 # Fields a resumed run may change without changing what it computes: how long it runs, where it writes, how
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
@@ -261,7 +413,7 @@ RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib",
 
 
 def _check_keys(keys, where: str) -> None:
-    unknown = set(keys) - set(FIELDS)
+    unknown = set(keys) - set(FIELDS) - set(ALIAS_KEYS)
     if unknown:
         raise unknown_keys_error(unknown, FIELDS, where, what="config key")
 
@@ -312,7 +464,7 @@ def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str,
             data["task_config"] = {**data["task_config"], **value}
         else:
             data[key] = value
-    return data
+    return resolve_aliases(data)
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:

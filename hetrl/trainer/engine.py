@@ -16,7 +16,9 @@ import torch
 
 from hetrl.trainer import build, checkpoint
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import UpdateStats, samples_in_bf16
+from hetrl.trainer.episodes import Agent, EpisodeWorker
+from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.precision import RunPrecision, samples_in_bf16
 from hetrl.trainer.rollout import Sample
 
 Groups = list[tuple[list[int], list[list[int]]]]
@@ -24,7 +26,7 @@ Groups = list[tuple[list[int], list[list[int]]]]
 
 class Generator(Protocol):
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False) -> list[list[Sample]]: ...
+                 top_p: float = 1.0, greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]: ...
 
 
 class LogProbs(Protocol):
@@ -33,18 +35,37 @@ class LogProbs(Protocol):
 
 class Trainer(LogProbs, Protocol):
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None = None) -> UpdateStats: ...
+               ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats: ...
+
+
+class Critic(Protocol):
+    def values(self, groups: Groups) -> torch.Tensor: ...
+
+    def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
+               weights: torch.Tensor) -> CriticStats: ...
 
 
 class Engine(Protocol):
     """Where the roles of a run live. `worker` samples (actor_gen), `learner` gives the old log-probs and takes
     optimizer steps (actor_infer, actor_train), `reference` gives the KL reference's log-probs (None without KL),
-    `critic` gives values and takes value steps (critic_infer, critic_train; PPO only, else None)."""
+    `critic` gives values and takes value steps (critic_infer, critic_train; PPO only, else None). `precision`:
+    what every role computes in, decided once (precision.decide) and carried by each.
+    `episodes` rolls out multi-turn tool-use episodes in a run with tools or an environment (else None).
+    `rollout_logprobs`: whether the loop asks `worker.generate(..., logprobs=True)` for its samples' log-probs,
+    which a sync update takes as old log-probs (where the rollout's sampling logits are fp32:
+    RolloutWorker.gives_logprobs)."""
 
     worker: Generator
     learner: Trainer
     reference: LogProbs | None
-    critic: object | None
+    critic: Critic | None
+    episodes: EpisodeWorker | None
+    rollout_logprobs: bool
+    precision: RunPrecision
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Running totals of the rollout's phases measured in this process (prefill_s, decode_s, and tool_s with
+        tools); the loop reports each step's difference. Empty where the rollout runs elsewhere."""
 
     def sync_weights(self, version: int) -> dict:
         """Make the rollout side sample from policy version `version`; -> metrics (bytes, seconds)."""
@@ -63,19 +84,24 @@ class Engine(Protocol):
 
 class LocalEngine:
     """Every role in this process. The rollout worker samples from the policy itself, or, where the run is
-    bf16-mixed (learner.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes."""
+    bf16-mixed (precision.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes."""
 
-    def __init__(self, cfg: RunConfig, model, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, cfg: RunConfig, model, tokenizer, precision: RunPrecision, agent: Agent | None = None):
+        self.tokenizer, self.precision = tokenizer, precision
         # before the policy: LoRA changes `model`
-        self.critic = build.critic(cfg, build.critic_model(cfg, model)) if cfg.algorithm == "ppo" else None
+        self.critic = build.critic(cfg, build.critic_model(cfg, model), precision) if cfg.algorithm == "ppo" else None
         self.policy = build.policy(cfg, model)
-        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model))
+        self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model), precision)
         self.optimizer = build.optimizer(cfg, self.policy)
-        self.learner = build.learner(cfg, self.policy, self.optimizer)
-        self.bf16_rollout = samples_in_bf16(cfg, self.policy.module, self.policy.lora)
+        self.learner = build.learner(cfg, self.policy, self.optimizer, precision)
+        self.bf16_rollout = samples_in_bf16(precision, self.policy.module, self.policy.lora)
         sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
-        self.worker = build.rollout_worker(cfg, sampler, tokenizer)
+        self.worker = build.rollout_worker(cfg, sampler, tokenizer, precision)
+        self.rollout_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
+        self.episodes = EpisodeWorker(self.worker, agent, cfg.prompt_suffix) if agent is not None else None
+
+    def phase_seconds(self) -> dict[str, float]:
+        return dict(self.worker.phase_seconds)
 
     def sync_weights(self, version: int) -> dict:
         """The bf16 rollout's copy of the updated policy (applied before its next generate call); -> seconds."""
@@ -106,9 +132,12 @@ class LocalEngine:
         pass
 
 
-def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int) -> Engine:
+def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int, precision: RunPrecision,
+                agent: Agent | None = None) -> Engine:
+    """`agent`: the run's tools or environment (local executor only: RunConfig refuses them with Ray)."""
     if cfg.executor == "local":
-        return LocalEngine(cfg, model, tokenizer)
+        return LocalEngine(cfg, model, tokenizer, precision, agent)
+    assert agent is None, "RunConfig refuses tools and environments with executor=ray"
     from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
 
-    return RayEngine(cfg, model.config, tokenizer, prompt_len)
+    return RayEngine(cfg, model.config, tokenizer, prompt_len, precision)

@@ -14,13 +14,19 @@ tool result that would not leave room for one more model token ends the episode 
 `max_tool_calls` bounds the tool-calling turns of an episode (TRL's `max_tool_calling_iterations`). A sample's
 `loss_mask` is True on the model's own tokens only; the learner weights tool tokens 0 (they are context).
 
+Tree-shaped sampling (`branches` K > 1): once an episode's tool results are fed, it forks into K continuations
+whose cache rows repeat its row (no prefill; the tool tokens computed once), while its task has at most
+`max_leaves` leaves. Every leaf is a sample of its task; `path` and `fork_at` say where it forked.
+
 Not here yet: the shared-prefix decode attention (hetrl.dualkv.decode reads a prompt's K/V once per step for
-its N rows) handles one token per row per step without holes, so episodes decode from the repeated prompt
-cache; branching at turn boundaries and Ray rollout actors (issue 38, items 3 and 7).
+its N rows) handles one token per row per step without holes, so episodes (and forks) decode from repeated
+cache rows; Ray rollout actors (issue 38, item 7).
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -30,10 +36,12 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from hetrl.algo import tree_advantages
 from hetrl.data.tools import (ToolTokenizer, check_environment, environment_tools, parse_tool_calls, run_calls,
                               tool_schema, tool_suffix_ids, tool_template)
+from hetrl.dualkv import pack_sequences
 from hetrl.schema import InputError
-from hetrl.trainer.learner import amp
+from hetrl.trainer.precision import FP32, RunPrecision
 from hetrl.trainer.rollout import Sample, left_padded, sample, token_logprobs, warpers
 
 
@@ -49,6 +57,8 @@ class Agent:
     max_tool_calls: int
     tool_timeout_s: float
     env_reward: bool                # the environment defines get_reward()
+    branches: int = 1               # continuations an episode forks into after a tool result (1: none)
+    max_leaves: int | None = None   # leaves per task at most (None: n x branches for n rollouts per task)
 
     def render_tokenizer(self, tokenizer) -> ToolTokenizer:
         """The tokenizer a data source renders prompts with: the tools in the system message."""
@@ -56,8 +66,12 @@ class Agent:
 
 
 def make_agent(tokenizer, tools=(), environment_factory=None, max_tool_calls: int = 4,
-               tool_timeout_s: float = 10.0) -> Agent:
+               tool_timeout_s: float = 10.0, branches: int = 1, max_leaves: int | None = None) -> Agent:
     """Check the tools and environment (one probe instance, as TRL does) and choose the template."""
+    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+        raise InputError(f"branches must be an int >= 1 (continuations per fork; 1: no forks), got {branches!r}")
+    if max_leaves is not None and (isinstance(max_leaves, bool) or not isinstance(max_leaves, int) or max_leaves < 1):
+        raise InputError(f"max_leaves must be None (n x branches) or an int >= 1, got {max_leaves!r}")
     tools = tuple(tools)
     schemas = [tool_schema(t) for t in tools]
     env_reward = False
@@ -71,7 +85,7 @@ def make_agent(tokenizer, tools=(), environment_factory=None, max_tool_calls: in
     if len(set(names)) != len(names):
         raise InputError(f"tools: two tools share a name ({', '.join(names)}); the model calls them by name")
     return Agent(tools, environment_factory, tuple(schemas), tool_template(tokenizer), max_tool_calls,
-                 tool_timeout_s, env_reward)
+                 tool_timeout_s, env_reward, branches, max_leaves)
 
 
 @dataclass
@@ -93,6 +107,12 @@ class Episode:
     truncated: bool = False
     last_text: str = ""
     group_prompt_len: int = 0   # the prompt tokens its group shares (the rest of `prompt` starts its sample)
+    task: object = None         # its task's key (one object per example of a generate call), shared by its leaves
+    path: tuple[int, ...] = (0,)    # its rollout's index in the task, then its child index at every fork
+    fork_at: tuple[int, ...] = ()   # len(tokens) at every fork: its tokens before that are its siblings' too
+    fork: bool = False          # forks after its pending tool result is fed
+    shared_calls: int = 0       # of `calls` / `errors`, those run before a fork and counted in an earlier sibling
+    shared_errors: int = 0
 
     def stats(self) -> dict:
         model = sum(self.model_mask)
@@ -124,7 +144,7 @@ def _start(agent: Agent, example, tokenizer, prompt_suffix: str) -> Episode:
 
 def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_tokens: int, *,
                       temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, logprobs: bool = False,
-                      batch_size: int = 64, precision: str = "fp32", prompt_suffix: str = "",
+                      batch_size: int = 64, precision: RunPrecision = FP32, prompt_suffix: str = "",
                       clock: dict | None = None) -> list[list[Sample]]:
     """examples (hetrl.data Example: prompt ids rendered with the tools, the row) -> n episodes each, as Samples
     whose `loss_mask` marks the model's tokens and whose `episode` holds the Episode (environment, counts).
@@ -134,24 +154,38 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
         clock.setdefault(k, 0.0)
     if logprobs and greedy:
         raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
+    if agent.max_leaves is not None and agent.max_leaves < n:
+        raise InputError(f"max_leaves ({agent.max_leaves}) counts a task's leaves, its {n} rollouts among them; use "
+                         f"at least {n}")
     for e in examples:
         if not isinstance(e.row.get("prompt"), list):
             raise InputError("tools need chat prompts (a list of messages): the tools are described in the chat "
                              f"template's system turn; got a {type(e.row.get('prompt')).__name__} prompt")
-    episodes = [_start(agent, e, tokenizer, prompt_suffix) for e in examples for _ in range(n)]
+    tasks = [object() for _ in examples]
+    episodes = []
+    for task, e in zip(tasks, examples):
+        for j in range(n):
+            episodes.append(_start(agent, e, tokenizer, prompt_suffix))
+            episodes[-1].task, episodes[-1].path = task, (j,)
+    branches = 1 if greedy else agent.branches    # greedy continuations of one state would all be equal
+    cap = agent.max_leaves or n * agent.branches
+    # forks grow a batch up to `cap` leaves per task: whole tasks per batch, as many as fit batch_size leaves
+    per_batch = max(1, batch_size) if branches == 1 else max(1, batch_size // cap) * n
     warp = None if greedy else warpers(temperature, top_p)
     was_training = model.training
     model.eval()
+    leaves: dict[object, list[Episode]] = {}
     try:
-        for s in range(0, len(episodes), max(1, batch_size)):
-            _run_batch(model, tokenizer, agent, episodes[s:s + batch_size], max_new_tokens, warp,
-                       temperature if logprobs else None, precision, clock)
+        for s in range(0, len(episodes), per_batch):
+            for ep in _run_batch(model, tokenizer, agent, episodes[s:s + per_batch], max_new_tokens, warp,
+                                 temperature if logprobs else None, precision, clock, branches, cap):
+                leaves.setdefault(ep.task, []).append(ep)
     finally:
         model.train(was_training)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)   # the logits' log-softmax dtype
     out = []
-    for i, example in enumerate(examples):
-        group = episodes[i * n:(i + 1) * n]
+    for task, example in zip(tasks, examples):
+        group = sorted(leaves[task], key=lambda ep: ep.path)    # depth first: a fork's leaves side by side
         # reset() strings make a rollout's prompt its own: the group's samples continue the prompts' common
         # prefix, and each one's own prompt tail is context (weight 0) at the start of its sample
         base = _common_prefix([example.prompt_ids] + [ep.prompt for ep in group])
@@ -186,7 +220,11 @@ def group_prompt(example, samples: list[Sample]):
 
 
 def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_tokens: int, warp,
-               scored: float | None, precision: str, clock: dict) -> None:
+               scored: float | None, precision: RunPrecision, clock: dict, branches: int = 1, cap: int = 0) -> list[Episode]:
+    """Roll out `episodes` (whole tasks where branches > 1) -> every leaf: the episodes and their forks' copies.
+    An episode whose turn ends in tool calls forks into `branches` continuations while its task has at most `cap`
+    leaves: after its tool results are fed, its cache row is repeated (no prefill), and each copy samples its own
+    next turn from the same logits."""
     t0, tool_before = time.perf_counter(), clock["tool_s"]
     device = model.get_input_embeddings().weight.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -196,7 +234,7 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
     ids, pmask = left_padded([list(p) for p in distinct], pad)
     ids, pmask = ids.to(device), pmask.to(device)
     rows = torch.tensor(prompt_of, device=device)
-    with torch.no_grad(), amp(model, precision):
+    with torch.no_grad(), precision.amp(model):
         if ids.shape[1] > 1:   # each distinct prompt but its last token, once; then its K/V given to its rows
             pre = pmask[:, :-1]
             positions = (pre.long().cumsum(-1) - 1).masked_fill(pre == 0, 0)
@@ -209,9 +247,10 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
         t1 = time.perf_counter()
         clock["prefill_s"] += t1 - t0
         pos = torch.tensor([len(ep.prompt) - 1 for ep in episodes], device=device)
-        live = list(range(len(episodes)))      # batch row -> episode index
-        while live:
-            eps = [episodes[i] for i in live]
+        leaves = list(episodes)
+        count = collections.Counter(ep.task for ep in episodes)   # leaves per task
+        eps = list(episodes)      # batch row -> episode
+        while eps:
             # 1. feed every row's pending chunk; the logits after its last token give the turn's first token
             k = max(len(ep.pending) for ep in eps)
             chunk = torch.full((len(eps), k), pad, dtype=torch.long, device=device)
@@ -231,6 +270,16 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
             for ep in eps:
                 ep.pending, ep.turn_start = [], len(ep.tokens)
                 ep.turns += 1
+            if any(ep.fork for ep in eps):    # every copy continues from the fed tool results' cache row
+                index, grown = [], []
+                for r, ep in enumerate(eps):
+                    kids = _fork(agent, ep, branches) if ep.fork else [ep]
+                    index += [r] * len(kids)
+                    grown += kids
+                    leaves += kids[1:]
+                index = torch.tensor(index, device=device)
+                cache.batch_select_indices(index)
+                attn, pos, raw, eps = attn[index], pos[index], raw[index], grown
             # 2. decode until every row has ended its turn (EOS or the budget); ended rows ride on masked pads
             active = torch.ones(len(eps), dtype=torch.bool, device=device)
             while True:
@@ -257,14 +306,42 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
             t2 = time.perf_counter()
             _answer(tokenizer, agent, eps, eos, max_new_tokens)
             clock["tool_s"] += time.perf_counter() - t2
+            for ep in eps:     # in row order: the task's first episodes to call a tool fork first
+                if branches > 1 and ep.pending and count[ep.task] + branches - 1 <= cap:
+                    ep.fork = True
+                    count[ep.task] += branches - 1
             keep = [r for r, ep in enumerate(eps) if ep.pending]
             if len(keep) < len(eps):
                 index = torch.tensor(keep, device=device, dtype=torch.long)
                 if keep:
                     cache.batch_select_indices(index)
                 attn, pos = attn[index], pos[index]
-            live = [live[r] for r in keep]
+            eps = [eps[r] for r in keep]
     clock["decode_s"] += time.perf_counter() - t1 - clock["tool_s"] + tool_before
+    return leaves
+
+
+def _fork(agent: Agent, ep: Episode, k: int) -> list[Episode]:
+    """`ep` and k - 1 copies of it, each a child of the fork: the token lists copied, the environment deep-copied
+    (each continuation changes its own state from here; its methods are the copy's tools)."""
+    at = len(ep.tokens)
+    kids = []
+    for c in range(1, k):
+        env, tools = None, {t.__name__: t for t in agent.tools}
+        if ep.environment is not None:
+            try:
+                env = copy.deepcopy(ep.environment)
+            except Exception as e:   # whatever the class's state refuses to copy (locks, sockets, ...)
+                raise InputError(f"branches={k}: environment {type(ep.environment).__name__} cannot be copied "
+                                 f"for a fork (copy.deepcopy: {type(e).__name__}: {e}); make its state copyable "
+                                 "(or define __deepcopy__), or use branches=1") from None
+            tools |= {m.__name__: m for m in environment_tools(env)}
+        kids.append(dataclasses.replace(ep, tools=tools, environment=env, tokens=list(ep.tokens),
+                                        model_mask=list(ep.model_mask), logprobs=list(ep.logprobs),
+                                        path=ep.path + (c,), fork_at=ep.fork_at + (at,), fork=False,
+                                        shared_calls=ep.calls, shared_errors=ep.errors))
+    ep.path, ep.fork_at, ep.fork = ep.path + (0,), ep.fork_at + (at,), False
+    return [ep, *kids]
 
 
 def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_tokens: int) -> None:
@@ -307,19 +384,38 @@ def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_token
         ep.pending = [ep.tokens[len(ep.tokens) - len(suffix) - 1]] + suffix   # the turn's EOS is not in the cache yet
 
 
+def leaf_advantages(samples: list[Sample], rewards: list[float], subtree: bool, scale: bool) -> torch.Tensor:
+    """One task's leaves (its group's samples, depth first) -> advantages [Σ len(tokens)] of their tokens:
+    hetrl.algo.tree_advantages over the leaves' paths, fork positions counted in the samples' tokens."""
+    eps = [s.episode for s in samples]
+    tails = [len(ep.prompt) - ep.group_prompt_len for ep in eps]    # the sample's own prompt tail comes first
+    return tree_advantages(torch.tensor(rewards, dtype=torch.float64), [ep.path for ep in eps],
+                           [tuple(t + at for at in ep.fork_at) for ep, t in zip(eps, tails)],
+                           [len(s.tokens) for s in samples], subtree=subtree, scale=scale)
+
+
 def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
-    """Per-step means over episodes: turns, tool calls, tool errors; and the step's tokens by source."""
+    """Per-step means over episodes (leaves, where episodes fork): turns, the calls made (each once, however many
+    leaves share it) and per leaf, tool errors; the step's tokens by source (per leaf, as trained); leaves per
+    task and unique / linearized tokens (prompt included: what the trie-packed update computes of what running
+    every leaf alone would)."""
     eps = [s.episode for s in samples if s.episode is not None]
     if not eps:
         return {}
+    tasks: dict[object, list[Episode]] = {}
+    for e in eps:
+        tasks.setdefault(e.task, []).append(e)
+    trees = [pack_sequences([e.prompt + e.tokens for e in leaves]) for leaves in tasks.values()]
     st = [e.stats() for e in eps]
-    calls = sum(s["tool_calls"] for s in st)
+    calls = sum(e.calls - e.shared_calls for e in eps)
+    errors = sum(e.errors - e.shared_errors for e in eps)
     out = {"turns_mean": float(np.mean([s["turns"] for s in st])),
-           "tool_calls": calls, "tool_calls_per_episode": calls / len(st),
-           "tool_errors": sum(s["tool_errors"] for s in st),
-           "tool_error_frac": sum(s["tool_errors"] for s in st) / calls if calls else 0.0,
+           "tool_calls": calls, "tool_calls_per_episode": sum(s["tool_calls"] for s in st) / len(st),
+           "tool_errors": errors, "tool_error_frac": errors / calls if calls else 0.0,
            "tokens_model": sum(s["model_tokens"] for s in st), "tokens_tool": sum(s["tool_tokens"] for s in st),
-           "tokens_prompt": sum(s["prompt_tokens"] for s in st)}
+           "tokens_prompt": sum(s["prompt_tokens"] for s in st),
+           "leaves_per_task": len(eps) / len(tasks),
+           "unique_token_ratio": sum(t.num_tokens for t in trees) / sum(t.num_standard_tokens for t in trees)}
     return {f"{prefix}{k}": v for k, v in out.items()}
 
 
@@ -373,7 +469,8 @@ def agent_from_config(cfg, tokenizer, tools, environment_factory) -> Agent | Non
     """The run's Agent (None without tools or an environment), from `resolve_tools`' result."""
     if not tools and environment_factory is None:
         return None
-    return make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s)
+    return make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s, cfg.branches,
+                      cfg.max_leaves)
 
 __all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes",
-           "group_prompt", "loss_mask", "make_agent", "resolve_tools"]
+           "group_prompt", "leaf_advantages", "loss_mask", "make_agent", "resolve_tools"]

@@ -1,25 +1,25 @@
-"""Learner: log-prob passes and the clipped policy update, and PPO's critic (values and the clipped value update),
-all through the DualKV shared-prompt engine.
+"""Learner: log-prob passes and the policy update (any loss of hetrl.algo's registry, through its packed adapter),
+and PPO's critic (values and the clipped value update), all through the DualKV shared-prompt engine.
 
-Groups are cut into micro-batches by packed-token budget (`split_by_token_budget`, which keeps
-groups whole and response order intact), so the per-token tensors of a mini-batch line up with
-the concatenated micro-batch outputs. The mini-batch loss is a weighted sum of per-token losses
-(weights from `token_weights`), hence gradient accumulation over micro-batches is exact.
+Groups are cut into micro-batches by packed-token budget (`split_by_token_budget`, which keeps groups whole
+and in order; for multi-turn episodes, whose samples share turns, one trie of sequences cut in the trie's order),
+each micro-batch knowing where its labels sit in the per-token tensors. The mini-batch loss is a weighted sum of
+per-token losses (weights from `token_weights`), hence gradient accumulation over micro-batches is exact.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from hetrl.algo import clipped_policy_loss, clipped_value_loss, kl_k3
-from hetrl.dualkv import pack_groups, shared_prompt_head, shared_prompt_logprobs, split_by_token_budget
+from hetrl.algo import clipped_value_loss, kl_penalty, packed_policy_loss, weighted_sum
+from hetrl.dualkv import (TreeBatch, pack_groups, pack_sequences, shared_prompt_head, shared_prompt_logprobs,
+                          split_by_token_budget, split_sequences_by_token_budget)
+from hetrl.trainer.precision import FP32, RunPrecision
 
 Groups = list[tuple[list[int], list[list[int]]]]
 
@@ -46,8 +46,36 @@ def _finite_step(grad_norm: float, loss: float, shared_only: bool) -> bool:
     return math.isfinite(grad_norm) and (shared_only or math.isfinite(loss))
 
 
-def _micro_batches(groups: Groups, micro_batch_tokens: int):
-    return [pack_groups(mb) for mb in split_by_token_budget(groups, micro_batch_tokens)] if groups else []
+def _micro_batches(groups: Groups, micro_batch_tokens: int, trie: bool = False
+                   ) -> list[tuple[TreeBatch, torch.Tensor]]:
+    """Micro-batches of `groups` within the packed-token budget, each with the positions [k] of its labels in the
+    groups' per-token layout (group by group, response by response, token by token).
+
+    trie off: each group a depth-one tree (pack_groups), groups whole and in order. trie on (multi-turn episodes,
+    whose samples share turns, not just the prompt): every [prompt, response] a sequence of one trie
+    (pack_sequences, the prompt context, the response labelled), cut in the trie's order
+    (split_sequences_by_token_budget), so every shared turn is computed once; its labels are then in the trie's
+    order, which the positions map back."""
+    if not groups:
+        return []
+    if not trie:
+        out, at = [], 0
+        for mb in split_by_token_budget(groups, micro_batch_tokens):
+            batch = pack_groups(mb)
+            out.append((batch, torch.arange(at, at + batch.labels.numel())))
+            at += batch.labels.numel()
+        return out
+    seqs, masks, starts = [], [], [0]
+    for prompt, responses in groups:
+        for r in responses:
+            seqs.append([*prompt, *r])
+            masks.append([False] * len(prompt) + [True] * len(r))
+            starts.append(starts[-1] + len(r))
+    out = []
+    for part in split_sequences_by_token_budget(seqs, micro_batch_tokens):
+        batch = pack_sequences([seqs[i] for i in part], [masks[i] for i in part])
+        out.append((batch, torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part])))
+    return out
 
 
 def _dummy_passes(n: int, sharded: bool) -> int:
@@ -63,96 +91,33 @@ def _dummy_passes(n: int, sharded: bool) -> int:
 DUMMY = [([0], [[0]])]   # one prompt token, one response token: the smallest pass
 
 
-CPU_BF16_ENV = "HETRL_CPU_BF16"   # 1 / 0: say whether the CPU has fast bf16 instead of asking it
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where bf16-mixed pays off: on such a host
-    the bf16 matmul peak measured 2.4x the fp32 one (benchmarks/results/precision_cpu_avx512.md) and the default
-    job's step 0.90x of fp32's, its held-out accuracy kept over 3 seeds (precision_seeds.md); without them the bf16
-    matmul ran ~100x below fp32's and the update 20x slower (precision_cpu.md). HETRL_CPU_BF16=1 or 0 says it
-    instead (the test suite pins 0, so that precision=auto means fp32 on the CPU on every machine it runs on)."""
-    said = os.environ.get(CPU_BF16_ENV, "")
-    if said:
-        if said not in ("0", "1"):
-            raise ValueError(f"{CPU_BF16_ENV}={said!r}: use 1 (the CPU has fast bf16) or 0 (it has not), or unset "
-                             "it to ask the CPU")
-        return said == "1"
-    return _cpu_bf16_instructions()
-
-
-@functools.cache
-def _cpu_bf16_instructions() -> bool:
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):   # torch's own CPU capability checks
-        try:
-            if getattr(torch.cpu, probe)():
-                return True
-        except (AttributeError, RuntimeError):   # a torch without the probe: the instruction is not assumed
-            pass
-    return False
-
-
-def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """What a run's `precision` means on `device`: "bf16-mixed" or "fp32". precision=auto is bf16-mixed on CUDA
-    and on CPUs with bf16 instructions (cpu_has_fast_bf16), fp32 on other CPUs. The one rule every part of a run
-    (learner, rollout, reference, memory estimate, planner workload, the TRL bench) asks."""
-    if precision != "auto":
-        return precision
-    kind = torch.device(device).type
-    return "bf16-mixed" if kind == "cuda" or (kind == "cpu" and cpu_has_fast_bf16()) else "fp32"
-
-
-def mixed(precision: str, device: torch.device | str) -> bool:
-    """Whether `precision` runs bf16-mixed on `device` (resolve_precision)."""
-    return resolve_precision(precision, device) == "bf16-mixed"
-
-
-def samples_in_bf16(cfg, model, lora: bool) -> bool:
-    """Whether the rollout samples from bf16 weights of its own: where the run is bf16-mixed on the policy's device
-    and the policy is fully fine-tuned with fp32 weights, as vLLM and SGLang sample from bf16 weights. Autocast
-    already caches its bf16 casts of the weights for a whole generate call, so what changes is the rest of the
-    decode in bf16 (activations and residual stream; measured on the CPU: 0.89-1.02x the autocast rollout's time,
-    within the spread of two runs, benchmarks/results/rollout_bf16.md) and, on Ray, weight sync in bf16 (half the
-    bytes). Otherwise (fp32 runs; LoRA, which samples through its unmerged adapter) the rollout samples from the
-    policy itself."""
-    p = next(model.parameters())
-    return not lora and p.dtype == torch.float32 and mixed(cfg.precision, p.device)
-
-
-def amp(model, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on `model`'s device where the run is bf16-mixed there (`mixed`): fp32 weights stay the master
-    copy, a frozen bf16 copy (the reference) runs as it is; else nothing. The log-softmax runs in fp32 either way
-    (hetrl.dualkv promotes the logits)."""
-    p = next(model.parameters())
-    if mixed(precision, p.device):
-        return torch.autocast(p.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 class Scorer:
     """No-grad log-probs of sampled responses under a fixed model (the reference, or a rollout worker's
     behaviour policy), through the same DualKV path as the learner."""
 
     def __init__(self, model, *, impl: str = "auto", temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 sharded: bool = False, precision: str = "fp32"):
+                 sharded: bool = False, precision: RunPrecision = FP32, trie: bool = False):
         self.model, self.impl, self.temperature, self.micro_batch_tokens = model, impl, temperature, micro_batch_tokens
-        self.precision = precision   # the run's precision: bf16 autocast or not (amp)
+        self.trie = trie         # pack each mini-batch's samples as one trie (_micro_batches): multi-turn episodes
+        self.precision = precision   # the run's (precision.decide): bf16 autocast or not
         self.context = context   # entered around every pass (a LoRA reference: the adapter off)
         self.sharded = sharded   # an FSDP2 rank: runs as many passes as the others (sharding.py)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """[K] log-probs of every response token of `groups`, group by group, response by response."""
-        batches = _micro_batches(groups, self.micro_batch_tokens)
+        batches = _micro_batches(groups, self.micro_batch_tokens, self.trie)
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
-        with torch.no_grad(), self.context(), amp(self.model, self.precision):
-            parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature)
-                     for b in batches]
+        with torch.no_grad(), self.context(), self.precision.amp(self.model):
+            parts = [shared_prompt_logprobs(self.model, b, impl=self.impl, temperature=self.temperature).cpu()
+                     for b, _ in batches]
             for _ in range(dummies):
                 shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl, temperature=self.temperature)
         if not parts:
             return torch.zeros(0, dtype=self.model.dtype)
-        return torch.cat(parts).detach().cpu()
+        out = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
+        out[torch.cat([at for _, at in batches])] = torch.cat(parts)
+        return out
 
 
 class Learner:
@@ -163,21 +128,31 @@ class Learner:
                  micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
                  kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
-                 precision: str = "fp32"):
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+                 precision: RunPrecision = FP32, trie: bool = False, loss_mode: str = "vanilla",
+                 loss_options: dict | None = None, kl_loss_type: str = "low_var_kl",
+                 lr_at: Callable[[int], float] | None = None, entropy_coeff: float = 0.0):
+        self.model, self.optimizer, self.precision, self.trie = model, optimizer, precision, trie
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
-        self.clip_low, self.clip_high, self.kl_coef, self.max_grad_norm = clip_low, clip_high, kl_coef, max_grad_norm
+        self.kl_coef, self.max_grad_norm, self.kl_loss_type = kl_coef, max_grad_norm, kl_loss_type
+        # the policy loss (hetrl.algo.POLICY_LOSSES) and its options under verl's names; without options, the
+        # clipped surrogate without dual-clip
+        self.loss_mode = loss_mode
+        self.loss_options = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=None) \
+            if loss_options is None else dict(loss_options)
+        self.lr_at = lr_at   # optimizer step -> learning rate (the run's schedule); None: the optimizer's own
+        self.entropy_coeff = entropy_coeff   # loss -= entropy_coeff x entropy, aggregated as the policy loss (verl)
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
         self.scorer = Scorer(model, impl=impl, temperature=temperature, micro_batch_tokens=micro_batch_tokens,
-                             sharded=sharded, precision=precision)
+                             sharded=sharded, precision=precision, trie=trie)
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
         return self.scorer.logprobs(groups)
 
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None = None) -> UpdateStats:
+               ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats:
         """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
+        `lr_step`: this optimizer step's number in the run, which sets the learning rate where a schedule does.
         `old_logp` None: on-policy, the weights about to be updated are the ones that sampled `groups` (the first
         mini-batch of a sync step), so the old log-probs are this very forward's, detached (ratio 1, as TRL
         does), and no separate pass computes them. With `grad_sync` this rank takes part even with nothing to
@@ -190,36 +165,38 @@ class Learner:
         packed = standard = offset = 0
         # A data-parallel rank can get no group (DAPO's dynamic sampling may keep fewer groups than there are
         # ranks): it still joins the gradient all-reduce below with zero gradients.
-        batches = [b for b in _micro_batches(groups, self.micro_batch_tokens) if b.labels.numel()]
+        batches = [(b, at) for b, at in _micro_batches(groups, self.micro_batch_tokens, self.trie) if at.numel()]
         dummies = _dummy_passes(len(batches), self.sharded)   # agreed before any pass: it is a collective too
-        for batch in batches:
-            k = batch.labels.numel()
-            sl = slice(offset, offset + k)
-            offset += k
-            with amp(self.model, self.precision):   # the forward; its backward follows autocast's casts
+        for batch, sl in batches:     # sl: the micro-batch's positions in the per-token tensors
+            offset += sl.numel()
+            with self.precision.amp(self.model):   # the forward; its backward follows autocast's casts
                 logp, entropy = shared_prompt_logprobs(self.model, batch, impl=self.impl,
                                                        temperature=self.temperature, return_entropy=True)
             device, dtype = logp.device, logp.dtype
             w = weights[sl].to(device, dtype)
             old = logp.detach() if old_logp is None else old_logp[sl].to(device, dtype)
-            pg, clipped = clipped_policy_loss(logp, old, advantages[sl].to(device, dtype), self.clip_low,
-                                              self.clip_high)
+            lens = torch.as_tensor(batch.labels_per_sequence)   # per [prompt, response] sequence, in label order
+            pg, metrics = packed_policy_loss(self.loss_mode, old, logp, advantages[sl].to(device, dtype), w, lens,
+                                             **self.loss_options)
             loss_tok = pg
             if self.kl_coef > 0:
-                kl = kl_k3(logp, ref_logp[sl].to(device, dtype))
+                kl = kl_penalty(logp, ref_logp[sl].to(device, dtype), self.kl_loss_type)
                 loss_tok = pg + self.kl_coef * kl
-                totals["kl"] += (w * kl).detach().sum().item()
-            loss = (w * loss_tok).sum()
+                totals["kl"] += weighted_sum(kl, w).detach().item()
+            if self.entropy_coeff > 0:
+                loss_tok = loss_tok - self.entropy_coeff * entropy.to(dtype)
+            loss = weighted_sum(loss_tok, w)
             loss.backward()
             with torch.no_grad():
                 totals["loss"] += loss.item()
-                totals["policy"] += (w * pg).sum().item()
-                totals["clip"] += (w * clipped).sum().item()
-                totals["entropy"] += (w * entropy).sum().item()
+                totals["policy"] += weighted_sum(pg, w).item()
+                if "pg_clipfrac" in metrics:
+                    totals["clip"] += weighted_sum(metrics["pg_clipfrac"], w).item()
+                totals["entropy"] += weighted_sum(entropy, w).item()
             packed += batch.num_tokens
             standard += batch.num_standard_tokens
         for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
-            with amp(self.model, self.precision):
+            with self.precision.amp(self.model):
                 logp = shared_prompt_logprobs(self.model, pack_groups(DUMMY), impl=self.impl,
                                               temperature=self.temperature)
             (0.0 * logp.sum()).backward()
@@ -234,6 +211,9 @@ class Learner:
         # a non-finite step is never taken (hetrl/trainer/guards.py); data-parallel ranks decide on the synced
         # gradient norm alone, which they share, so they all step or all skip
         if _finite_step(float(grad_norm), totals["loss"], shared_only=self.grad_sync is not None or self.sharded):
+            if self.lr_at is not None and lr_step is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr_at(lr_step)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
@@ -255,7 +235,8 @@ class Critic:
 
     def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
                  micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0,
-                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, precision: str = "fp32"):
+                 grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None,
+                 precision: RunPrecision = FP32):
         self.model, self.head, self.optimizer, self.precision = model, head, optimizer, precision
         self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
             max_grad_norm
@@ -265,14 +246,14 @@ class Critic:
         return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
 
     def _values(self, batch) -> torch.Tensor:
-        with amp(self.model, self.precision):
+        with self.precision.amp(self.model):
             v = shared_prompt_head(self.model, batch, self.head, impl=self.impl).squeeze(-1)
         return v.to(self.head.weight.dtype)     # the value loss in the master dtype
 
     def values(self, groups: Groups) -> torch.Tensor:
         """No-grad values [K] of the state before every response token of `groups`."""
         with torch.no_grad():
-            parts = [self._values(b) for b in _micro_batches(groups, self.micro_batch_tokens)]
+            parts = [self._values(b) for b, _ in _micro_batches(groups, self.micro_batch_tokens)]
         return torch.cat(parts).detach().cpu() if parts else torch.zeros(0, dtype=self.head.weight.dtype)
 
     def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
@@ -285,9 +266,8 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = clip_total = 0.0
         offset = 0
-        for batch in [b for b in _micro_batches(groups, self.micro_batch_tokens) if b.labels.numel()]:
-            sl = slice(offset, offset + batch.labels.numel())
-            offset += batch.labels.numel()
+        for batch, sl in [(b, at) for b, at in _micro_batches(groups, self.micro_batch_tokens) if at.numel()]:
+            offset += sl.numel()
             v = self._values(batch)
             w = weights[sl].to(v.device, v.dtype)
             loss_tok, clipped = clipped_value_loss(v, old_values[sl].to(v.device, v.dtype),

@@ -7,21 +7,18 @@ roles run is the engine's business: the loop calls only the `Engine` protocol
 (hetrl/trainer/engine.py); `LocalEngine` keeps the roles in this process on one shared policy (the
 weight sync is a no-op), `RayEngine` places them as Ray actors following a planner plan. In async
 mode (Ray only) the next steps' rollouts are collected in a background thread while the learner
-updates, at most `max_staleness` policy versions behind.
+updates, at most `max_staleness` policy versions behind. The run's entry (config, out_dir lock, resume,
+data) is hetrl/trainer/run.py; scoring and the held-out evaluation are hetrl/trainer/evaluation.py.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import fcntl
 import json
-import os
 import logging
 import math
 import pathlib
-import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,25 +26,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import yaml
 from tqdm import tqdm
 
-from hetrl.algo import explained_variance, gae, group_advantages, token_weights, whiten
-from hetrl.data import Example, RewardSet, RowSource, Scores, Source, TaskSource
+from hetrl.algo import (ADVANTAGE_ESTIMATORS, KLController, advantage, explained_variance, gae_returns, kl_in_reward,
+                        row_mask, to_packed, to_padded, token_weights, whiten)
+from hetrl.algo.advantages import options_of
+from hetrl.data import Example, RewardSet, RowSource, Scores, Source
 from hetrl.data.containment import UserAbort
-from hetrl.data.rewards import TrainerState, convention, load_reward, nested
-from hetrl.data.sources import read_checked
-from hetrl.data.tools import environment_reward
-from hetrl.models import load_model
-from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, files, guards, memory
-from hetrl.trainer.build import DTYPES
+from hetrl.data.rewards import TrainerState
+from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.checkpoint import resume_command
-from hetrl.trainer.engine import Engine, make_engine
-from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
-from hetrl.trainer import episodes
-from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
-from hetrl.trainer.rollout import RolloutWorker, Sample
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.engine import Engine
+from hetrl.trainer.evaluation import evaluate, greedy_rewards, headline, paired_comparison, score_groups, score_name
+from hetrl.trainer.metrics import MetricsLog, plot_curves
+from hetrl.trainer.rollout import Sample
 
 log = logging.getLogger(__name__)
 
@@ -59,23 +52,14 @@ class Rollout:
     example: Example
     samples: list[Sample]
     rewards: list[float]
+    baseline: float | None = None   # ReMax: the reward of the prompt's greedy response
 
     @property
     def prompt(self) -> list[int]:
         return self.example.prompt_ids
 
 
-def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]], check: bool = False
-                 ) -> Scores:
-    """Every sample of every group in one call of each reward function (TRL's batch convention). `check`: the
-    first training step's rewards are looked at for silent zeros (RewardSet.check_silent_zeros)."""
-    rows = [e.row if s.episode is None or s.episode.environment is None else {**e.row, "environments":
-            s.episode.environment} for e, samples in zip(examples, outputs) for s in samples]   # TRL's environments=
-    return rewards.score(rows, [r["prompt"] for r in rows], [s.text for g in outputs for s in g],
-                         [s.tokens for g in outputs for s in g], check=check)
-
-
-def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker, start: int,
+def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine: Engine, start: int,
                      agent: episodes.EpisodeWorker | None = None):
     """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
     are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds.
@@ -86,9 +70,9 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
     scored: list[Scores] = []
     too_long = 0
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
-    phases = getattr(worker, "phase_seconds", None)     # the local worker's prefill / decode clock
-    before = dict(phases) if phases is not None else None
-    want_logprobs = rollout_logprobs(cfg, worker)
+    before = engine.phase_seconds()
+    # the sync update takes them as old log-probs; async samples carry their behaviour policy's anyway
+    want_logprobs = cfg.mode != "async" and engine.rollout_logprobs
     for _ in range(rounds):
         if len(kept) >= cfg.prompts_per_step:
             break
@@ -98,31 +82,25 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, worker:
             outputs = agent.generate(examples, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature,
                                      cfg.top_p, logprobs=want_logprobs)
         else:
-            outputs = worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
-                                      cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                                      **({"logprobs": True} if want_logprobs else {}))
+            outputs = engine.worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
+                                             cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                             **({"logprobs": True} if want_logprobs else {}))
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
+        baselines = greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax" else None
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
-        for example, samples in zip(examples, outputs):
-            r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)])
+        for i, (example, samples) in enumerate(zip(examples, outputs)):
+            r = Rollout(episodes.group_prompt(example, samples), samples, scores.total[offset:offset + len(samples)],
+                        None if baselines is None else baselines[i])
             dropped = any(offset + k in failed for k in range(len(samples)))   # reward_errors=skip
             offset += len(samples)
             sampled.append(r)
             if (not cfg.dynamic_sampling or len(set(r.rewards)) > 1) and not dropped:
                 kept.append(r)
-    split = {k: phases[k] - before[k] for k in phases} if phases is not None else {}
+    split = {k: v - before[k] for k, v in engine.phase_seconds().items()}
     return kept, sampled, start, {**_reward_stats(scored), "prompts_too_long": too_long, **split,
                                   **episodes.episode_metrics(episode_samples)}
-
-
-def rollout_logprobs(cfg: RunConfig, worker) -> bool:
-    """Whether the local RolloutWorker is asked for its samples' log-probs, which the (sync) update takes as old
-    log-probs (`old_logprobs`): auto does where those logits are fp32, i.e. not under bf16 autocast (then the two
-    agree to fp32 rounding, tests/trainer/test_rollout.py). Ray's rollout actors apply the same rule themselves
-    (RolloutActor)."""
-    return cfg.mode != "async" and isinstance(worker, RolloutWorker) and worker.gives_logprobs(cfg.old_logprobs)
 
 
 def _reward_stats(scored: list[Scores]) -> dict:
@@ -142,56 +120,50 @@ def _reward_stats(scored: list[Scores]) -> dict:
     return out | merged.means()
 
 
-def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: RolloutWorker,
-             path: pathlib.Path, agent: episodes.EpisodeWorker | None = None) -> tuple[list[float], dict]:
-    """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
-    (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
-    correctness, else the weighted reward; the means for eval.jsonl)."""
-    examples = source.eval_examples
-    if agent is not None:
-        outputs = agent.generate(examples, 1, cfg.eval_max_new_tokens, greedy=True)
-    else:
-        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.eval_max_new_tokens, greedy=True)
-    scores = score_groups(rewards, examples, outputs)
-    rows = []
-    for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
-        row = {"prompt": example.row["prompt"]}
-        answer = nested(example.row, cfg.answer_key)
-        if answer is not None:
-            row["answer"] = answer
-        row |= {"reply": sample.text, "reward": scores.total[i],
-                "rewards": {name: values[i] for name, values in scores.per_function.items()}}
-        if scores.correct is not None:
-            row["correct"] = scores.correct[i]
-        rows.append(row)
-    files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
-    means = {"eval_reward": guards.mean(scores.total)}
-    if scores.correct is not None:
-        means["eval_accuracy"] = float(np.mean(scores.correct))
-    means |= {f"eval_{k}": v for k, v in scores.means().items()}
-    means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
-    per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else scores.total
-    return per_prompt, means
+def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None):
+    """Per-token advantages [K] of the run's estimator (hetrl.algo.advantage on the padded responses, each
+    response's reward on its last token, tool tokens outside the mask), in the order of the packed responses.
+    `kl`: (behaviour log-probs [K], reference log-probs [K], KLController) to take the KL out of the reward
+    (use_kl_in_reward). -> (advantages [K], metrics)."""
+    lens, _ = _responses(rollouts, cfg)
+    if cfg.branches > 1:   # a task's leaves (as many as its forks made), each one sample of the task (docs/agents.md)
+        return torch.cat([episodes.leaf_advantages(r.samples, r.rewards, cfg.tree_advantage == "subtree",
+                                                   cfg.scale_advantages) for r in rollouts]), {}
+    rewards, mask, metrics = _token_rewards(rollouts, lens, cfg, kl)
+    index = torch.arange(len(rollouts)).repeat_interleave(torch.tensor([len(r.samples) for r in rollouts]))
+    takes = options_of(ADVANTAGE_ESTIMATORS[cfg.adv_estimator])
+    options = {k: v for k, v in (("norm_adv_by_std_in_grpo", cfg.scale_advantages), ("gamma", cfg.gamma))
+               if k in takes}
+    if "reward_baselines" in takes:   # ReMax: the greedy response's reward, for each of the prompt's samples
+        options["reward_baselines"] = torch.tensor([r.baseline for r in rollouts for _ in r.samples],
+                                                   dtype=torch.float64)
+    return to_packed(advantage(cfg.adv_estimator, rewards, mask, index, **options), lens), metrics
 
 
-def paired_comparison(before: list[float], after: list[float]) -> dict:
-    """Same prompts before and after: how many got better and how many worse, and the exact two-sided sign-test
-    p-value on those (for correct/incorrect this is McNemar's exact test). Small p: the change is more than
-    evaluation noise."""
-    gained = sum(a > b for b, a in zip(before, after))
-    lost = sum(b > a for b, a in zip(before, after))
-    n, k = gained + lost, min(gained, lost)
-    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
-    return {"gained": gained, "lost": lost, "sign_test_p": p}
+def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, kl: tuple | None):
+    """Padded [M, T] token rewards (each response's reward on its last token, less the KL penalty per token with
+    `kl`) and the mask of the model's tokens [M, T] (tool tokens 0). -> (rewards, mask, metrics)."""
+    flat = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, not the model's
+    mask = to_padded((torch.ones(int(lens.sum()), dtype=torch.bool) if flat is None else flat).double(), lens)
+    scores = torch.tensor([x for r in rollouts for x in r.rewards], dtype=torch.float64)
+    rewards = torch.zeros(mask.shape, dtype=torch.float64)
+    ends = lens > 0
+    rewards[torch.arange(len(lens))[ends], lens[ends] - 1] = scores[ends]
+    if kl is None:
+        return rewards, mask, {}
+    behaviour, ref, ctrl = kl
+    coef = ctrl.value
+    rewards, current = kl_in_reward(rewards, to_padded(behaviour.double(), lens), to_padded(ref.double(), lens), mask,
+                                    ctrl, cfg.kl_loss_type)
+    return rewards, mask, {"reward_kl_penalty": current, "reward_kl_penalty_coeff": coef}
 
 
-def _per_token(rollouts: list[Rollout], cfg: RunConfig):
-    """Per-token advantages and loss weights [K], in the order of the packed responses."""
-    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
-    adv = group_advantages(rewards, scale=cfg.scale_advantages).flatten()
+def _weights(rollouts: list[Rollout], cfg: RunConfig) -> torch.Tensor:
+    """Loss weights [K] of a mini-batch's tokens (token_weights by the run's aggregation; tool tokens 0)."""
     lens, keep = _responses(rollouts, cfg)
-    mask = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, weight 0
-    return torch.repeat_interleave(adv, lens), token_weights(lens, keep, cfg.loss_agg, mask)
+    mask = episodes.loss_mask([s for r in rollouts for s in r.samples])
+    return token_weights(lens, keep, cfg.aggregation, mask, loss_scale_factor=cfg.loss_scale_factor or
+                         cfg.max_new_tokens)
 
 
 def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,21 +173,19 @@ def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, t
     return lens, keep
 
 
-def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic) -> tuple[torch.Tensor, ...]:
+def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic, kl: tuple | None = None):
     """Old values [K] from the critic, then GAE on the token rewards (each response's reward on its last token):
-    (old values, advantages, returns), advantages whitened over the batch's kept tokens when asked."""
+    (old values, advantages, returns, metrics), advantages whitened over the batch's kept tokens when asked."""
     old_values = critic.values(groups).to(torch.float64)
     lens, keep = _responses(kept, cfg)
-    scores = torch.tensor([x for r in kept for x in r.rewards], dtype=torch.float64)
-    token_rewards = torch.zeros(int(lens.sum()), dtype=torch.float64)
-    ends = torch.cumsum(lens, 0) - 1
-    token_rewards[ends[lens > 0]] = scores[lens > 0]
-    adv, ret = gae(token_rewards, old_values, lens, cfg.gamma, cfg.lam)
+    rewards, mask, metrics = _token_rewards(kept, lens, cfg, kl)
+    adv, ret = gae_returns(rewards, to_padded(old_values, lens), row_mask(lens), cfg.gamma, cfg.lam)
+    adv, ret = to_packed(adv, lens), to_packed(ret, lens)
     if cfg.whiten_advantages:
         kept_tokens = torch.repeat_interleave(keep, lens)
         adv = adv.clone()
         adv[kept_tokens] = whiten(adv[kept_tokens])
-    return old_values, adv, ret
+    return old_values, adv, ret, metrics
 
 
 def _finite(x: float) -> float | None:
@@ -223,11 +193,12 @@ def _finite(x: float) -> float | None:
 
 
 def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, critic=None,
-                  train_policy: bool = True, step: int = 0) -> dict:
-    """Old (and reference) log-probs of the kept groups, then one optimizer step per mini-batch of groups.
-    Async: the importance ratio is taken against the behaviour policy that sampled each response (its
-    log-probs come with the samples), not the learner's current weights. PPO: the critic's values, GAE, and a
-    critic step before each policy step (`train_policy` off: the critic warms up alone)."""
+                  train_policy: bool = True, step: int = 0, kl_ctrl: KLController | None = None) -> dict:
+    """Old (and reference) log-probs of the kept groups, the advantages of the whole batch, then one optimizer
+    step per mini-batch of groups. Async: the importance ratio is taken against the behaviour policy that sampled
+    each response (its log-probs come with the samples), not the learner's current weights. PPO: the critic's
+    values, GAE, and a critic step before each policy step (`train_policy` off: the critic warms up alone).
+    `kl_ctrl` (use_kl_in_reward): the KL to the reference comes out of the token rewards, not into the loss."""
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
     parts = np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups)))
@@ -248,13 +219,20 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             old_logp = old_logp.to(later.dtype)
             old_logp[~first] = later
     ref_logp = reference.logprobs(groups) if reference is not None else None
+    kl = None
+    if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's, else one pass before any step
+        samples = [s for r in kept for s in r.samples]
+        behaviour = torch.cat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) \
+            else learner.logprobs(groups)
+        kl = (behaviour, ref_logp, kl_ctrl)
     if critic is not None:
-        old_values, ppo_adv, returns = _ppo_targets(cfg, kept, groups, critic)
+        old_values, ppo_adv, returns, kl_metrics = _ppo_targets(cfg, kept, groups, critic, kl)
+    else:
+        all_adv, kl_metrics = _per_token(kept, cfg, kl)
     # guards: every advantage (and PPO's return) finite before the first optimizer step; [K] per group's tokens
     skipped: list[str] = []
     sizes = [sum(len(s.tokens) for s in r.samples) for r in kept]
-    targets = {"advantages": ppo_adv, "returns": returns} if critic is not None else {
-        "advantages": _per_token(kept, cfg)[0]}
+    targets = {"advantages": ppo_adv, "returns": returns} if critic is not None else {"advantages": all_adv}
     if any(guards.act(cfg.nonfinite, guards.check_advantages(step, v, sizes, k), skipped) for k, v in targets.items()):
         return {"skipped": skipped}
     t_update = time.perf_counter()
@@ -262,18 +240,19 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     for j, part in enumerate(parts):
         tok = _token_slice(groups, part)
         mb = [groups[i] for i in part]
+        weights = _weights([kept[i] for i in part], cfg)
         if critic is None:
-            advantages, weights = _per_token([kept[i] for i in part], cfg)
+            advantages = all_adv[tok]
         else:
             advantages = ppo_adv[tok]
-            weights = token_weights(*_responses([kept[i] for i in part], cfg), cfg.loss_agg)
             critic_stats.append(critic.update(mb, returns[tok], old_values[tok], weights))
             c = critic_stats[-1]
             guards.act(cfg.nonfinite, guards.check_update(step, "critic", j, c.value_loss, c.grad_norm), skipped)
         if train_policy:
             on_policy = j == 0 and cfg.mode != "async"
             stats.append(learner.update(mb, advantages, weights, None if on_policy else old_logp[tok],
-                                        None if ref_logp is None else ref_logp[tok]))
+                                        None if ref_logp is None else ref_logp[tok],
+                                        lr_step=max(step - 1, 0) * cfg.mini_batches + j))
             s = stats[-1]
             guards.act(cfg.nonfinite, guards.check_update(step, "policy", j, s.loss, s.grad_norm), skipped)
     row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
@@ -287,7 +266,111 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
                 "return_mean": float(returns.mean()) if returns.numel() else 0.0,
                 "explained_variance": _finite(explained_variance(old_values, returns)),
                 "policy_updated": train_policy}
-    return row | ({"skipped": skipped} if skipped else {})
+    return row | kl_metrics | ({"skipped": skipped} if skipped else {})
+
+
+def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet, run_dir: pathlib.Path,
+              metrics: MetricsLog, evals: MetricsLog, resumed: tuple[pathlib.Path, dict] | None = None) -> dict:
+    """Held-out evaluation, `cfg.steps` training steps, held-out evaluation again; -> the run's summary. `resumed`:
+    (the checkpoint the engine was restored from, its trainer state), the run continues at its step."""
+    step, next_problem, before, version = 0, 0, None, 0
+    tool_worker = engine.episodes     # a run with tools or an environment: multi-turn episodes
+    last_saved: pathlib.Path | None = None
+    kl_ctrl = KLController(cfg.kl_coef, cfg.kl_ctrl, cfg.kl_target, cfg.kl_horizon) if cfg.use_kl_in_reward else None
+    if resumed is not None:
+        last_saved, state = resumed
+        step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
+        if kl_ctrl is not None and state.get("kl_reward_coef") is not None:   # the adaptive controller's value
+            kl_ctrl.value = state["kl_reward_coef"]
+        # checkpoints written before rewards were pluggable held correctness flags only
+        before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
+        version = step
+    if before is None:
+        before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
+                                        tool_worker)
+        evals.write({"step": 0, **before_means})
+        tqdm.write(f"held-out {score_name(before_means)} before training: {headline(before_means):.3f} "
+                   f"({len(before)} prompts, greedy)")
+
+    def save(at_step):
+        nonlocal last_saved
+        last_saved = engine.save(run_dir, at_step, {
+            "next_problem": next_problem, "eval_before": [float(v) for v in before],
+            "eval_before_means": before_means, "data_fingerprint": source.fingerprint,
+            "reward_names": rewards.names, "kl_reward_coef": None if kl_ctrl is None else kl_ctrl.value},
+            cfg.to_dict())
+        return last_saved
+
+    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine, start, tool_worker),
+                            next_problem,
+                            cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
+    with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
+        while step < cfg.steps and not stop.requested:
+            t0 = time.perf_counter()
+            rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
+            kept, sampled, next_problem, reward_stats = stream.next()
+            t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
+            row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
+            if isinstance(source, RowSource):
+                row["epoch"] = source.epoch(next_problem - 1)
+            versions = [s.version for r in kept for s in r.samples if s.version is not None]
+            if versions:
+                row["staleness"] = version - min(versions)
+                assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
+            skipped: list[str] = []
+            if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
+                row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
+            if kept:
+                row |= update_policy(cfg, engine.learner, kept, engine.reference, engine.critic,
+                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl)
+                version += 1
+                row |= engine.sync_weights(version)
+            step += 1
+            row["step_s"] = time.perf_counter() - t0
+            row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
+            metrics.write(row)
+            for reason in row.get("skipped", []):
+                tqdm.write(f"nonfinite=skip: {reason}")
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
+                                    tool_worker)
+                evals.write({"step": step, **means})
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
+                save(step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
+                            **({"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}),
+                            tok_s=f"{row['tokens_per_s']:.0f}")
+    stream.close()
+    if stop.requested and step < cfg.steps:
+        tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
+        return {"stopped_at_step": step, "interrupted": True}
+
+    after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
+                                  tool_worker)
+    evals.write({"step": step, **after_means})
+    final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
+    merged = engine.save_merged(run_dir) if cfg.lora_rank else None   # the adapter is in the checkpoint
+    rows = metrics.read()
+    summary = {**{f"{k}_before": v for k, v in before_means.items()},
+               **{f"{k}_after": v for k, v in after_means.items()},
+               "eval_problems": len(after), "paired_on": score_name(after_means),
+               **paired_comparison(before, after), "steps": step,
+               "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
+               "eval_prompts_too_long": source.eval_too_long, "data": source.description,
+               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "precision": engine.precision.name,
+               "checkpoint": str(final),
+               **({"merged_model": str(merged)} if merged else {}),
+               "config": cfg.to_dict()}
+    files.write_text(run_dir / "summary.json", json.dumps(guards.finite_or_none(summary), indent=2))
+    plot_curves(rows, evals.read(), run_dir / "curves.png")
+    tqdm.write(f"held-out {score_name(after_means)}: before {headline(before_means):.3f}, after "
+               f"{headline(after_means):.3f} ({len(after)} prompts, greedy; {summary['gained']} "
+               f"{'gained' if 'eval_accuracy' in after_means else 'better'}, {summary['lost']} "
+               f"{'lost' if 'eval_accuracy' in after_means else 'worse'}, sign-test p = {summary['sign_test_p']:.3g}); "
+               f"results in {run_dir}")
+    return summary
 
 
 class _StopAfterStep:
@@ -337,359 +420,6 @@ class _RolloutStream:
     def close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def train_command(config_path: str | None, overrides: list[str], *, resume: bool = False,
-                  allow_config_change: bool = False, default_config: str | None = None) -> dict:
-    """`hetrl train [--config RUN.yaml] [key=value ...] [--resume]`. On --resume without --config, the run's own
-    config (out_dir/run_config.yaml, written when it started) is the base, so `hetrl train --resume
-    out_dir=DIR` continues exactly the run in DIR."""
-    if resume and config_path is None:
-        out_dir = config_data(default_config, overrides).get("out_dir", RunConfig.out_dir)
-        saved = pathlib.Path(str(out_dir)) / RUN_CONFIG
-        config_path = str(saved) if saved.is_file() else default_config
-    return train(load_config(config_path, overrides), resume=resume, allow_config_change=allow_config_change)
-
-
-RUN_CONFIG = "run_config.yaml"
-
-
-@contextlib.contextmanager
-def _run_lock(run_dir: pathlib.Path):
-    """One run at a time in an out_dir: two would overwrite each other's checkpoints and metrics."""
-    fd = os.open(run_dir / ".hetrl.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InputError(f"another hetrl run is using out_dir {run_dir}; wait for it to end or choose another "
-                             "out_dir") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def _start_over(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, why: str) -> None:
-    """A run with nothing to resume from (it stopped before its first checkpoint): its rows are dropped."""
-    tqdm.write(f"{run_dir}: {why}; starting the run from step 0")
-    for log_ in (metrics, evals):
-        if os.path.lexists(log_.path):
-            os.unlink(log_.path)
-
-
-def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume: bool,
-                  allow_config_change: bool) -> pathlib.Path | None:
-    """The checkpoint to continue from (None: start at step 0), after the checks that keep a run from being
-    lost (an existing run is never overwritten) or silently changed (a resume keeps its config)."""
-    if not resume:
-        if checkpoint.any_saved(run_dir):
-            raise InputError(f"{run_dir} already holds a run with checkpoints; continue it with: "
-                             f"{resume_command(cfg)}, or choose another out_dir=... to start a new one")
-        if metrics.exists() or evals.exists():
-            _start_over(run_dir, metrics, evals, "the run there stopped before its first checkpoint")
-        return None
-    ckpt = checkpoint.latest(run_dir, say=tqdm.write)
-    if ckpt is None:
-        if not (metrics.exists() or evals.exists() or (run_dir / RUN_CONFIG).is_file()):
-            raise InputError(f"--resume: {run_dir} holds no run to resume (no checkpoint, no metrics); check "
-                             "out_dir, or start a new run there without --resume")
-        _start_over(run_dir, metrics, evals, "--resume: no intact checkpoint to resume from")
-        return None
-    changes = config_changes(checkpoint.saved_config(ckpt), cfg)
-    if changes:
-        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-        if not allow_config_change:
-            raise InputError(f"--resume: the config differs from the checkpoint's ({ckpt.name}) in what the run "
-                             f"computes: {listed}. Resume with the run's own config ({resume_command(cfg)}), start "
-                             "a new run in another out_dir, or pass --allow-config-change (from Python: "
-                             "hetrl.train(..., resume=True, allow_config_change=True)) to continue with the new values")
-        tqdm.write(f"--allow-config-change: resuming {ckpt.name} with {listed} (logged in {run_dir / 'resumes.jsonl'})")
-        MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
-            k: [a, b] for k, (a, b) in changes.items()}})
-    return ckpt
-
-
-def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=None) -> Source:
-    """The run's prompts: the user's rows (`data=` or a dataset from Python) or the reasoning-gym task."""
-    if cfg.data is None and eval_dataset is not None:
-        raise InputError("eval_dataset is the held-out part of train_dataset; pass train_dataset too")
-    if cfg.data is None:
-        return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cfg.max_prompt_tokens,
-                          cfg.prompt_suffix)
-    if cfg.data == PYTHON and train_dataset is None:
-        raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
-                         "from Python with the same dataset: hetrl.train(..., train_dataset=..., resume=True)")
-    data = train_dataset if train_dataset is not None else cfg.data
-    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
-    if evals == PYTHON:
-        raise InputError("this run's eval data was passed from Python; pass it again: hetrl.train(..., eval_dataset=...)")
-    return RowSource(data, evals, eval_size=cfg.eval_size, seed=cfg.seed, tokenizer=tokenizer,
-                     prompt_key=cfg.prompt_key, max_prompt_tokens=cfg.max_prompt_tokens,
-                     prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
-
-
-def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
-    """What can fail in the user's data and reward code, found before the model loads (hetrl.data.checks): the
-    rows read and checked (then handed on as rows, so they are read once), each reward function imported and
-    its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
-    if cfg.critic_model is not None:
-        build.critic_model_problem(cfg)
-    for f in (reward_list(reward_funcs) if reward_funcs is not None else cfg.rewards):
-        if callable(f) or ":" in f:
-            convention(f if callable(f) else load_reward(f))
-    if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
-        return train_dataset, eval_dataset
-    train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
-    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
-    return train, evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
-
-
-def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:
-    """The run's reward functions (the config's, or those passed from Python), plus the format bonus, plus an
-    environment's get_reward() (weight 1, as TRL)."""
-    funcs = reward_list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
-    weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
-    if agent is not None and agent.env_reward:
-        funcs.append(environment_reward(agent.environment_factory))
-        weights.append(1.0)
-    if cfg.format_reward > 0:
-        funcs.append("format")
-        weights.append(cfg.format_reward)
-    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key),
-                     errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s, strict=cfg.strict)
-
-
-def reward_list(reward_funcs) -> list:
-    """reward_funcs from Python: a list, or one reward (a name, spec or callable) as TRL's reward_funcs takes it."""
-    return [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs)
-
-
-def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs, tools=None,
-                  environment_factory=None) -> dict:
-    """The config fields recorded for data, rewards, tools or an environment given from Python: `<python>` where no
-    path names them."""
-    changes = {}
-    if tools is not None:
-        changes["tools"] = tuple(f"{PYTHON}:{getattr(t, '__name__', type(t).__name__)}" for t in tools)
-    if environment_factory is not None:
-        changes["environment"] = f"{PYTHON}:{getattr(environment_factory, '__name__', 'environment_factory')}"
-    reward_funcs = None if reward_funcs is None else reward_list(reward_funcs)
-    if train_dataset is not None:
-        if cfg_data not in (None, PYTHON):
-            raise InputError(f"give the data once: data={cfg_data} in the config and train_dataset from Python")
-        changes["data"] = PYTHON
-        if eval_dataset is not None:
-            if cfg_eval_data not in (None, PYTHON):
-                raise InputError(f"give the eval data once: eval_data={cfg_eval_data} in the config and eval_dataset "
-                                 "from Python")
-            changes["eval_data"] = PYTHON
-    if reward_funcs is not None:
-        if not reward_funcs:
-            raise InputError("reward_funcs is empty; give at least one reward function")
-        changes["reward"] = tuple(f if isinstance(f, str) else f"{PYTHON}:{getattr(f, '__name__', type(f).__name__)}"
-                                  for f in reward_funcs)
-    return changes
-
-
-def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False, *, train_dataset=None,
-          eval_dataset=None, reward_funcs=None, tools=None, environment_factory=None) -> dict:
-    """Run (or with `resume`, continue) the training run `cfg` describes. From Python, `train_dataset` /
-    `eval_dataset` (a datasets.Dataset or a list of dicts) and `reward_funcs` (callables, built-in names or
-    FILE.py:NAME specs) stand in for the config's data and reward."""
-    changes = python_fields(cfg.data, cfg.eval_data, train_dataset, eval_dataset, reward_funcs, tools,
-                            environment_factory)
-    if any(getattr(cfg, k) != v for k, v in changes.items()):
-        cfg = dataclasses.replace(cfg, **changes)
-    run_dir = pathlib.Path(cfg.out_dir)
-    files.prepare_out_dir(run_dir)
-    with _run_lock(run_dir):
-        metrics = MetricsLog(run_dir / "metrics.jsonl")
-        evals = MetricsLog(run_dir / "eval.jsonl")
-        ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
-        files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
-        try:
-            # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
-            on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
-            with allocator.freed_memory_kept(on_cpu):
-                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
-                                        tools, environment_factory, allow_config_change)
-        finally:
-            if metrics.tracker is not None:
-                metrics.tracker.close()
-
-
-def run_precision_name(cfg: RunConfig) -> str:
-    """The precision the run computes in, precision=auto resolved (learner.resolve_precision): bf16-mixed or fp32."""
-    from hetrl.trainer.placement import run_precision
-
-    return "bf16-mixed" if run_precision(cfg) == "bf16" else "fp32"
-
-
-def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
-                     environment_factory=None, allow_config_change: bool = False) -> dict:
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
-    if device.type == "cuda":
-        build.fast_fp32_matmuls(cfg)
-    tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
-    train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
-    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
-    model = model.to(device)
-    agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
-    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset)
-    rewards = build_rewards(cfg, source, reward_funcs, agent)
-    if agent is not None:
-        tqdm.write(f"tools: {', '.join(s['function']['name'] for s in agent.schemas)}; chat template: "
-                   + ("the model's" if agent.template is None else "hetrl's Qwen2.5-style ChatML (the model's "
-                      "renders no tools)"))
-    tqdm.write(f"prompts: {source.description}; rewards: "
-               + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights))
-               + f"; precision: {run_precision_name(cfg)}" + (" (auto)" if cfg.precision == "auto" else ""))
-    first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
-    prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
-    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else memory.available_bytes(device)
-    mem = memory.check_fits(cfg, model, prompt_len, limit)
-    log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
-    try:
-        engine = make_engine(cfg, model, tokenizer, prompt_len)
-        del model  # the engine holds what it needs (the Ray engine: only actors)
-        try:
-            return _run(cfg, engine, source, rewards, run_dir, metrics, evals, ckpt, agent, allow_config_change)
-        finally:
-            engine.close()
-    finally:
-        rewards.close()
-
-
-def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path,
-                     allow_config_change: bool = False) -> None:
-    """A checkpoint continues only on the data and rewards it was trained with (a path's file may have changed,
-    and data or rewards from Python have no path to compare), unless the user allows the change (data that was
-    fixed after a run stopped on it), which is logged in resumes.jsonl."""
-    if state.get("data_fingerprint") not in (None, source.fingerprint):
-        if allow_config_change:
-            tqdm.write(f"--allow-config-change: resuming {ckpt.name} on changed data ({source.description})")
-            MetricsLog(ckpt.parents[1] / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
-                "data_fingerprint": [state["data_fingerprint"], source.fingerprint]}})
-            return
-        raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
-                         "held-out split or the prompt columns differ); resume with the run's own data, pass "
-                         "--allow-config-change (hetrl.train(..., resume=True, allow_config_change=True)) to "
-                         "continue on the changed data (logged), or start a new run in another out_dir")
-    if state.get("reward_names") not in (None, rewards.names):
-        raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
-                         f"{', '.join(rewards.names)}; pass the same reward functions")
-
-
-def _run(cfg, engine: Engine, source, rewards, run_dir, metrics, evals, ckpt, agent=None,
-         allow_config_change=False) -> dict:
-    step, next_problem, before, version = 0, 0, None, 0
-    tool_worker = episodes.EpisodeWorker(engine.worker, agent, cfg.prompt_suffix) if agent is not None else None
-    last_saved: pathlib.Path | None = None
-    if ckpt is not None:
-        state = engine.load(ckpt)
-        _check_same_data(state, source, rewards, ckpt, allow_config_change)
-        step, next_problem, before = state["step"], state["next_problem"], state["eval_before"]
-        # checkpoints written before rewards were pluggable held correctness flags only
-        before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
-        version, last_saved = step, ckpt
-        metrics.truncate_after(step)
-        evals.truncate_after(step)
-        tqdm.write(f"resumed from {ckpt} (step {step})")
-    if before is None:
-        before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
-                                        tool_worker)
-        evals.write({"step": 0, **before_means})
-        tqdm.write(f"held-out {_score_name(before_means)} before training: {_headline(before_means):.3f} "
-                   f"({len(before)} prompts, greedy)")
-
-    def save(at_step):
-        nonlocal last_saved
-        last_saved = engine.save(run_dir, at_step, {
-            "next_problem": next_problem, "eval_before": [float(v) for v in before],
-            "eval_before_means": before_means, "data_fingerprint": source.fingerprint,
-            "reward_names": rewards.names}, cfg.to_dict())
-        return last_saved
-
-    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine.worker, start, tool_worker),
-                            next_problem,
-                            cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
-    with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
-        while step < cfg.steps and not stop.requested:
-            t0 = time.perf_counter()
-            rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
-            kept, sampled, next_problem, reward_stats = stream.next()
-            t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
-            row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
-            if isinstance(source, RowSource):
-                row["epoch"] = source.epoch(next_problem - 1)
-            versions = [s.version for r in kept for s in r.samples if s.version is not None]
-            if versions:
-                row["staleness"] = version - min(versions)
-                assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
-            skipped: list[str] = []
-            if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
-                row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
-            if kept:
-                row |= update_policy(cfg, engine.learner, kept, engine.reference, getattr(engine, "critic", None),
-                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1)
-                version += 1
-                row |= engine.sync_weights(version)
-            step += 1
-            row["step_s"] = time.perf_counter() - t0
-            row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
-            metrics.write(row)
-            for reason in row.get("skipped", []):
-                tqdm.write(f"nonfinite=skip: {reason}")
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
-                                    tool_worker)
-                evals.write({"step": step, **means})
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
-                save(step)
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
-                            **({"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}),
-                            tok_s=f"{row['tokens_per_s']:.0f}")
-    stream.close()
-    if stop.requested and step < cfg.steps:
-        tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
-        return {"stopped_at_step": step, "interrupted": True}
-
-    after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
-                                  tool_worker)
-    evals.write({"step": step, **after_means})
-    final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
-    merged = engine.save_merged(run_dir) if cfg.lora_rank else None   # the adapter is in the checkpoint
-    rows = metrics.read()
-    summary = {**{f"{k}_before": v for k, v in before_means.items()},
-               **{f"{k}_after": v for k, v in after_means.items()},
-               "eval_problems": len(after), "paired_on": _score_name(after_means),
-               **paired_comparison(before, after), "steps": step,
-               "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
-               "eval_prompts_too_long": source.eval_too_long, "data": source.description,
-               "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "precision": run_precision_name(cfg),
-               "checkpoint": str(final),
-               **({"merged_model": str(merged)} if merged else {}),
-               "config": cfg.to_dict()}
-    files.write_text(run_dir / "summary.json", json.dumps(guards.finite_or_none(summary), indent=2))
-    plot_curves(rows, evals.read(), run_dir / "curves.png")
-    tqdm.write(f"held-out {_score_name(after_means)}: before {_headline(before_means):.3f}, after "
-               f"{_headline(after_means):.3f} ({len(after)} prompts, greedy; {summary['gained']} "
-               f"{'gained' if 'eval_accuracy' in after_means else 'better'}, {summary['lost']} "
-               f"{'lost' if 'eval_accuracy' in after_means else 'worse'}, sign-test p = {summary['sign_test_p']:.3g}); "
-               f"results in {run_dir}")
-    return summary
-
-
-def _score_name(means: dict) -> str:
-    return "accuracy" if "eval_accuracy" in means else "reward"
-
-
-def _headline(means: dict) -> float:
-    return means.get("eval_accuracy", means["eval_reward"])
 
 
 def _token_slice(groups, part) -> torch.Tensor:

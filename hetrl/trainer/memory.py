@@ -17,8 +17,8 @@ from hetrl.planner.cost import task_memory
 from hetrl.planner.plan import Parallelism
 from hetrl.planner.spec import TokenLengths
 
-from .learner import mixed, samples_in_bf16
 from .placement import model_spec_from_hf, run_workload
+from .precision import RunPrecision, samples_in_bf16
 
 GIB = 1024**3
 
@@ -40,8 +40,9 @@ def available_bytes(device=None) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
-    """-> term -> bytes for training `model` with RunConfig `cfg` on prompts of about `prompt_tokens`."""
+def estimate(cfg, model, prompt_tokens: int, precision: RunPrecision) -> dict[str, int]:
+    """-> term -> bytes for training `model` with RunConfig `cfg` in `precision` on prompts of about
+    `prompt_tokens`."""
     spec = model_spec_from_hf(model.config.get_text_config())
     b = next(model.parameters()).element_size()
     w = run_workload(cfg, spec, TokenLengths(prompt_tokens, float(prompt_tokens)), "bf16" if b == 2 else "fp32")
@@ -51,8 +52,11 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
                         micro_batch_tokens=t)
     ref = task_memory(w, "ref_infer", Parallelism(), micro_batch_tokens=t) if w.reference else None
     # a bf16-mixed run holds its reference in bf16 (build.frozen): half of an fp32 weight
-    ref_scale = 0.5 if b == 4 and mixed(cfg.precision, next(model.parameters()).device) else scale
+    ref_scale = 0.5 if b == 4 and precision.autocast else scale
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
+    if cfg.branches > 1:   # whole tasks per rollout batch, each growing to max_leaves rows (episodes.py)
+        leaves = cfg.max_leaves or cfg.responses_per_prompt * cfg.branches
+        gen_rows = min(cfg.prompts_per_step, max(1, cfg.rollout_batch_size // leaves)) * leaves
     gen_len = prompt_tokens + cfg.max_new_tokens
     # LoRA: gradients and Adam moments only for the adapter's parameters (the planner's per-parameter bytes, scaled
     # to their count); the reference is the same weights with the adapter off, so no second copy.
@@ -64,9 +68,9 @@ def estimate(cfg, model, prompt_tokens: int) -> dict[str, int]:
         # SDPA's math path on CPU materialises one layer's [heads, T, T] scores; CUDA's flex/flash kernels do not
         "attention_scores": spec.heads * t * t * b if next(model.parameters()).device.type == "cpu" else 0,
         "reference_model": int(ref.weights * ref_scale) if ref and not cfg.lora_rank else 0,
-        # the local rollout's own bf16 copy of the policy where it samples in bf16 (learner.samples_in_bf16)
+        # the local rollout's own bf16 copy of the policy where it samples in bf16 (precision.samples_in_bf16)
         "rollout_model": int(train.weights * scale / 2)
-        if cfg.executor == "local" and samples_in_bf16(cfg, model, bool(cfg.lora_rank)) else 0,
+        if cfg.executor == "local" and samples_in_bf16(precision, model, bool(cfg.lora_rank)) else 0,
         "generation_kv_cache": gen_rows * gen_len * spec.kv_bytes_per_token * b // 2 + gen_rows * spec.vocab * 4,
     }
 
@@ -88,8 +92,9 @@ def lora_parameters(cfg, model) -> int:
     return count
 
 
-def check_fits(cfg, model, prompt_tokens: int, limit_bytes: int | None = None) -> dict[str, int]:
-    terms = estimate(cfg, model, prompt_tokens)
+def check_fits(cfg, model, prompt_tokens: int, precision: RunPrecision, limit_bytes: int | None = None
+               ) -> dict[str, int]:
+    terms = estimate(cfg, model, prompt_tokens, precision)
     limit = limit_bytes if limit_bytes is not None else available_bytes()
     total = sum(terms.values())
     if total > limit:

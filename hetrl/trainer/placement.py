@@ -116,17 +116,6 @@ def model_spec_from_hf(config, name: str = "run") -> ModelSpec:
                      tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), name=name)
 
 
-def run_precision(cfg) -> str:
-    """The planner's precision of a run: bf16 where it runs bf16-mixed (learner.resolve_precision on the device the
-    run resolves to), else fp32."""
-    import torch   # only to resolve device=auto, as the run will
-
-    from hetrl.trainer.learner import mixed
-
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return "bf16" if mixed(cfg.precision, device) else "fp32"
-
-
 def old_logprob_share(cfg, precision: str) -> float:
     """Share of the samples a run's learner recomputes old log-probs for (loop.update_policy): none in async
     mode (they come with the samples) or where the rollout's fp32 sampling logits give them (old_logprobs; local
@@ -140,17 +129,16 @@ def old_logprob_share(cfg, precision: str) -> float:
     return 1 - math.ceil(groups / k) / groups
 
 
-def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str | None = None) -> WorkloadSpec:
+def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str) -> WorkloadSpec:
     """The planner workload of a `hetrl train` run: its model, batch and lengths; a reference model only when
     the KL term needs one; a critic of the actor's size for PPO; rewards are verifiers (no reward model); its
-    precision (run_precision unless given), its mini-batches as optimizer steps and the old log-prob passes its
-    learner runs (old_logprob_share)."""
-    precision = precision or run_precision(cfg)
+    precision (the planner's name: the run's RunPrecision.planner), its mini-batches as optimizer steps and the old
+    log-prob passes its learner runs (old_logprob_share)."""
     # the cost model's mini-batches hold whole groups in equal numbers; a split that is not even is priced as one
     # optimizer step (its per-step gradient sync and Adam step then counted once)
     steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
     return WorkloadSpec(
-        algorithm=cfg.algorithm, mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
+        algorithm=cfg.algorithm if cfg.algorithm in ("grpo", "dapo", "ppo") else "grpo", mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
         reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision,
@@ -158,11 +146,13 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
         rollout_logprob_pass=cfg.mode == "async" and not logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"))
 
 
-def plan_for_run(cfg, model_config, prompt_len: int) -> tuple[ClusterSpec, Plan]:
+def plan_for_run(cfg, model_config, prompt_len: int, precision: str) -> tuple[ClusterSpec, Plan]:
     """The cluster of a Ray run (`emulate_cluster` or `cluster`) and its plan: the user's `plan` file checked
-    against the run's workload, or else the hybrid search's for the run's model, batch and lengths."""
+    against the run's workload (in the planner's `precision`), or else the hybrid search's for the run's model,
+    batch and lengths."""
     cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
-    workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len))
+    workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len),
+                            precision)
     if cfg.plan:
         return cluster, load_plan(cfg.plan, cluster, workload)
     return cluster, plan_search(cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan

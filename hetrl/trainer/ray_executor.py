@@ -37,10 +37,11 @@ import torch
 from tqdm import tqdm
 
 from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, files
+from hetrl.trainer import allocator, build, checkpoint, files, guards
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.learner import CriticStats, UpdateStats, samples_in_bf16
+from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.precision import RunPrecision, samples_in_bf16
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.placement import (ROLES, ExecutorFailure, Replica, actor_threads, node_resources, plan_for_run,
                                      replicas)
@@ -97,22 +98,22 @@ def _start(threads: int) -> None:
         allocator.keep_freed_memory()
 
 
-def _on_device(cfg: RunConfig, model):
+def _on_device(precision: RunPrecision, model):
     """`model` on the actor's GPU when Ray gave one (with TF32 where the run's precision allows it)."""
     if not ray.get_gpu_ids():
         return model
-    build.fast_fp32_matmuls(cfg)
+    build.fast_fp32_matmuls(precision)
     return model.to("cuda")
 
 
-def _setup(cfg: RunConfig, threads: int, lora: bool = True):
+def _setup(cfg: RunConfig, precision: RunPrecision, threads: int, lora: bool = True):
     """Actor start-up, then the policy (with its LoRA adapter when the run has one and `lora`) and the tokenizer,
     on the actor's GPU when Ray gave one."""
     from hetrl.models import load_model
 
     _start(threads)
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
-    model = _on_device(cfg, model)
+    model = _on_device(precision, model)
     return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
 
@@ -126,18 +127,19 @@ def _whereabouts() -> dict:
 
 
 class RolloutActor:
-    def __init__(self, cfg: RunConfig, threads: int, behaviour_logprobs: bool):
+    def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, behaviour_logprobs: bool):
         """Sampled continuations come with their tokens' log-probs under the weights that drew them wherever the
         sampling logits give them (config.logits_give_old_logprobs: fp32 logits), at no cost: a sync step's later
         mini-batches then take them as old log-probs, as the local loop does. `behaviour_logprobs` (async mode):
         they must come with every sample, so where the logits do not give them (bf16 logits, or
         old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them."""
-        self.policy, tokenizer = _setup(cfg, threads)
-        if samples_in_bf16(cfg, self.policy.module, self.policy.lora):   # it samples from bf16 weights
+        self.policy, tokenizer = _setup(cfg, precision, threads)
+        if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
             self.policy.module.to(torch.bfloat16)
-        self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer)
+        self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
         self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
-        self.scorer = build.scorer(cfg, self.policy.module) if behaviour_logprobs and not self.logits_logprobs else None
+        self.scorer = build.scorer(cfg, self.policy.module, precision) \
+            if behaviour_logprobs and not self.logits_logprobs else None
         self.version = 0
 
     def whereabouts(self) -> dict:
@@ -165,9 +167,9 @@ class RolloutActor:
 
 
 class ReferenceActor:
-    def __init__(self, cfg: RunConfig, threads: int):
-        base, _ = _setup(cfg, threads, lora=False)   # the reference is the base model (with LoRA: the adapter off)
-        self.scorer = build.scorer(cfg, build.frozen(cfg, base.module))
+    def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int):
+        base, _ = _setup(cfg, precision, threads, lora=False)   # the reference: the base model (LoRA: adapter off)
+        self.scorer = build.scorer(cfg, build.frozen(base.module, precision), precision)
 
     def whereabouts(self) -> dict:
         return _whereabouts()
@@ -212,8 +214,8 @@ class LearnerActor(_DataParallel):
     (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
     process group is up."""
 
-    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, zero: int = 1, offload: str = "none",
-                 recompute: bool = False):
+    def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int, zero: int = 1,
+                 offload: str = "none", recompute: bool = False):
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if offload not in ("none", "optimizer", "params"):
@@ -222,16 +224,16 @@ class LearnerActor(_DataParallel):
         if zero == 3 and cfg.lora_rank:
             raise InputError("zero: 3 (FSDP2) learners with LoRA are not supported yet: the adapter's states are "
                              "small, use zero: 1 in the plan, or full fine-tuning")
-        self.policy, self.tokenizer = _setup(cfg, threads)
+        self.policy, self.tokenizer = _setup(cfg, precision, threads)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in _setup)
             build.recompute(self.policy.module)
-        self.cfg, self.rank, self.world = cfg, rank, world
-        # the rollouts sample from bf16 weights (learner.samples_in_bf16): send them bf16, half the bytes
-        self.bf16_rollouts = samples_in_bf16(cfg, self.policy.module, self.policy.lora)
+        self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
+        # the rollouts sample from bf16 weights (precision.samples_in_bf16): send them bf16, half the bytes
+        self.bf16_rollouts = samples_in_bf16(precision, self.policy.module, self.policy.lora)
         # ZeRO-2 (only gradients and optimizer states sharded) has no FSDP2 form; its memory lies between 1 and 3
         self.sharded = zero == 3 and world > 1
         self.optimizer = build.optimizer(cfg, self.policy)
-        self.learner = build.learner(cfg, self.policy, self.optimizer,
+        self.learner = build.learner(cfg, self.policy, self.optimizer, precision,
                                      grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
 
     def whereabouts(self) -> dict:
@@ -248,13 +250,13 @@ class LearnerActor(_DataParallel):
 
             sharding.shard(self.policy.module, offload=self.offload)
             self.optimizer = build.optimizer(self.cfg, self.policy)
-            self.learner = build.learner(self.cfg, self.policy, self.optimizer, sharded=True)
+            self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision, sharded=True)
 
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
 
-    def update(self, groups, advantages, weights, old_logp, ref_logp):
-        return self.learner.update(groups, advantages, weights, old_logp, ref_logp)
+    def update(self, groups, advantages, weights, old_logp, ref_logp, lr_step=None):
+        return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step)
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """What weight sync sends. Sharded learners gather the full weights on rank 0 (every rank must be called;
@@ -294,11 +296,12 @@ class CriticActor(_DataParallel):
     its clipped value update, gradients all-reduced over the critic ranks as the learners' are. The plan's ZeRO
     stage is not applied here: every rank holds the whole critic (a replica)."""
 
-    def __init__(self, cfg: RunConfig, threads: int, rank: int, world: int, recompute: bool = False):
+    def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int,
+                 recompute: bool = False):
         _start(threads)
-        model = _on_device(cfg, build.critic_model(cfg))
+        model = _on_device(precision, build.critic_model(cfg))
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.critic = build.critic(cfg, model, grad_sync=allreduce_grads if world > 1 else None)
+        self.critic = build.critic(cfg, model, precision, grad_sync=allreduce_grads if world > 1 else None)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
             build.recompute(model)
 
@@ -391,12 +394,14 @@ class ShardedScorer:
             out[idx] = res
         return out
 
-    def _spread(self, method: str, groups, *per_token: torch.Tensor) -> list:
-        """`method(groups, *per_token)` on every actor with its share of the groups and of each [K] tensor."""
+    def _spread(self, method: str, groups, *per_token: torch.Tensor, same: tuple = ()) -> list:
+        """`method(groups, *per_token, *same)` on every actor with its share of the groups and of each [K] tensor
+        (`same`: arguments every actor gets as they are)."""
         parts = assign_groups(_packed_sizes(groups), len(self.actors))
         idx = _rank_tokens(groups, parts)
         args = [[[groups[i] for i in part] for part in parts]]
         args += [[None if t is None else t[i] for i in idx] for t in per_token]
+        args += [[value] * len(parts) for value in same]
         return self._get(_call(self.actors, method, *args))
 
     def call_all(self, method: str, *args) -> list:
@@ -463,10 +468,10 @@ class LearnerGroup(ShardedScorer):
             return self.call_first(method, *args)
         return self.call_all(method, *args)[0]
 
-    def update(self, groups, advantages, weights, old_logp, ref_logp=None) -> UpdateStats:
+    def update(self, groups, advantages, weights, old_logp, ref_logp=None, lr_step=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
             return UpdateStats.no_step()
-        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp)
+        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp, same=(lr_step,))
         return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
                            entropy=sum(s.entropy for s in stats), grad_norm=guards.worst(s.grad_norm for s in stats),
@@ -572,7 +577,10 @@ class RolloutPool:
                 del self.recovering[ref]
                 self._lose(a, "node lost")
 
-    def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, logprobs=False):
+        """`logprobs`: never asked (RayEngine.rollout_logprobs): each actor gives its samples' log-probs itself
+        wherever its sampling logits give them (RolloutActor)."""
+        assert not logprobs, "the rollout actors decide which samples carry log-probs (RolloutActor)"
         with self.lock:
             self.calls += 1
             self._forget_homeless()
@@ -631,10 +639,13 @@ class RayEngine:
     """Starts (or joins) Ray, places the plan's actors, and offers the loop the Engine protocol
     (hetrl/trainer/engine.py)."""
 
-    def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    episodes = None            # tools and environments: the local executor's rollout only (RunConfig refuses them)
+    rollout_logprobs = False   # the rollout actors give their samples' log-probs themselves (RolloutActor)
+
+    def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int, precision: RunPrecision):
+        self.cfg, self.tokenizer, self.precision = cfg, tokenizer, precision
         emulated = cfg.emulate_cluster is not None
-        self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len)
+        self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len, precision.planner)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
         if cfg.lora_rank and any(r.role == "learner" and r.zero == 3 for r in self.replicas):
             raise InputError("the plan gives actor_train zero: 3 (FSDP2 learners), which hetrl does not run with LoRA "
@@ -682,13 +693,14 @@ class RayEngine:
         # Ray GPUs are requested on a real cluster that has them; a cluster of CPU machines (or raylets started for
         # a test) places actors by their hetrl-node resources alone
         real = not emulated and ray.cluster_resources().get("GPU", 0) > 0
+        p = self.precision   # every actor computes in the run's precision, decided once on the driver
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
-            cfg, threads[r.name], cfg.mode == "async") for r in by_role["rollout"]]
-        learners = [_remote(LearnerActor, r, real).remote(cfg, threads[r.name], r.rank, len(by_role["learner"]),
+            cfg, p, threads[r.name], cfg.mode == "async") for r in by_role["rollout"]]
+        learners = [_remote(LearnerActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["learner"]),
                                                           r.zero, r.offload, r.recompute) for r in by_role["learner"]]
-        references = [_remote(ReferenceActor, r, real).remote(cfg, threads[r.name])
+        references = [_remote(ReferenceActor, r, real).remote(cfg, p, threads[r.name])
                       for r in by_role["reference"]] if cfg.kl_coef > 0 else []
-        critics = [_remote(CriticActor, r, real).remote(cfg, threads[r.name], r.rank, len(by_role["critic"]),
+        critics = [_remote(CriticActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["critic"]),
                                                         r.recompute) for r in by_role["critic"]]
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references, "critic": critics}
         ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started
@@ -771,6 +783,9 @@ class RayEngine:
             self.pending_sync = [f for f in self.pending_sync + futures if f not in finished]
         out["rollout_failures"] = self.worker.failures
         return out
+
+    def phase_seconds(self) -> dict[str, float]:
+        return {}     # the rollout's phases run in the actors, unmeasured here
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
         staged = {checkpoint.CRITIC: self.critic.call_first("stage", str(run_dir))} if self.critic else None

@@ -30,7 +30,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 from hetrl.dualkv.api import _token_logprobs as token_logprobs
 from hetrl.dualkv.decode import SharedPrefixCache, Unsupported, decoding
 from hetrl.trainer.config import logits_give_old_logprobs
-from hetrl.trainer.learner import amp, mixed
+from hetrl.trainer.precision import FP32, RunPrecision
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ class Sample:
 
 
 class RolloutWorker:
-    def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32"):
+    def __init__(self, model, tokenizer, batch_size: int = 64, precision: RunPrecision = FP32):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.precision = precision   # bf16-mixed (or auto where it resolves so): prefill and decoding under bf16 autocast
+        self.precision = precision   # the run's (precision.decide): prefill and decoding under bf16 autocast or not
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         # seconds spent so far in the shared prompt prefill and in decoding (generate from the prefilled cache,
@@ -67,7 +67,7 @@ class RolloutWorker:
     def gives_logprobs(self, old_logprobs: str) -> bool:
         """Whether this worker's samples carry their old log-probs off its sampling logits under the run's
         `old_logprobs` (config.logits_give_old_logprobs: its logits are fp32, not under bf16 autocast)."""
-        return logits_give_old_logprobs(old_logprobs, mixed(self.precision, next(self.model.parameters()).device))
+        return logits_give_old_logprobs(old_logprobs, self.precision.autocast)
 
     def load_weights(self, state_dict: dict) -> None:
         """Weight sync from a learner that holds a separate copy of the policy (cast to this model's dtype)."""
@@ -114,7 +114,7 @@ class RolloutWorker:
         warp = None if greedy else warpers(temperature, top_p)
         scored = temperature if logprobs else None
         last, full_mask = ids[:, -1].repeat_interleave(n), mask.repeat_interleave(n, 0)
-        with torch.no_grad(), amp(self.model, self.precision):
+        with torch.no_grad(), self.precision.amp(self.model):
             rows = None
             if self.shared_decode and width > 1:
                 t0 = time.perf_counter()

@@ -1,7 +1,24 @@
 import pytest
 import torch
 
-from hetrl.algo import clipped_policy_loss, group_advantages, kl_k3, token_weights
+from hetrl.algo import advantage, kl_penalty, per_token_policy_loss, token_weights
+
+
+def group_advantages(rewards, **options):
+    """[G, N] outcome rewards -> [G, N] advantages through the registry's estimator on [G*N, 1] rows."""
+    index = torch.arange(rewards.shape[0]).repeat_interleave(rewards.shape[1])
+    flat = rewards.reshape(-1, 1)
+    return advantage("grpo", flat, torch.ones_like(flat), index, **options).view_as(rewards)
+
+
+def clipped_policy_loss(logp, old_logp, advantages, clip_low, clip_high):
+    loss, metrics = per_token_policy_loss("vanilla", old_logp, logp, advantages, torch.ones_like(logp),
+                                          clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=None)
+    return loss, metrics["pg_clipfrac"]
+
+
+def kl_k3(logp, ref_logp):
+    return kl_penalty(logp, ref_logp, "k3")
 
 
 def test_group_advantages_center_and_scale_per_group():
@@ -9,9 +26,10 @@ def test_group_advantages_center_and_scale_per_group():
     a = group_advantages(r)
     assert torch.allclose(a[0], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) / (0.5773502691896257 + 1e-6))
     assert torch.equal(a[1], torch.zeros(4, dtype=torch.float64))  # no signal in an all-equal group
-    assert torch.allclose(group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64))
-    with pytest.raises(ValueError, match="groups, responses_per_group"):
-        group_advantages(torch.zeros(4))
+    assert torch.allclose(group_advantages(r, norm_adv_by_std_in_grpo=False)[0],
+                          torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64))
+    with pytest.raises(ValueError, match="one group id per row"):
+        advantage("grpo", torch.zeros(4, 1), torch.ones(4, 1), [0, 0])
 
 
 def test_clipped_loss_matches_ppo_definition():
@@ -46,5 +64,36 @@ def test_token_weights_sum_to_one_and_drop_left_out_responses():
     assert tm.tolist() == pytest.approx([0.2] * 5 + [0.0] * 5)
     sm = token_weights(lens, keep, "seq-mean-token-mean")
     assert sm.tolist() == pytest.approx([0.25, 0.25] + [1 / 6] * 3 + [0.0] * 5)
+    assert token_weights(lens, keep, "token-sum").tolist() == [1.0] * 5 + [0.0] * 5
+    assert token_weights(lens, keep, "seq-mean-token-sum").tolist() == pytest.approx([0.5] * 5 + [0.0] * 5)
+    assert token_weights(lens, keep, "seq-mean-token-sum-norm", loss_scale_factor=4).tolist() == pytest.approx(
+        [0.125] * 5 + [0.0] * 5)
     with pytest.raises(ValueError, match="loss aggregation must be one of"):
         token_weights(lens, keep, "sum")
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        token_weights(lens, keep, "seq-mean-token-sum-norm")
+
+
+def test_tree_advantages_by_hand():
+    """Two rollouts; the first forks at token 2 into two leaves. Rewards 1, 0 (the fork's leaves) and 0.5."""
+    from hetrl.algo import tree_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    paths, forks, lens = [(0, 0), (0, 1), (1,)], [(2,), (2,), ()], [4, 3, 2]
+    leaves = tree_advantages(r, paths, forks, lens, scale=False)
+    assert leaves.tolist() == [0.5] * 4 + [-0.5] * 3 + [0.0] * 2          # every leaf against the mean 0.5
+    sub = tree_advantages(r, paths, forks, lens, subtree=True, scale=False)
+    # before the fork: against the task's leaves (0.5); after it: against the fork's leaves (0.5 too) ...
+    assert sub.tolist() == [0.5, 0.5, 0.5, 0.5, -0.5, -0.5, -0.5, 0.0, 0.0]
+    r2 = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)                 # ... and here 1/3 and 1/2
+    sub = tree_advantages(r2, paths, forks, lens, subtree=True, scale=False)
+    assert torch.allclose(sub, torch.tensor([2 / 3, 2 / 3, 0.5, 0.5, -1 / 3, -1 / 3, -0.5, -1 / 3, -1 / 3],
+                                            dtype=torch.float64), atol=1e-15)
+    scaled = tree_advantages(r2, paths, forks, lens, subtree=True)
+    assert torch.allclose(scaled, sub / (r2.std() + 1e-6), atol=1e-15)
+    # no fork: the per-subtree baseline is GRPO's
+    flat = [(0,), (1,), (2,)], [(), (), ()]
+    assert torch.allclose(tree_advantages(r2, *flat, lens, subtree=True), tree_advantages(r2, *flat, lens),
+                          atol=1e-15)
+    with pytest.raises(ValueError, match="increasing fork positions"):
+        tree_advantages(r, paths, [(2,), (5,), ()], lens)

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from hetrl.algo import clipped_value_loss, explained_variance, gae, whiten
+from hetrl.algo import clipped_value_loss, explained_variance, gae_returns, row_mask, to_packed, to_padded, whiten
+
+
+def gae(rewards, values, lens, gamma, lam):
+    """GAE on packed [K] responses through the trainer's adapter (hetrl/algo/packing.py)."""
+    if rewards.shape != values.shape:
+        raise ValueError(f"rewards and values must both be [K], got {tuple(rewards.shape)} and {tuple(values.shape)}")
+    adv, ret = gae_returns(to_padded(rewards, lens), to_padded(values, lens), row_mask(lens), gamma, lam)
+    return to_packed(adv, lens), to_packed(ret, lens)
 
 
 def test_gae_equals_the_hand_computed_trajectory():

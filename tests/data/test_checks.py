@@ -77,9 +77,9 @@ QUICK = ["eval_size=4", "prompts_per_step=2", "responses_per_prompt=2", "mini_ba
 
 
 def test_bad_data_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    from hetrl.trainer import loop
+    from hetrl.trainer import run
 
-    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     data = _data(tmp_path, ROWS[:5] + [{"prompt": ""}] + ROWS[5:])
     assert main(["train", "--config", "examples/runs/tiny.yaml", f"out_dir={tmp_path / 'r'}", f"data={data}",
                  *QUICK]) == 2

@@ -149,7 +149,7 @@ def test_fp64_chunked_lm_head_equals_standard(family, monkeypatch):
     got, entropy = shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7,
                                           return_entropy=True)
     assert (got - want).abs().max().item() <= 1e-9
-    assert not entropy.requires_grad and bool((entropy > 0).all())
+    assert entropy.requires_grad and bool((entropy > 0).all())    # its gradient: test_entropy_gradient_equals_...
     _assert_grads_close(_param_grads(model, got, weights), want_grads, rel=1e-8)
     with torch.no_grad():
         assert (shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7) - want).abs().max() <= 1e-9
@@ -212,3 +212,29 @@ def test_compiled_flex_keeps_one_kernel_across_many_packed_lengths():
             want = flex.flex_attention(q, k, v, block_mask=mask, scale=0.3, enable_gqa=True)
             assert (got - want).abs().max().item() <= 1e-5
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("impl,chunked", [("sdpa", False), ("reference", False), ("sdpa", True)])
+def test_fp64_entropy_and_its_gradient_equal_standard(impl, chunked, monkeypatch):
+    """The entropy bonus's gradient (and the log-probs' with it) through the gathered log-softmax and the
+    chunked LM head, against autograd through the plain forward's softmax."""
+    from hetrl.dualkv import api
+
+    model = tiny_model("llama")
+    if chunked:
+        monkeypatch.setattr(api, "CHUNK_LOGITS_ABOVE_BYTES", 0)
+        monkeypatch.setattr(api, "CHUNK_BYTES", 5 * 4 * model.config.vocab_size)
+    groups = _batch(9, 3, seed=5)
+    want_lp, want_ent = standard_logprobs(model, groups, 0.7, entropy=True)
+    got_lp, got_ent = shared_prompt_logprobs(model, pack_groups(groups), impl=impl, temperature=0.7,
+                                             return_entropy=True)
+    assert (got_ent - want_ent).abs().max().item() <= 1e-9
+    a = torch.linspace(-1.0, 2.0, want_lp.numel(), dtype=torch.float64)
+    b = torch.linspace(0.5, -1.5, want_lp.numel(), dtype=torch.float64)
+    for lp_w, ent_w in ((a, b), (None, b)):      # both terms, and the entropy alone
+        def grads(lp, ent):
+            model.zero_grad(set_to_none=True)
+            loss = (ent * ent_w).sum() + ((lp * lp_w).sum() if lp_w is not None else 0.0)
+            loss.backward(retain_graph=True)
+            return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        _assert_grads_close(grads(got_lp, got_ent), grads(want_lp, want_ent), rel=1e-8)

@@ -33,7 +33,7 @@ def test_algorithm_presets_fill_unset_knobs():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(algorithm="reinforce"), r"algorithm must be one of grpo, dapo, ppo, got 'reinforce'"),
+    (dict(algorithm="reinforce"), r"algorithm must be one of grpo, dapo, ppo, gspo, dr_grpo, rloo, reinforce_pp, cispo, got 'reinforce'"),
     (dict(data="x.jsonl"), "reward 'verifier' is a reasoning-gym task's own check"),
     (dict(reward="exactmatch"), "reward 'exactmatch' is not a built-in"),
     (dict(reward=("verifier", "format"), reward_weights=(1.0,)), "reward_weights has 1 weights for 2 rewards"),
@@ -46,7 +46,7 @@ def test_algorithm_presets_fill_unset_knobs():
     (dict(top_p=1.5), r"top_p must be a finite number in \(0, 1\]"),
     (dict(steps="ten"), "steps must be an int >= 1"),
     (dict(impl="triton"), "impl must be one of"),
-    (dict(clip_low=1.0), "clip_low"),
+    (dict(clip_low=1.5), "clip_low"),
 ])
 def test_bad_values_say_what_is_wrong(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -214,7 +214,7 @@ def test_episodes_train_through_the_loops_update():
             for i, (e, g) in enumerate(zip(examples, out))]
     cfg = load_config(str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml"),
                       ["mini_batches=2", "kl_coef=0", "micro_batch_tokens=4096"])
-    _, weights = loop._per_token(kept, cfg)
+    weights = loop._weights(kept, cfg)
     mask = loss_mask([s for r in kept for s in r.samples])
     assert mask is not None and (~mask).sum() > 0 and (weights[~mask] == 0).all()
     assert math.isclose(float(weights.sum()), 1.0, rel_tol=1e-12)

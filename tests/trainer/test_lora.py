@@ -16,6 +16,7 @@ from hetrl.models import load_model
 from hetrl.trainer import build
 from hetrl.trainer.engine import LocalEngine
 from hetrl.trainer.config import load_config
+from hetrl.trainer.precision import decide
 
 TINY = str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml")
 LORA = ["lora_rank=4", "lora_alpha=8", "eval_size=8", "kl_coef=0.05"]
@@ -55,7 +56,7 @@ def test_a_lora_run_moves_only_the_adapter_and_writes_a_loadable_merged_model(tm
 def test_the_lora_reference_is_the_base_model_with_the_adapter_off():
     cfg = load_config(TINY, [*LORA, "lr=0.05"])
     model, tokenizer = load_model("tiny", seed=0)
-    engine = LocalEngine(cfg, model, tokenizer)
+    engine = LocalEngine(cfg, model, tokenizer, decide(cfg))
     assert engine.policy.lora and engine.reference.model is engine.policy.module   # no second copy
     with torch.no_grad():   # make the adapter matter
         for p in engine.policy.trainable():

@@ -11,6 +11,7 @@ from hetrl.algo import token_weights
 from hetrl.models import load_model
 from hetrl.trainer import build
 from hetrl.trainer.config import load_config
+from hetrl.trainer.precision import RunPrecision, cpu_has_fast_bf16, decide
 
 from .test_train import TINY, _rows
 
@@ -36,7 +37,7 @@ def _roles(precision, kind="learner"):
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_learner_passes_run_in_the_precision_asked_for(precision):
     cfg, pol, _ = _roles(precision)
-    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol), decide(cfg))
     seen = _linear_dtypes(pol.module)
     logp = learner.logprobs(GROUPS)
     want = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
@@ -59,13 +60,13 @@ def test_mixed_log_probs_and_values_are_close_to_fp32():
     out = {}
     for precision in ("fp32", "bf16-mixed"):
         cfg, pol, _ = _roles(precision)
-        critic = build.critic(cfg, build.critic_model(cfg, pol.module))
+        critic = build.critic(cfg, build.critic_model(cfg, pol.module), decide(cfg))
         torch.nn.init.normal_(critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))  # not 0
         seen = _linear_dtypes(critic.model)
         values = critic.values(GROUPS)
         assert values.dtype == torch.float32 and set(seen) == {
             torch.bfloat16 if precision == "bf16-mixed" else torch.float32}
-        out[precision] = (build.scorer(cfg, pol.module).logprobs(GROUPS), values)
+        out[precision] = (build.scorer(cfg, pol.module, decide(cfg)).logprobs(GROUPS), values)
     (lp32, v32), (lp16, v16) = out["fp32"], out["bf16-mixed"]
     assert not torch.equal(lp32, lp16)                        # bf16 did run
     assert (lp32 - lp16).abs().max() < 0.1 and (v32 - v16).abs().max() < 0.05
@@ -73,7 +74,7 @@ def test_mixed_log_probs_and_values_are_close_to_fp32():
 
 def test_mixed_rollout_decodes_in_bf16():
     cfg, pol, tokenizer = _roles("bf16-mixed")
-    worker = build.rollout_worker(cfg, pol.module, tokenizer)
+    worker = build.rollout_worker(cfg, pol.module, tokenizer, decide(cfg))
     seen = _linear_dtypes(pol.module)
     torch.manual_seed(0)
     out = worker.generate([[5, 6, 7, 8], [9, 10, 11]], 3, 6, temperature=1.0)
@@ -93,58 +94,105 @@ def test_a_mixed_precision_run_completes(tmp_path):
 
 def test_auto_precision_is_fp32_on_a_cpu_without_bf16(monkeypatch):
     """precision=auto (the default) runs a CPU without bf16 instructions in fp32 (conftest pins the suite there)."""
-    from hetrl.trainer.placement import run_precision
-
     monkeypatch.setenv("HETRL_CPU_BF16", "0")
     cfg, pol, _ = _roles("auto")
     assert load_config(TINY, []).precision == "auto"
     seen = _linear_dtypes(pol.module)
-    build.scorer(cfg, pol.module).logprobs(GROUPS)
+    build.scorer(cfg, pol.module, decide(cfg)).logprobs(GROUPS)
     assert seen and set(seen) == {torch.float32}
-    assert run_precision(load_config(TINY, ["device=cpu"])) == "fp32"
+    assert decide(load_config(TINY, ["device=cpu"])) == RunPrecision("fp32", autocast=False, auto=True)
 
 
 def test_auto_precision_is_bf16_mixed_on_a_cpu_with_bf16(monkeypatch):
     """On a CPU with AVX512-BF16 or AMX, precision=auto is bf16-mixed everywhere the run asks: the learner's and
     the reference's passes, the planner's workload, the run's summary and the TRL bench's GRPOConfig."""
-    from hetrl.trainer.loop import run_precision_name
-    from hetrl.trainer.placement import run_precision
-
     monkeypatch.setenv("HETRL_CPU_BF16", "1")
     cfg, pol, _ = _roles("auto")
-    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol), decide(cfg))
     seen = _linear_dtypes(pol.module)
     logp = learner.logprobs(GROUPS)
     assert seen and set(seen) == {torch.bfloat16} and logp.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in pol.trainable())
-    cpu = load_config(TINY, ["device=cpu"])
-    assert run_precision(cpu) == "bf16" and run_precision_name(cpu) == "bf16-mixed"
-    assert run_precision(load_config(TINY, ["device=cpu", "precision=fp32"])) == "fp32"   # asked for: kept
+    cpu = decide(load_config(TINY, ["device=cpu"]))
+    assert cpu.planner == "bf16" and str(cpu) == "bf16-mixed (auto)"
+    assert decide(load_config(TINY, ["device=cpu", "precision=fp32"])).planner == "fp32"   # asked for: kept
 
 
 def test_cpu_bf16_is_asked_of_the_cpu_unless_said(monkeypatch):
-    from hetrl.trainer import learner
-
     monkeypatch.delenv("HETRL_CPU_BF16")
     asked = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    assert learner.cpu_has_fast_bf16() is asked
-    assert learner.resolve_precision("auto", "cpu") == ("bf16-mixed" if asked else "fp32")
+    assert cpu_has_fast_bf16() is asked
+    assert decide(load_config(TINY, ["device=cpu"])).name == ("bf16-mixed" if asked else "fp32")
     for said, has in (("1", True), ("0", False)):
         monkeypatch.setenv("HETRL_CPU_BF16", said)
-        assert learner.cpu_has_fast_bf16() is has
-    assert learner.resolve_precision("fp32", "cpu") == "fp32"
-    assert learner.resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
-    assert learner.resolve_precision("auto", "cuda") == "bf16-mixed"
+        assert cpu_has_fast_bf16() is has
     monkeypatch.setenv("HETRL_CPU_BF16", "yes")
     with pytest.raises(ValueError, match="HETRL_CPU_BF16='yes': use 1"):
-        learner.cpu_has_fast_bf16()
+        cpu_has_fast_bf16()
+
+
+# dtype, precision, device, CPU has bf16 -> what runs, under autocast, the planner's name
+DECIDED = [
+    ("float32", "auto", "cpu", False, "fp32", False, "fp32"),
+    ("float32", "auto", "cpu", True, "bf16-mixed", True, "bf16"),
+    ("float32", "auto", "cuda", False, "bf16-mixed", True, "bf16"),
+    ("float32", "fp32", "cuda", True, "fp32", False, "fp32"),
+    ("float32", "bf16-mixed", "cpu", False, "bf16-mixed", True, "bf16"),
+    # autocast never casts fp64 values: an fp64 run is fp64 whatever precision=auto would choose on the device
+    ("float64", "auto", "cpu", True, "fp64", False, "fp32"),
+    ("float64", "auto", "cuda", False, "fp64", False, "fp32"),
+    ("float64", "fp32", "cpu", False, "fp64", False, "fp32"),
+    ("bfloat16", "auto", "cpu", False, "bf16", False, "fp32"),
+    ("bfloat16", "auto", "cuda", False, "bf16", True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("dtype,asked,device,cpu_bf16,name,autocast,planner", DECIDED)
+def test_a_run_decides_its_precision_once_from_dtype_precision_and_device(monkeypatch, dtype, asked, device,
+                                                                          cpu_bf16, name, autocast, planner):
+    monkeypatch.setenv("HETRL_CPU_BF16", "1" if cpu_bf16 else "0")
+    decided = decide(load_config(TINY, [f"dtype={dtype}", f"precision={asked}", f"device={device}"]))
+    assert (decided.name, decided.autocast, decided.planner, decided.auto) == (name, autocast, planner, asked == "auto")
+    assert str(decided) == name + (" (auto)" if asked == "auto" else "")
+
+
+def test_every_role_of_a_run_carries_its_one_precision(monkeypatch):
+    """The learner (and its log-prob scorer), the reference, the critic and the rollout hold the very value the
+    engine was built with, and the summary's precision is read off the engine."""
+    from hetrl.trainer.engine import LocalEngine
+
+    monkeypatch.setenv("HETRL_CPU_BF16", "1")
+    cfg = load_config(TINY, ["algorithm=ppo", "kl_coef=0.01"])
+    model, tokenizer = load_model("tiny", seed=0)
+    decided = decide(cfg)
+    engine = LocalEngine(cfg, model, tokenizer, decided)
+    roles = [engine.learner, engine.learner.scorer, engine.reference, engine.critic, engine.worker]
+    assert decided.name == "bf16-mixed" and all(r.precision is decided for r in roles) and engine.precision is decided
+
+
+def test_an_fp64_run_says_fp64(tmp_path, capsys, monkeypatch):
+    """A dtype=float64 run on a CPU with bf16 (where precision=auto means bf16-mixed for fp32 weights) computes in
+    fp64, and its log line and summary.json say so; no pass runs under autocast."""
+    import json
+
+    from hetrl.cli import main
+
+    monkeypatch.setenv("HETRL_CPU_BF16", "1")
+    seen = []
+    real = RunPrecision.amp
+    monkeypatch.setattr(RunPrecision, "amp", lambda self, model: seen.append(self.autocast) or real(self, model))
+    assert main(["train", "--config", TINY, "dtype=float64", "steps=1", "eval_size=4", "checkpoint_every=0",
+                 f"out_dir={tmp_path / 'run'}"]) == 0
+    assert "; precision: fp64 (auto)\n" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["precision"] == "fp64"
+    assert seen and not any(seen)
 
 
 @pytest.mark.gpu
 def test_auto_precision_is_bf16_mixed_on_cuda():   # conftest skips gpu tests where CUDA is absent
     cfg, pol, _ = _roles("auto")
     pol.module.to("cuda")
-    learner = build.learner(cfg, pol, build.optimizer(cfg, pol))
+    learner = build.learner(cfg, pol, build.optimizer(cfg, pol), decide(cfg))
     seen = _linear_dtypes(pol.module)
     logp = learner.logprobs(GROUPS)
     assert set(seen) == {torch.bfloat16} and logp.dtype == torch.float32
@@ -170,12 +218,12 @@ def test_a_mixed_run_holds_its_reference_in_bf16():
         cfg = load_config(TINY, [f"precision={precision}", "kl_coef=0.01"])
         model, _ = load_model("tiny", seed=0)
         pol = build.policy(cfg, model)
-        ref = build.reference(cfg, pol, lambda: copy.deepcopy(model))
+        ref = build.reference(cfg, pol, lambda: copy.deepcopy(model), decide(cfg))
         dtypes = {p.dtype for p in ref.model.parameters()}
         assert dtypes == {torch.bfloat16 if precision == "bf16-mixed" else torch.float32}
         assert all(p.dtype == torch.float32 for p in pol.trainable())     # the policy keeps its fp32 master copy
         assert not any(p.requires_grad for p in ref.model.parameters())
-        out[precision] = (ref.logprobs(GROUPS), memory.estimate(cfg, model, 16)["reference_model"])
+        out[precision] = (ref.logprobs(GROUPS), memory.estimate(cfg, model, 16, decide(cfg))["reference_model"])
     assert torch.equal(out["fp32"][0], out["auto"][0])                     # auto is fp32 on the CPU
     assert (out["fp32"][0] - out["bf16-mixed"][0]).abs().max() < 0.1
     assert out["bf16-mixed"][1] * 2 == out["fp32"][1] > 0
@@ -190,9 +238,9 @@ def test_a_mixed_local_run_samples_from_a_bf16_copy_refreshed_after_each_update(
 
     cfg = load_config(TINY, ["precision=bf16-mixed", "kl_coef=0"])
     model, tokenizer = load_model("tiny", seed=0)
-    terms = memory.estimate(cfg, model, 16)
+    terms = memory.estimate(cfg, model, 16, decide(cfg))
     assert terms["rollout_model"] * 2 == terms["weights"] > 0
-    engine = LocalEngine(cfg, model, tokenizer)
+    engine = LocalEngine(cfg, model, tokenizer, decide(cfg))
     sampler, policy = engine.worker.model, engine.policy.module
     assert sampler is not policy and {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
@@ -211,6 +259,6 @@ def test_a_mixed_local_run_samples_from_a_bf16_copy_refreshed_after_each_update(
     for overrides in (["precision=fp32"], ["precision=bf16-mixed", "lora_rank=4"]):
         cfg = load_config(TINY, overrides + ["kl_coef=0"])
         model, tokenizer = load_model("tiny", seed=0)
-        assert memory.estimate(cfg, model, 16)["rollout_model"] == 0
-        engine = LocalEngine(cfg, model, tokenizer)
+        assert memory.estimate(cfg, model, 16, decide(cfg))["rollout_model"] == 0
+        engine = LocalEngine(cfg, model, tokenizer, decide(cfg))
         assert engine.worker.model is engine.policy.module and engine.sync_weights(1) == {}

@@ -22,7 +22,7 @@ from hetrl.algo import token_weights  # noqa: E402
 from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import load_cluster, plan_from_dict  # noqa: E402
 from hetrl.planner.spec import TokenLengths  # noqa: E402
-from hetrl.trainer import loop  # noqa: E402
+from hetrl.trainer.run import train  # noqa: E402
 from hetrl.trainer import build  # noqa: E402
 from hetrl.trainer.build import Policy  # noqa: E402
 from hetrl.schema import InputError  # noqa: E402
@@ -30,6 +30,7 @@ from hetrl.trainer.config import load_config  # noqa: E402
 from hetrl.trainer.placement import (actor_threads, model_spec_from_hf, node_resources, replicas,  # noqa: E402
                                      run_workload)
 from hetrl.trainer.metrics import TIMING_KEYS  # noqa: E402
+from hetrl.trainer.precision import decide  # noqa: E402
 from hetrl.trainer.ray_executor import (CriticActor, CriticGroup, LearnerActor, LearnerFailed,  # noqa: E402
                                         LearnerGroup, RayEngine, RolloutActor, RolloutPool, assign_groups,
                                         load_numpy_weights, state_to_numpy, weights_to_numpy)
@@ -68,7 +69,7 @@ def test_replicas_follow_the_plan_groups_and_share_colocated_gpus():
     cluster = load_cluster(CLUSTER)
     model, _ = load_model("tiny")
     cfg = load_config(TINY, [])
-    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0))
+    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0), decide(cfg).planner)
     reps = replicas(plan_from_dict(PLAN, cluster, w), cluster, single_node=False)
     got = {(r.role, r.rank): (r.gpus, dict(r.resources), r.sharded) for r in reps}
     assert got == {
@@ -97,7 +98,7 @@ def test_actor_threads_are_the_cores_of_the_plan_devices():
     between the rollout and the learner on it; a real node's cores are split over its own devices."""
     model, _ = load_model("tiny")
     cfg = load_config(TINY, [])
-    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0))
+    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0), decide(cfg).planner)
     local = load_cluster(str(ROOT / "examples" / "clusters" / "cpu-local.yaml"))
     tasks = ["actor_gen", "actor_infer", "ref_infer", "actor_train"]
     one, two, wide = {"tp": 1, "pp": 1, "dp": 1}, {"tp": 1, "pp": 1, "dp": 2}, {"tp": 2, "pp": 1, "dp": 1}
@@ -147,7 +148,7 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
     plan_path.write_text(json.dumps({"plan": PLAN}))
     cfg = _cfg(tmp_path, f"plan={plan_path}")
     model, tokenizer = load_model("tiny")
-    engine = RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+    engine = RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
     try:
         placed = engine.placement()
         table = {a["Name"]: a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"}
@@ -168,8 +169,8 @@ def test_actors_land_where_the_plan_says(local_ray, tmp_path):
 
 
 def _learner_group(world, cfg, zero=1, offload="none", recompute=False):
-    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, world, zero, offload, recompute)
-              for r in range(world)]
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, r, world, zero, offload,
+                                                                   recompute) for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
@@ -249,9 +250,9 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
 def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
     """The torch.distributed rendezvous of an emulated (one-machine) run is a file store in out_dir, and gloo
     uses the loopback interface: the learners listen on no outside address. (Ray's own gRPC servers listen on
-    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see README.)"""
+    every interface in Ray 2.60 whatever node IP it is given; hetrl cannot change that, see docs/ray.md.)"""
     cfg = _cfg(tmp_path)
-    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, 1, r, 2) for r in range(2)]
+    actors = [ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, r, 2) for r in range(2)]
     pids = [w["pid"] for w in ray.get([a.whereabouts.remote() for a in actors])]
     ray_own = {pid: _listening_addresses(pid) for pid in pids}          # the Ray worker's gRPC server
     address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
@@ -269,7 +270,7 @@ def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
 def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
     """PPO, so that the critic roles run asynchronously too (planned on the fly: no plan given)."""
     cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0", "algorithm=ppo", "critic_lr=1e-3")
-    summary = loop.train(cfg)
+    summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness"] <= 1 for r in rows) and any(r["staleness"] == 1 for r in rows)
@@ -287,7 +288,7 @@ def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(PLAN))
     cfg = _cfg(tmp_path, "lora_rank=4", "steps=2", "checkpoint_every=0", f"plan={plan_path}")
-    summary = loop.train(cfg)
+    summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     adapter = weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0]))
     assert adapter and all("lora_" in k for k in adapter)
@@ -312,14 +313,14 @@ def test_weight_sync_arrays_load_by_their_own_dtype():
 
 
 def test_a_mixed_run_on_ray_samples_from_bf16_weights_and_sends_half_the_bytes(local_ray, tmp_path):
-    """bf16-mixed on Ray: the rollout actors hold bf16 weights (learner.samples_in_bf16), and each weight sync
+    """bf16-mixed on Ray: the rollout actors hold bf16 weights (precision.samples_in_bf16), and each weight sync
     carries the learner's weights in bf16, half of fp32's bytes."""
     cfg = _cfg(tmp_path, "precision=bf16-mixed", "steps=2", "checkpoint_every=0")
-    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, 1, False)
+    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, False)
     assert ray.get(actor.__ray_call__.remote(lambda a: {p.dtype for p in a.policy.module.parameters()})) == \
         {torch.bfloat16}
     ray.kill(actor)
-    loop.train(cfg)
+    train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     fp32_bytes = sum(a.nbytes for a in weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0])).values())
     assert [r["weight_sync_bytes"] for r in rows] == [fp32_bytes // 2] * 2
@@ -335,12 +336,12 @@ def test_async_rollout_reads_behaviour_logprobs_off_its_fp32_logits(local_ray):
     got = {}
     for how in ("auto", "recompute"):
         cfg = load_config(TINY, ["max_new_tokens=12", "precision=fp32", f"old_logprobs={how}"])
-        actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, 1, True)
+        actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, True)
         got[how] = ray.get(actor.generate.remote(prompts, 4, 12, cfg.temperature, 1.0, False, 7))
         assert ray.get(actor.__ray_call__.remote(lambda a: a.scorer is None)) is (how == "auto")
         ray.kill(actor)
     cfg = load_config(TINY, ["max_new_tokens=12", "precision=fp32"])   # sync: given where free, never scored
-    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, 1, False)
+    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, False)
     sync = [s for g in ray.get(actor.generate.remote(prompts, 4, 12, cfg.temperature, 1.0, False, 7)) for s in g]
     assert ray.get(actor.__ray_call__.remote(lambda a: a.scorer is None))
     ray.kill(actor)
@@ -353,8 +354,8 @@ def test_async_rollout_reads_behaviour_logprobs_off_its_fp32_logits(local_ray):
 
 def test_a_killed_rollout_actor_loses_no_sample(local_ray):
     cfg = load_config(TINY, ["max_new_tokens=24"])
-    actors = [ray.remote(RolloutActor).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(cfg, 1, False)
-              for _ in range(2)]
+    actors = [ray.remote(RolloutActor).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(
+        cfg, decide(cfg), 1, False) for _ in range(2)]
     pool = RolloutPool(actors, batch_size=8, seed=0)
     model, tokenizer = load_model("tiny", seed=0)
     with torch.no_grad():  # version 1 differs from what a restarted actor loads, so a missed re-sync would show
@@ -387,7 +388,7 @@ def test_a_killed_rollout_actor_loses_no_sample(local_ray):
 def test_a_dead_learner_stops_the_run_and_says_how_to_resume(local_ray, tmp_path):
     cfg = _cfg(tmp_path, "kl_coef=0")
     model, tokenizer = load_model("tiny")
-    engine = RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+    engine = RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
     try:
         ckpt = engine.save(tmp_path / "run", 0, {"next_problem": 0, "eval_before": []}, cfg.to_dict())
         ray.kill(engine.actors["learner"][0])
@@ -400,7 +401,7 @@ def test_a_dead_learner_stops_the_run_and_says_how_to_resume(local_ray, tmp_path
 
 
 def _critic_group(world, cfg):
-    actors = [ray.remote(CriticActor).options(num_cpus=0).remote(cfg, 1, r, world) for r in range(world)]
+    actors = [ray.remote(CriticActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, r, world) for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
@@ -490,7 +491,8 @@ def test_ppo_on_ray_places_six_roles_and_a_killed_critic_resumes_exactly(local_r
 def test_the_example_plan_fits_the_example_cpu_cluster():
     cluster = load_cluster(str(ROOT / "examples" / "clusters" / "cpu-local.yaml"))
     model, _ = load_model("tiny")
-    w = run_workload(load_config(TINY, []), model_spec_from_hf(model.config), TokenLengths(40, 40.0))
+    cfg = load_config(TINY, [])
+    w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0), decide(cfg).planner)
     data = json.loads((ROOT / "examples" / "plans" / "cpu-local-split.json").read_text())
     reps = replicas(plan_from_dict(data, cluster, w), cluster, single_node=False)
     assert sorted((r.role, r.gpus) for r in reps) == [
@@ -503,7 +505,7 @@ def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tm
     model, tokenizer = load_model("tiny")
     actors_before = set(ray._private.state.actors())
     with pytest.raises(ValueError, match=r"hetrl-node:cpu: needs \d.*has 0.*ray start"):
-        RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+        RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
     assert set(ray._private.state.actors()) == actors_before   # refused before any actor was created
 
 
@@ -549,7 +551,7 @@ def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_
     cfg = _cfg(tmp_path, f"plan={tmp_path / 'plan.json'}", "lora_rank=4")
     model, tokenizer = load_model("tiny")
     with pytest.raises(InputError, match="zero: 3 .*LoRA"):
-        RayEngine(cfg, model.config, tokenizer, prompt_len=40)
+        RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
 
 
 def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(tmp_path):
@@ -562,8 +564,8 @@ def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(
 
     def workload(*extra):
         ray_run = [f"emulate_cluster={CLUSTER}"] if "executor=ray" in extra else []
-        return run_workload(load_config(TINY, [f"out_dir={tmp_path}", "precision=fp32", *ray_run, *extra]), spec,
-                            lengths)
+        cfg = load_config(TINY, [f"out_dir={tmp_path}", "precision=fp32", *ray_run, *extra])
+        return run_workload(cfg, spec, lengths, decide(cfg).planner)
 
     w = workload("executor=ray", "prompts_per_step=8", "mini_batches=2", "old_logprobs=recompute")
     assert (w.precision, w.optimizer_steps, w.old_logprob_share) == ("fp32", 2, 0.5)

@@ -61,9 +61,8 @@ def block_mask_from_visibility(visible_until: torch.Tensor) -> BlockMask:
     """The BlockMask over a stream of T tokens where key t is visible to query q iff t <= q < visible_until[t].
     Classified tile by tile in row chunks of bounded memory.
 
-    `create_block_mask` evaluates the mask over all T x T pairs at once (about 11 bytes per pair measured on
-    CPU: 2.9 GiB at T = 16K, ~50 GiB at the T = 67K of P = 32K with 32 responses), which would cost more memory
-    than the attention it serves. Here each chunk of query rows is compared against every key in booleans only,
+    `create_block_mask` evaluates the mask over all T x T pairs at once, which at long prompts costs more memory
+    than the attention it serves (measured: benchmarks/README.md, "Numbers behind constants in the code"). Here each chunk of query rows is compared against every key in booleans only,
     reduced to its tiles (empty, partial or full, as create_block_mask classifies them), and the tiles are
     handed to the public `BlockMask.from_kv_blocks`. The mask is the same; tests compare both on CPU."""
     n, device = visible_until.numel(), visible_until.device

@@ -17,30 +17,13 @@ attend to their ancestors' keys and their own segment's past in one of three way
   batched  depth-one trees (one prompt, N responses) only: the responses as a batch of N rows, each against
            [prompt keys, its own keys], padded to the longest response; scores N x R_max x (P + R_max) pairs.
            The prompt's K/V are broadcast into the batch (one copy of P x H_kv x d per response and layer).
-For depth-one trees (pack_groups) "auto" picks between stream and batched, whichever scores fewer pairs, as
-measured below; deeper trees take `tree`. Either way autograd (or _TreeAttention's backward) sums every
+For depth-one trees (pack_groups) "auto" picks between stream and batched, whichever scores fewer pairs; deeper
+trees take `tree`. Either way autograd (or _TreeAttention's backward) sums every
 descendant's contribution into a shared token's dK/dV, exactly as the standard layout's copies would.
 Masks, blocks and index tensors are built once per forward.
 
-Measured for depth-one trees (the one-prompt layout, before the tree strategy existed):
-Where the time goes (torch.profiler, CPU, 2 threads; Qwen3-shaped 4 layers, hidden 512, vocab 32,000;
-one update = forward + GRPO loss + backward at N=16, P=1024, R=64: 2,048 packed tokens against 17,408
-in the standard layout; `batched` is chosen, 1.1M scored pairs per head and layer against 2.1M for `stream`):
-  ~55%  matmuls: the decoder's linear layers on the 2,048 tokens (~0.75 s) and the LM head on the 1,009
-        rows that predict response tokens (forward + 2 backward GEMMs, ~0.42 s); nothing else to cut
-        without changing the model.
-  ~18%  attention: the responses' batch against [prompt, own keys] (forward 55 ms, backward 150 ms over 4
-        layers) and the prompt's causal block (31 + 77 ms). The N broadcast copies of the prompt's K/V
-        that `batched` builds cost ~20 ms (aten::cat) per update: measured, so left as they are.
-  ~10%  element-wise passes over the [1,009 x 32,000] logits: autograd through logsumexp + indexing
-        took ~8 passes in the backward; api._GatheredLogSoftmax does it in 3, and since works through
-        cache-sized row chunks (benchmarks/results/logsoftmax_chunks.md).
-  rest  RMSNorm / SwiGLU / RoPE element-wise ops, index_put of the responses' rows in the backward
-        (~20 ms); the Python loop over groups and layers does not show at one group (batches of many
-        small groups were not profiled).
-Above 256 MB of logits (e.g. N=16, P=2048, R=256) the LM head runs in recomputed row chunks instead
-(api._ChunkedLogProbs): the update's peak RSS increase there fell from 4.2 GB to 1.8 GB (packed: 8.7 GB)
-for ~12% more time (benchmarks/results/dualkv_cpu_memory_case.md).
+Where an update's time goes (matmuls, attention, the logits' passes) was profiled: benchmarks/README.md,
+"Numbers behind constants in the code".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The gathered log-softmax (hetrl.dualkv.api._GatheredLogSoftmax) worked through in cache-sized row chunks, against
-the whole-matrix passes it replaced, side by side in one run.
+"""Why the gathered log-softmax (hetrl.dualkv.api._GatheredLogSoftmax) works through cache-sized row chunks: against
+the whole-matrix passes it replaced, side by side in one run; result: benchmarks/results/logsoftmax_chunks.md.
 
-    python benchmarks/logsoftmax_chunks.py [--rounds 7] [--out benchmarks/results]
+    python -m benchmarks.studies.logsoftmax_chunks [--rounds 7] [--out benchmarks/results]
 
 Forward + backward with entropy (what each update micro-batch runs) over [U, V] logits at the default job's size
 (U = 1300 rows: its packed tokens per update; V = 49,152: SmolLM2's vocabulary; temperature 0.7), in fp32 and
@@ -13,15 +13,10 @@ Interleaved rounds, the first dropped as warm-up, medians; both checked against 
 from __future__ import annotations
 
 import argparse
-import pathlib
-import statistics
-import sys
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from hetrl.bench.harness import interleaved_times, machine, revision, spread, utc_now, write_results
 
 
 class WholeMatrix(torch.autograd.Function):
@@ -66,12 +61,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    from hetrl.bench.machine import cpu
-    from hetrl.bench.results import write_results
-    from hetrl.bench.train_vs_trl import revision
     from hetrl.dualkv.api import CACHE_CHUNK_BYTES
 
-    res = {"revision": revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu(),
+    res = {"revision": revision(), "date": utc_now(), "machine": machine(),
            "chunk_bytes": CACHE_CHUNK_BYTES, "rounds": args.rounds, "cases": []}
     v, t = 49152, 0.7
     for u, dtype in ((1300, torch.float32), (1300, torch.bfloat16), (4096, torch.float32)):
@@ -79,27 +71,30 @@ def main() -> int:
         z = (torch.randn(u, v, generator=g) * 3).to(dtype).requires_grad_(True)
         rows = torch.arange(u)
         labels = torch.randint(0, v, (u,), generator=g)
-        times, errs = {"whole matrix": [], "row chunks": []}, {}
-        for r in range(args.rounds + 1):
-            for name, fn in (("whole matrix", old), ("row chunks", new)):
-                z.grad = None
-                t0 = time.perf_counter()
-                logp, _ = fn(z, rows, labels, t)
-                logp.sum().backward()
-                times[name].append(time.perf_counter() - t0)
-                if r == 0:
-                    z64 = z.detach().double().requires_grad_(True)
-                    ref = torch.log_softmax(z64 / t, -1)[rows, labels]
-                    ref.sum().backward()
-                    errs[name] = {"logp": (logp.double() - ref.detach()).abs().max().item(),
-                                  "grad": (z.grad.double() - z64.grad).abs().max().item()}
+        fns = {"whole matrix": old, "row chunks": new}
+
+        def step(fn):
+            z.grad = None
+            logp, _ = fn(z, rows, labels, t)
+            logp.sum().backward()
+            return logp
+
+        errs = {}   # the warm-up round: each variant against an fp64 reference
+        for name, fn in fns.items():
+            logp = step(fn)
+            z64 = z.detach().double().requires_grad_(True)
+            ref = torch.log_softmax(z64 / t, -1)[rows, labels]
+            ref.sum().backward()
+            errs[name] = {"logp": (logp.double() - ref.detach()).abs().max().item(),
+                          "grad": (z.grad.double() - z64.grad).abs().max().item()}
+        times = interleaved_times({name: lambda fn=fn: step(fn) for name, fn in fns.items()}, args.rounds, warmup=0)
         case = {"rows": u, "vocab": v, "dtype": str(dtype).removeprefix("torch."), "errors_vs_fp64": errs,
-                **{name: {"median_s": statistics.median(ts[1:]), "times": ts} for name, ts in times.items()}}
+                **{name: {**spread(ts), "times": ts} for name, ts in times.items()}}
         res["cases"].append(case)
         print(u, case["dtype"], {k: round(case[k]["median_s"], 3) for k in times}, flush=True)
 
     lines = ["# The gathered log-softmax: cache-sized row chunks against whole-matrix passes", "",
-             f"`python benchmarks/logsoftmax_chunks.py` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"`python -m benchmarks.studies.logsoftmax_chunks` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
              f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']}. Forward + backward with "
              f"entropy, temperature {t}; chunks of {CACHE_CHUNK_BYTES >> 20} MiB of fp32 rows; median of "
              f"{args.rounds} interleaved rounds after one warm-up. Errors: the largest absolute difference from an "

@@ -1,12 +1,13 @@
-"""The LM head and log-softmax in row chunks at Qwen's 151,936-token vocabulary (#20 item 3: "[tokens x vocab]
-logits never exist whole; measure the memory"), against the same pass with the logits whole, side by side.
+"""Why the LM head and log-softmax run in row chunks (#20 item 3: "[tokens x vocab] logits never exist whole; measure
+the memory"): at Qwen's 151,936-token vocabulary, against the same pass with the logits whole, side by side; results:
+benchmarks/results/lm_head_chunks.md and lm_head_chunks_checkpointing.md.
 
-    python benchmarks/lm_head_chunks.py [--response-tokens 2048] [--rounds 2] [--out benchmarks/results]
+    python -m benchmarks.studies.lm_head_chunks [--response-tokens 2048] [--rounds 2] [--checkpointing]
 
 The model is `config:qwen2.5-0.5b` (Qwen2.5-0.5B's architecture, random weights, fp32; vocabulary 151,936, tied
 embeddings). One group: a 256-token prompt and 8 responses of response-tokens / 8 tokens. Each measurement is a
 fresh process that loads the model, then runs `shared_prompt_logprobs` forward, a weighted sum and backward; the
-peak RSS increase over the loaded model (VmHWM reset before the pass, as benchmarks/dualkv_grid does) is the pass's
+peak RSS increase over the loaded model (VmHWM reset before the pass, as hetrl/bench/dualkv_grid.py does) is the pass's
 memory. `whole`: the chunking threshold (api.CHUNK_LOGITS_ABOVE_BYTES) raised above these logits, so the head runs
 on all rows at once. Rounds interleave the two.
 """
@@ -18,10 +19,10 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from hetrl.bench.harness import machine, revision, seconds, utc_now, write_results
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 MODEL = "config:qwen2.5-0.5b"
 
@@ -45,11 +46,13 @@ def child(variant: str, response_tokens: int, checkpointing: bool) -> None:
     with open("/proc/self/clear_refs", "w") as f:       # reset VmHWM to the current RSS
         f.write("5")
     resident = _status_kb("VmRSS")
-    t0 = time.perf_counter()
-    logp = shared_prompt_logprobs(model, batch, impl="sdpa")
-    (logp * torch.linspace(0.5, 1.5, logp.numel())).sum().backward()
-    seconds = time.perf_counter() - t0
-    print(f"RESULT {variant} {_status_kb('VmHWM') - resident} {seconds:.2f} {batch.labels.numel()}")
+
+    def update():
+        logp = shared_prompt_logprobs(model, batch, impl="sdpa")
+        (logp * torch.linspace(0.5, 1.5, logp.numel())).sum().backward()
+
+    took = seconds(update)
+    print(f"RESULT {variant} {_status_kb('VmHWM') - resident} {took:.2f} {batch.labels.numel()}")
 
 
 def main() -> int:
@@ -63,16 +66,13 @@ def main() -> int:
     if args.child:
         child(args.child[0], int(args.child[1]), args.checkpointing)
         return 0
-    from hetrl.bench.machine import cpu
-    from hetrl.bench.results import write_results
-    from hetrl.bench.train_vs_trl import revision
     from hetrl.dualkv import api
 
     runs = {"chunked": [], "whole": []}
     labels = 0
     for _ in range(args.rounds):
         for variant in runs:
-            out = subprocess.run([sys.executable, __file__, "--child", variant, str(args.response_tokens)]
+            out = subprocess.run([sys.executable, "-m", "benchmarks.studies.lm_head_chunks", "--child", variant, str(args.response_tokens)]
                                  + (["--checkpointing"] if args.checkpointing else []),
                                  capture_output=True, text=True, cwd=ROOT)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
@@ -82,13 +82,13 @@ def main() -> int:
             runs[variant].append({"peak_increase_mb": int(kb) / 1024, "seconds": float(seconds)})
             print(variant, runs[variant][-1], flush=True)
     logits_mb = int(labels) * 151936 * 4 / 2**20
-    res = {"revision": revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu(),
+    res = {"revision": revision(), "date": utc_now(), "machine": machine(),
            "model": MODEL, "checkpointing": args.checkpointing, "response_tokens": int(labels), "fp32_logits_mb": logits_mb,
            "chunk_above_bytes": api.CHUNK_LOGITS_ABOVE_BYTES, "chunk_bytes": api.CHUNK_BYTES, "runs": runs}
     med = {k: statistics.median(r["peak_increase_mb"] for r in v) for k, v in runs.items()}
     sec = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
     lines = ["# The LM head in row chunks at a 151,936-token vocabulary: the pass's memory", "",
-             f"`python benchmarks/lm_head_chunks.py` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"`python -m benchmarks.studies.lm_head_chunks` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
              f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']}. {MODEL} (fp32), one group "
              f"of a 256-token prompt and 8 responses, {labels} response tokens: their fp32 logits would be "
              f"{logits_mb:.0f} MiB whole; activation checkpointing "

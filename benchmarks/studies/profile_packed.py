@@ -1,18 +1,20 @@
-"""Why `packed` (verl's layout) slows down faster than its FLOPs grow at P=2048, R=64 on CPU.
+"""Why `packed` (verl's layout) slows down faster than its FLOPs grow at P=2048, R=64 on CPU; result:
+benchmarks/results/dualkv_cpu_packed_profile.md.
 
 Runs one update step of the bench's `packed` variant at N responses (after a warm-up step) and reports its
 wall, user and system CPU seconds and page faults (getrusage around the step), then torch.profiler's top ops
-for a second step. Usage: python benchmarks/profile_packed.py 8 16 > benchmarks/results/dualkv_cpu_packed_profile.md
+for a second step.
+
+    python -m benchmarks.studies.profile_packed 8 16 > benchmarks/results/dualkv_cpu_packed_profile.md
 """
 
 import resource
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hetrl.bench.dualkv import machine_info
+from hetrl.bench.harness import machine, seconds
 from hetrl.bench.dualkv_grid import Case, build_model, make_group, update_step, variant_logprobs
 
 
@@ -23,9 +25,9 @@ def one(n: int, p: int = 2048, r: int = 64) -> str:
     fn, adv = variant_logprobs("packed", model, prompt, responses), torch.ones(n * r)
     update_step(fn, adv)
     model.zero_grad(set_to_none=True)
-    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    update_step(fn, adv)
-    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    wall = seconds(lambda: update_step(fn, adv))
+    after = resource.getrusage(resource.RUSAGE_SELF)
     model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         update_step(fn, adv)
@@ -37,6 +39,6 @@ def one(n: int, p: int = 2048, r: int = 64) -> str:
 
 
 if __name__ == "__main__":
-    print(f"# `packed` update step profile ({machine_info()})\n")
+    print(f"# `packed` update step profile ({machine()})\n")
     for arg in sys.argv[1:] or ["8", "16"]:
         print(one(int(arg)), flush=True)

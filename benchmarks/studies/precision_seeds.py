@@ -1,8 +1,8 @@
-"""precision=fp32 against precision=bf16-mixed on the default job, over seeds: held-out accuracy and step time of
-finished `hetrl train` runs, side by side (issue #17: bf16-mixed may become the CPU default only where it is
-faster with no loss of held-out accuracy).
+"""Why `precision=auto` is bf16-mixed on CPUs with bf16 instructions (issue #17: only where it is faster with no loss
+of held-out accuracy): fp32 against bf16-mixed on the default job over seeds, from finished `hetrl train` runs;
+result: benchmarks/results/precision_seeds.md.
 
-    python benchmarks/precision_seeds.py --fp32 RUN_DIR... --bf16 RUN_DIR... [--out benchmarks/results/precision_seeds]
+    python -m benchmarks.studies.precision_seeds --fp32 RUN_DIR... --bf16 RUN_DIR... [--out benchmarks/results/precision_seeds]
 
 Each RUN_DIR is a finished run's out_dir (summary.json, metrics.jsonl, run_config.yaml), e.g. from
 `hetrl train precision=bf16-mixed seed=1 out_dir=...` or `hetrl bench train`'s work directory. The precision a run
@@ -18,6 +18,8 @@ import json
 import pathlib
 import statistics
 import sys
+
+from hetrl.bench.harness import write_results
 
 PHASES = ("gen_s", "logprob_s", "update_s", "step_s")
 
@@ -49,7 +51,7 @@ def side_summary(runs: list[dict]) -> dict:
 def markdown(result: dict) -> str:
     fp32, bf16 = result["sides"]["fp32"], result["sides"]["bf16-mixed"]
     lines = ["# The default job at fp32 and at bf16-mixed, over seeds", "",
-             f"`python benchmarks/precision_seeds.py` over finished `hetrl train` runs of the default job "
+             f"`python -m benchmarks.studies.precision_seeds` over finished `hetrl train` runs of the default job "
              f"(SmolLM2-135M, GRPO, 16 steps of 8 prompts x 8 samples, 100 held-out prompts, greedy; each precision "
              f"evaluates in its own precision). {result['machine']} Step times: each run's median over its steps "
              "after the first; the side's figure is the mean over its seeds.", "",
@@ -83,8 +85,7 @@ def main(argv=None) -> None:
     result = {"machine": args.machine, "runs": runs,
               "sides": {p: side_summary([r for r in runs if r["precision"] == p]) for p in ("fp32", "bf16-mixed")}}
     out = pathlib.Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    write_results(out.parent, out.name, result, markdown(result))
     print(markdown(result))
 
 

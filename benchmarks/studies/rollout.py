@@ -1,4 +1,5 @@
-"""The rollout, step by step against transformers' `generate`, side by side in one run.
+"""Why hetrl decodes with its own loop: the rollout, step by step against transformers' `generate`, side by side in
+one run; result: benchmarks/results/rollout.md.
 
 SmolLM2-135M (the default run's model), seeded, temperature 0.7, top-p 1, the two cases of `hetrl bench train`:
 `default` (the default job's rollout batch: 8 reasoning-gym arithmetic prompts of ~38 tokens x 8 samples, 16 new
@@ -16,21 +17,19 @@ Rounds interleaved, median seconds. Samples differ between variants (different r
 sampled length changes the work), so the mean number of new tokens per row is reported beside each time;
 a greedy pass of every variant reports how many of its rows are token-identical to `generate`'s.
 
-    python benchmarks/rollout.py --out benchmarks/results
+    python -m benchmarks.studies.rollout --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
-from hetrl.bench.machine import cpu
+from hetrl.bench.harness import interleaved_times, machine, write_results
 from hetrl.bench.train_vs_trl import CASES, job
 from hetrl.data import prompt_ids
 from hetrl.models import load_model
@@ -107,15 +106,15 @@ def main() -> int:
         if name not in args.case:
             continue
         greedy = {v: fn(worker, prompts, new, True) for v, fn in VARIANTS.items()}
-        times = {v: [] for v in VARIANTS}
         lengths = {v: [] for v in VARIANTS}
-        for r in range(args.rounds):
-            for variant, fn in VARIANTS.items():
-                torch.manual_seed(r)
-                t0 = time.perf_counter()
-                rows = fn(worker, prompts, new, False)
-                times[variant].append(time.perf_counter() - t0)
-                lengths[variant].append(statistics.mean(len(x) for x in rows))
+
+        def sample(variant, fn):
+            def call():   # round r samples with seed r in every variant
+                torch.manual_seed(len(lengths[variant]))
+                lengths[variant].append(statistics.mean(len(x) for x in fn(worker, prompts, new, False)))
+            return call
+
+        times = interleaved_times({v: sample(v, fn) for v, fn in VARIANTS.items()}, args.rounds, warmup=0)
         result = {"case": name, "prompts": len(prompts), "n": N, "max_new_tokens": new,
                   "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
                   "variants": {v: {"median_s": statistics.median(times[v]), "times_s": times[v],
@@ -124,10 +123,10 @@ def main() -> int:
                                    "rows": len(greedy["generate"])} for v in VARIANTS}}
         results.append(result)
         print(json.dumps(result), flush=True)
-    machine = cpu()
+    host = machine()
     lines = ["# Rollout: hetrl's decoding against transformers' generate, step by step", "",
-             f"Made by `python benchmarks/rollout.py --out benchmarks/results` on {machine['model']}, "
-             f"{machine['cores']} cores, {machine['torch_threads']} torch threads, torch {torch.__version__}; "
+             f"Made by `python -m benchmarks.studies.rollout --out benchmarks/results` on {host['model']}, "
+             f"{host['cpus']} cores, {host['torch_threads']} torch threads, torch {torch.__version__}; "
              f"SmolLM2-135M fp32, N = {N} samples per prompt, "
              f"temperature {TEMPERATURE}; {args.rounds} interleaved rounds, median. {args.conditions} Variants as "
              "in the script's docstring; each row's speed-up is against `generate`.", ""]
@@ -144,9 +143,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        out = pathlib.Path(args.out)
-        (out / "rollout.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
-        (out / "rollout.md").write_text(text)
+        write_results(args.out, "rollout", {"machine": host, "results": results}, text)
     return 0
 
 

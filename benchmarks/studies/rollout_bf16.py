@@ -1,7 +1,8 @@
-"""The bf16-mixed rollout sampling from a bf16 copy of the policy against sampling from the fp32 policy under
-autocast (what it did before), on the default job's rollout, side by side in one run.
+"""Why the bf16-mixed rollout samples from a bf16 copy of the policy: against sampling from the fp32 policy under
+autocast (what it did before), on the default job's rollout, side by side in one run; result:
+benchmarks/results/rollout_bf16.md.
 
-    python benchmarks/rollout_bf16.py [--rounds 5] [--out benchmarks/results]
+    python -m benchmarks.studies.rollout_bf16 [--rounds 5] [--out benchmarks/results]
 
 The embedded SmolLM2-135M-Instruct, the default task's first 8 prompts (chat template), 8 samples each in one
 generate call (64 rows), temperature 0.7, the default 16 new tokens and 64 new tokens. EOS is switched off
@@ -14,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import pathlib
 import statistics
-import sys
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from hetrl.bench.harness import interleaved_times, machine, matmul_gflops, revision, spread, utc_now, write_results
 
 
 def main() -> int:
@@ -31,13 +28,11 @@ def main() -> int:
 
     import torch
 
-    from hetrl.bench.machine import cpu, matmul_gflops
-    from hetrl.bench.results import write_results
-    from hetrl.bench.train_vs_trl import revision
     from hetrl.models import load_model
     from hetrl.trainer import build
     from hetrl.trainer.config import RunConfig
-    from hetrl.trainer.loop import build_source
+    from hetrl.trainer.precision import decide
+    from hetrl.trainer.run import build_source
     from hetrl.trainer.rollout import RolloutWorker
 
     cfg = RunConfig(precision="bf16-mixed")
@@ -45,32 +40,31 @@ def main() -> int:
     source = build_source(cfg, tokenizer)      # the default task, as hetrl train reads it
     prompts = [e.prompt_ids for e in source.train_examples(0, 8)[0]]
     copy_bf16 = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
-    workers = {"fp32 policy under autocast": RolloutWorker(model, tokenizer, 64, precision="bf16-mixed"),
-               "bf16 copy": RolloutWorker(copy_bf16, tokenizer, 64, precision="bf16-mixed")}
+    workers = {"fp32 policy under autocast": RolloutWorker(model, tokenizer, 64, precision=decide(cfg)),
+               "bf16 copy": RolloutWorker(copy_bf16, tokenizer, 64, precision=decide(cfg))}
     for w in workers.values():
         w.eos = -1
-    res = {"revision": revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu(),
+    res = {"revision": revision(), "date": utc_now(), "machine": machine(),
            "bf16_matmul_gflops": matmul_gflops(torch.bfloat16), "rounds": args.rounds, "cases": {}}
     for new_tokens in (16, 64):
-        times = {k: [] for k in workers}
-        for r in range(args.rounds + 1):
-            for name, w in workers.items():
-                torch.manual_seed(r)
-                t0 = time.perf_counter()
+        calls = {k: 0 for k in workers}
+
+        def sample(name, w, new_tokens=new_tokens):
+            def call():   # round r (0: the warm-up) samples with seed r in both variants
+                torch.manual_seed(calls[name])
+                calls[name] += 1
                 out = w.generate(prompts, 8, new_tokens, temperature=cfg.temperature)
-                times[name].append(time.perf_counter() - t0)
                 assert all(len(s.tokens) == new_tokens for g in out for s in g)
-        res["cases"][new_tokens] = {k: {"median_s": statistics.median(v[1:]), "times": v} for k, v in times.items()}
-        print(new_tokens, {k: round(statistics.median(v[1:]), 3) for k, v in times.items()}, flush=True)
-    sync = []
-    for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        workers["bf16 copy"].load_weights(build.bf16_weights_of(model.state_dict()))
-        sync.append(time.perf_counter() - t0)
-    res["refresh_s"] = statistics.median(sync)
+            return call
+
+        times = interleaved_times({k: sample(k, w) for k, w in workers.items()}, args.rounds, warmup=1)
+        res["cases"][new_tokens] = {k: {**spread(v), "times": v} for k, v in times.items()}
+        print(new_tokens, {k: round(statistics.median(v), 3) for k, v in times.items()}, flush=True)
+    refresh = lambda: workers["bf16 copy"].load_weights(build.bf16_weights_of(model.state_dict()))
+    res["refresh_s"] = statistics.median(interleaved_times({"refresh": refresh}, args.rounds, warmup=0)["refresh"])
 
     lines = ["# The bf16-mixed rollout: a bf16 copy of the policy against the fp32 policy under autocast", "",
-             f"`python benchmarks/rollout_bf16.py` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"`python -m benchmarks.studies.rollout_bf16` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
              f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']} (bf16 1024^3 matmul "
              f"{res['bf16_matmul_gflops']:.0f} GFLOP/s in this run). SmolLM2-135M, the default task's 8 prompts x 8 "
              f"samples (64 rows), EOS off; median of {args.rounds} interleaved rounds after one warm-up.", "",

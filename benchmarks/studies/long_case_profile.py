@@ -1,33 +1,30 @@
-"""Where the `long` case of `hetrl bench train` spends its time on this CPU (issue #17): the rollout split into
+"""Where the `long` case of `hetrl bench train` spends its time on this CPU, to judge whether issue #17's 1/6 target
+was reachable here; result: benchmarks/results/long_case_profile.md.
+
+The rollout split into
 prefill and decode with torch.profiler's top operators, the decode's projection matmuls alone (weights streamed
 from memory as in decode, 16 and 64 rows, fp32 and bf16), and one long group's update pass (forward + backward)
 with its top operators. Numbers for the note on whether the 1/6 target is reachable here; nothing is asserted.
 
-    python benchmarks/long_case_profile.py --out benchmarks/results
+    python -m benchmarks.studies.long_case_profile --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from rollout import cases  # noqa: E402
-
-from hetrl.bench.machine import cpu, matmul_gflops  # noqa: E402
-from hetrl.dualkv.api import shared_prompt_logprobs  # noqa: E402
-from hetrl.dualkv.packing import pack_groups  # noqa: E402
-from hetrl.models import load_model  # noqa: E402
-from hetrl.trainer.rollout import RolloutWorker  # noqa: E402
+from benchmarks.studies.rollout import cases
+from hetrl.bench.harness import interleaved_times, machine, matmul_gflops, timed, write_results
+from hetrl.dualkv.api import shared_prompt_logprobs
+from hetrl.dualkv.packing import pack_groups
+from hetrl.models import load_model
+from hetrl.trainer.rollout import RolloutWorker
 
 
 def top_ops(prof, n: int = 8) -> list[dict]:
@@ -49,9 +46,8 @@ def rollout(model, tokenizer, rounds: int) -> dict:
     for r in range(rounds):
         torch.manual_seed(r)
         worker.phase_seconds = {"prefill_s": 0.0, "decode_s": 0.0}
-        t = time.perf_counter()
-        groups = worker.generate(prompts, 8, new, 0.7, logprobs=True)
-        runs.append({"total_s": time.perf_counter() - t, **worker.phase_seconds,
+        groups, total_s = timed(lambda: worker.generate(prompts, 8, new, 0.7, logprobs=True))
+        runs.append({"total_s": total_s, **worker.phase_seconds,
                      "new_tokens_mean": statistics.mean(len(s.tokens) for g in groups for s in g)})
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
@@ -77,11 +73,7 @@ def projections(config) -> list[dict]:
                 for w in weights:
                     F.linear(xs[w.shape[1]], w)
 
-            step(), step()
-            t = time.perf_counter()
-            for _ in range(5):
-                step()
-            dt = (time.perf_counter() - t) / 5
+            dt = statistics.mean(interleaved_times({"step": step}, 5, warmup=2)["step"])
             out.append({"dtype": str(dtype).removeprefix("torch."), "rows": rows, "step_ms": dt * 1e3,
                         "gflops": flop_per_row * rows / dt / 1e9, "weight_mb": sum(o * i for o, i in shapes) * 4 / 1e6})
     return out
@@ -110,12 +102,7 @@ def update(model, rounds: int) -> dict:
     def once():
         update_pass(model, batch)
 
-    once()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t)
+    times = interleaved_times({"update": once}, rounds, warmup=1)["update"]
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         once()
     return {"tokens": int(batch.labels.numel()), "times_s": times, "top_ops": top_ops(prof)}
@@ -127,15 +114,13 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     model, tokenizer = load_model("smollm2-135m")
-    result = {"machine": cpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    result = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "fp32_matmul_peak_gflops": matmul_gflops(torch.float32),
               "rollout": rollout(model, tokenizer, args.rounds), "projections": projections(model.config),
               "update": update(model, args.rounds)}
-    out = pathlib.Path(args.out)
-    (out / "long_case_profile.json").write_text(json.dumps(result, indent=2))
     r, u = result["rollout"], result["update"]
     lines = ["# The `long` case's time on this CPU, profiled", "",
-             f"Made by `python benchmarks/long_case_profile.py --out benchmarks/results` on {result['machine']['model']}, "
+             f"Made by `python -m benchmarks.studies.long_case_profile --out benchmarks/results` on {result['machine']['model']}, "
              f"{result['threads']} torch threads, torch {result['torch']}, nothing else running. SmolLM2-135M fp32. "
              f"fp32 1024^3 matmul peak measured at the start: {result['fp32_matmul_peak_gflops']:.0f} GFLOP/s "
              "(GFLOP/s per operator below: the profiler's FLOP count over its self time).", "",
@@ -153,7 +138,7 @@ def main() -> int:
               "", "Seconds per pass: " + ", ".join(f"{t:.2f}" for t in u["times_s"]), "",
               "Top operators (one profiled pass, self time):", ""]
     lines += [op_line(o) for o in u["top_ops"]]
-    (out / "long_case_profile.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, "long_case_profile", result, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

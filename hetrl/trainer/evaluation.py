@@ -1,0 +1,92 @@
+"""Scoring samples with the run's rewards, and the held-out evaluation with its paired sign test.
+
+`score_groups` scores a step's groups and the held-out replies alike (every reward function once per batch, TRL's
+convention), and ReMax's greedy baselines (`greedy_rewards`); `evaluate` writes each greedy held-out reply with
+its scores; `paired_comparison` says whether the change between two evaluations on the same prompts is more than
+evaluation noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from hetrl.data import Example, RewardSet, Scores, Source
+from hetrl.data.rewards import nested
+from hetrl.trainer import episodes, files, guards
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.engine import Generator
+from hetrl.trainer.rollout import Sample
+
+
+def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]], check: bool = False
+                 ) -> Scores:
+    """Every sample of every group in one call of each reward function (TRL's batch convention). `check`: the
+    first training step's rewards are looked at for silent zeros (RewardSet.check_silent_zeros)."""
+    rows = [e.row if s.episode is None or s.episode.environment is None else {**e.row, "environments":
+            s.episode.environment} for e, samples in zip(examples, outputs) for s in samples]   # TRL's environments=
+    return rewards.score(rows, [r["prompt"] for r in rows], [s.text for g in outputs for s in g],
+                         [s.tokens for g in outputs for s in g], check=check)
+
+
+def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generator,
+             path: pathlib.Path, agent: episodes.EpisodeWorker | None = None) -> tuple[list[float], dict]:
+    """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
+    (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
+    correctness, else the weighted reward; the means for eval.jsonl)."""
+    examples = source.eval_examples
+    if agent is not None:
+        outputs = agent.generate(examples, 1, cfg.eval_max_new_tokens, greedy=True)
+    else:
+        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.eval_max_new_tokens, greedy=True)
+    scores = score_groups(rewards, examples, outputs)
+    rows = []
+    for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
+        row = {"prompt": example.row["prompt"]}
+        answer = nested(example.row, cfg.answer_key)
+        if answer is not None:
+            row["answer"] = answer
+        row |= {"reply": sample.text, "reward": scores.total[i],
+                "rewards": {name: values[i] for name, values in scores.per_function.items()}}
+        if scores.correct is not None:
+            row["correct"] = scores.correct[i]
+        rows.append(row)
+    files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+    means = {"eval_reward": guards.mean(scores.total)}
+    if scores.correct is not None:
+        means["eval_accuracy"] = float(np.mean(scores.correct))
+    means |= {f"eval_{k}": v for k, v in scores.means().items()}
+    means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
+    per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else scores.total
+    return per_prompt, means
+
+
+def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples: list[Example]) -> list[float]:
+    """ReMax's baselines: each prompt's greedy response (one more rollout), scored by the run's rewards."""
+    if agent is not None:
+        outputs = agent.generate(examples, 1, cfg.max_new_tokens, greedy=True)
+    else:
+        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.max_new_tokens, greedy=True)
+    return list(score_groups(rewards, examples, outputs).total)
+
+
+def paired_comparison(before: list[float], after: list[float]) -> dict:
+    """Same prompts before and after: how many got better and how many worse, and the exact two-sided sign-test
+    p-value on those (for correct/incorrect this is McNemar's exact test). Small p: the change is more than
+    evaluation noise."""
+    gained = sum(a > b for b, a in zip(before, after))
+    lost = sum(b > a for b, a in zip(before, after))
+    n, k = gained + lost, min(gained, lost)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return {"gained": gained, "lost": lost, "sign_test_p": p}
+
+
+def score_name(means: dict) -> str:
+    return "accuracy" if "eval_accuracy" in means else "reward"
+
+
+def headline(means: dict) -> float:
+    return means.get("eval_accuracy", means["eval_reward"])

@@ -1,0 +1,287 @@
+"""The run's entry: `hetrl train` and `hetrl.train()` up to the first step, and what resumes it.
+
+Config (and what was given from Python) -> one run per out_dir (a lock) -> the checkpoint to resume from, with
+the checks that keep a run from being lost or silently changed -> the user's data and rewards checked before the
+model loads -> model, prompts, rewards, engine -> the step loop (hetrl/trainer/loop.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import pathlib
+import random
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+from hetrl.data import RewardSet, RowSource, Source, TaskSource
+from hetrl.data.rewards import convention, load_reward
+from hetrl.data.sources import read_checked
+from hetrl.data.tools import environment_reward
+from hetrl.models import load_model
+from hetrl.schema import InputError
+from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, memory
+from hetrl.trainer.build import DTYPES
+from hetrl.trainer.checkpoint import resume_command
+from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
+from hetrl.trainer.engine import Engine, make_engine
+from hetrl.trainer.metrics import MetricsLog, tracker
+from hetrl.trainer.precision import decide
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.yaml"
+
+
+def train_command(config_path: str | None, overrides: list[str], *, resume: bool = False,
+                  allow_config_change: bool = False, default_config: str | None = None) -> dict:
+    """`hetrl train [--config RUN.yaml] [key=value ...] [--resume]`. On --resume without --config, the run's own
+    config (out_dir/run_config.yaml, written when it started) is the base, so `hetrl train --resume
+    out_dir=DIR` continues exactly the run in DIR."""
+    if resume and config_path is None:
+        out_dir = config_data(default_config, overrides).get("out_dir", RunConfig.out_dir)
+        saved = pathlib.Path(str(out_dir)) / RUN_CONFIG
+        config_path = str(saved) if saved.is_file() else default_config
+    return train(load_config(config_path, overrides), resume=resume, allow_config_change=allow_config_change)
+
+
+def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False, *, train_dataset=None,
+          eval_dataset=None, reward_funcs=None, tools=None, environment_factory=None) -> dict:
+    """Run (or with `resume`, continue) the training run `cfg` describes. From Python, `train_dataset` /
+    `eval_dataset` (a datasets.Dataset or a list of dicts) and `reward_funcs` (callables, built-in names or
+    FILE.py:NAME specs) stand in for the config's data and reward."""
+    changes = python_fields(cfg.data, cfg.eval_data, train_dataset, eval_dataset, reward_funcs, tools,
+                            environment_factory)
+    if any(getattr(cfg, k) != v for k, v in changes.items()):
+        cfg = dataclasses.replace(cfg, **changes)
+    run_dir = pathlib.Path(cfg.out_dir)
+    files.prepare_out_dir(run_dir)
+    with _run_lock(run_dir):
+        metrics = MetricsLog(run_dir / "metrics.jsonl")
+        evals = MetricsLog(run_dir / "eval.jsonl")
+        ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
+        files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
+        try:
+            # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
+            on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
+            with allocator.freed_memory_kept(on_cpu):
+                return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
+                                        tools, environment_factory, allow_config_change)
+        finally:
+            if metrics.tracker is not None:
+                metrics.tracker.close()
+
+
+def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
+                     environment_factory=None, allow_config_change: bool = False) -> dict:
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
+    precision = decide(cfg)   # once for the run: every role, the plan, the log and summary.json carry it
+    if device.type == "cuda":
+        build.fast_fp32_matmuls(precision)
+    tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
+    train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
+    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    model = model.to(device)
+    agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
+    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset)
+    rewards = build_rewards(cfg, source, reward_funcs, agent)
+    if agent is not None:
+        tqdm.write(f"tools: {', '.join(s['function']['name'] for s in agent.schemas)}; chat template: "
+                   + ("the model's" if agent.template is None else "hetrl's Qwen2.5-style ChatML (the model's "
+                      "renders no tools)"))
+    tqdm.write(f"prompts: {source.description}; rewards: "
+               + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights))
+               + f"; precision: {precision}")
+    first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
+    prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
+    limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else memory.available_bytes(device)
+    mem = memory.check_fits(cfg, model, prompt_len, precision, limit)
+    log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
+    try:
+        engine = make_engine(cfg, model, tokenizer, prompt_len, precision, agent)
+        del model  # the engine holds what it needs (the Ray engine: only actors)
+        try:
+            resumed = None if ckpt is None else (ckpt, _resume(engine, ckpt, source, rewards, metrics, evals,
+                                                               allow_config_change))
+            return loop.run_steps(cfg, engine, source, rewards, run_dir, metrics, evals, resumed)
+        finally:
+            engine.close()
+    finally:
+        rewards.close()
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: pathlib.Path):
+    """One run at a time in an out_dir: two would overwrite each other's checkpoints and metrics."""
+    fd = os.open(run_dir / ".hetrl.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"another hetrl run is using out_dir {run_dir}; wait for it to end or choose another "
+                             "out_dir") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _start_over(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, why: str) -> None:
+    """A run with nothing to resume from (it stopped before its first checkpoint): its rows are dropped."""
+    tqdm.write(f"{run_dir}: {why}; starting the run from step 0")
+    for log_ in (metrics, evals):
+        if os.path.lexists(log_.path):
+            os.unlink(log_.path)
+
+
+def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume: bool,
+                  allow_config_change: bool) -> pathlib.Path | None:
+    """The checkpoint to continue from (None: start at step 0), after the checks that keep a run from being
+    lost (an existing run is never overwritten) or silently changed (a resume keeps its config)."""
+    if not resume:
+        if checkpoint.any_saved(run_dir):
+            raise InputError(f"{run_dir} already holds a run with checkpoints; continue it with: "
+                             f"{resume_command(cfg)}, or choose another out_dir=... to start a new one")
+        if metrics.exists() or evals.exists():
+            _start_over(run_dir, metrics, evals, "the run there stopped before its first checkpoint")
+        return None
+    ckpt = checkpoint.latest(run_dir, say=tqdm.write)
+    if ckpt is None:
+        if not (metrics.exists() or evals.exists() or (run_dir / RUN_CONFIG).is_file()):
+            raise InputError(f"--resume: {run_dir} holds no run to resume (no checkpoint, no metrics); check "
+                             "out_dir, or start a new run there without --resume")
+        _start_over(run_dir, metrics, evals, "--resume: no intact checkpoint to resume from")
+        return None
+    changes = config_changes(checkpoint.saved_config(ckpt), cfg)
+    if changes:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        if not allow_config_change:
+            raise InputError(f"--resume: the config differs from the checkpoint's ({ckpt.name}) in what the run "
+                             f"computes: {listed}. Resume with the run's own config ({resume_command(cfg)}), start "
+                             "a new run in another out_dir, or pass --allow-config-change (from Python: "
+                             "hetrl.train(..., resume=True, allow_config_change=True)) to continue with the new values")
+        tqdm.write(f"--allow-config-change: resuming {ckpt.name} with {listed} (logged in {run_dir / 'resumes.jsonl'})")
+        MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
+            k: [a, b] for k, (a, b) in changes.items()}})
+    return ckpt
+
+
+def _resume(engine: Engine, ckpt: pathlib.Path, source: Source, rewards: RewardSet, metrics: MetricsLog,
+            evals: MetricsLog, allow_config_change: bool) -> dict:
+    """The engine restored from `ckpt`, the logs cut back to its step; -> its trainer state."""
+    state = engine.load(ckpt)
+    _check_same_data(state, source, rewards, ckpt, allow_config_change)
+    metrics.truncate_after(state["step"])
+    evals.truncate_after(state["step"])
+    tqdm.write(f"resumed from {ckpt} (step {state['step']})")
+    return state
+
+
+def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path,
+                     allow_config_change: bool = False) -> None:
+    """A checkpoint continues only on the data and rewards it was trained with (a path's file may have changed,
+    and data or rewards from Python have no path to compare), unless the user allows the change (data that was
+    fixed after a run stopped on it), which is logged in resumes.jsonl."""
+    if state.get("data_fingerprint") not in (None, source.fingerprint):
+        if allow_config_change:
+            tqdm.write(f"--allow-config-change: resuming {ckpt.name} on changed data ({source.description})")
+            MetricsLog(ckpt.parents[1] / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
+                "data_fingerprint": [state["data_fingerprint"], source.fingerprint]}})
+            return
+        raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
+                         "held-out split or the prompt columns differ); resume with the run's own data, pass "
+                         "--allow-config-change (hetrl.train(..., resume=True, allow_config_change=True)) to "
+                         "continue on the changed data (logged), or start a new run in another out_dir")
+    if state.get("reward_names") not in (None, rewards.names):
+        raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
+                         f"{', '.join(rewards.names)}; pass the same reward functions")
+
+
+def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=None) -> Source:
+    """The run's prompts: the user's rows (`data=` or a dataset from Python) or the reasoning-gym task."""
+    if cfg.data is None and eval_dataset is not None:
+        raise InputError("eval_dataset is the held-out part of train_dataset; pass train_dataset too")
+    if cfg.data is None:
+        return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cfg.max_prompt_tokens,
+                          cfg.prompt_suffix)
+    if cfg.data == PYTHON and train_dataset is None:
+        raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
+                         "from Python with the same dataset: hetrl.train(..., train_dataset=..., resume=True)")
+    data = train_dataset if train_dataset is not None else cfg.data
+    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    if evals == PYTHON:
+        raise InputError("this run's eval data was passed from Python; pass it again: "
+                         "hetrl.train(..., eval_dataset=...)")
+    return RowSource(data, evals, eval_size=cfg.eval_size, seed=cfg.seed, tokenizer=tokenizer,
+                     prompt_key=cfg.prompt_key, max_prompt_tokens=cfg.max_prompt_tokens,
+                     prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
+
+
+def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
+    """What can fail in the user's data and reward code, found before the model loads (hetrl.data.checks): the
+    rows read and checked (then handed on as rows, so they are read once), each reward function imported and
+    its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
+    if cfg.critic_model is not None:
+        build.critic_model_problem(cfg)
+    for f in (reward_list(reward_funcs) if reward_funcs is not None else cfg.rewards):
+        if callable(f) or ":" in f:
+            convention(f if callable(f) else load_reward(f))
+    if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
+        return train_dataset, eval_dataset
+    train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
+    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    return train, evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
+
+
+def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:
+    """The run's reward functions (the config's, or those passed from Python), plus the format bonus, plus an
+    environment's get_reward() (weight 1, as TRL)."""
+    funcs = reward_list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
+    weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
+    if agent is not None and agent.env_reward:
+        funcs.append(environment_reward(agent.environment_factory))
+        weights.append(1.0)
+    if cfg.format_reward > 0:
+        funcs.append("format")
+        weights.append(cfg.format_reward)
+    return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key),
+                     errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s, strict=cfg.strict)
+
+
+def reward_list(reward_funcs) -> list:
+    """reward_funcs from Python: a list, or one reward (a name, spec or callable) as TRL's reward_funcs takes it."""
+    return [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs)
+
+
+def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs, tools=None,
+                  environment_factory=None) -> dict:
+    """The config fields recorded for data, rewards, tools or an environment given from Python: `<python>` where no
+    path names them."""
+    changes = {}
+    if tools is not None:
+        changes["tools"] = tuple(f"{PYTHON}:{getattr(t, '__name__', type(t).__name__)}" for t in tools)
+    if environment_factory is not None:
+        changes["environment"] = f"{PYTHON}:{getattr(environment_factory, '__name__', 'environment_factory')}"
+    reward_funcs = None if reward_funcs is None else reward_list(reward_funcs)
+    if train_dataset is not None:
+        if cfg_data not in (None, PYTHON):
+            raise InputError(f"give the data once: data={cfg_data} in the config and train_dataset from Python")
+        changes["data"] = PYTHON
+        if eval_dataset is not None:
+            if cfg_eval_data not in (None, PYTHON):
+                raise InputError(f"give the eval data once: eval_data={cfg_eval_data} in the config and eval_dataset "
+                                 "from Python")
+            changes["eval_data"] = PYTHON
+    if reward_funcs is not None:
+        if not reward_funcs:
+            raise InputError("reward_funcs is empty; give at least one reward function")
+        changes["reward"] = tuple(f if isinstance(f, str) else f"{PYTHON}:{getattr(f, '__name__', type(f).__name__)}"
+                                  for f in reward_funcs)
+    return changes
