@@ -359,6 +359,13 @@ class TokenLengths:
             raise ValueError(f"mean ({self.mean:g}) must be <= max ({self.max})")
 
 
+def check_max_leaves(max_leaves: int | None, responses_per_prompt: int) -> None:
+    """A task's leaves include its responses_per_prompt rollouts (hetrl train's branches= and a workload's alike)."""
+    if max_leaves is not None and max_leaves < responses_per_prompt:
+        raise ValueError(f"max_leaves ({max_leaves}) counts a task's leaves, its responses_per_prompt "
+                         f"({responses_per_prompt}) rollouts among them; use at least {responses_per_prompt}")
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     algorithm: str = rule(choices=("grpo", "dapo", "ppo"))
@@ -444,10 +451,7 @@ class WorkloadSpec:
         if self.branches == 1 and self.max_leaves is not None:
             raise ValueError(f"max_leaves={self.max_leaves} bounds the leaves of forks, and branches is 1 (no forks); "
                              "set branches >= 2 or leave it out")
-        if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
-            raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
-                             f"({self.responses_per_prompt}) rollouts among them; use at least "
-                             f"{self.responses_per_prompt}")
+        check_max_leaves(self.max_leaves, self.responses_per_prompt)
 
     @property
     def turn_rows(self) -> tuple[int, ...]:

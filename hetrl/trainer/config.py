@@ -20,6 +20,7 @@ import yaml
 from hetrl.algo import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, loss_aggregation
 from hetrl.algo.advantages import check_options, options_of
 from hetrl.algo.losses import TRL_LOSS_TYPES, from_trl
+from hetrl.planner.spec import check_max_leaves
 from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 
 ALGORITHMS = ("grpo", "dapo", "ppo", "gspo", "dr_grpo", "rloo", "reinforce_pp", "cispo")
@@ -313,10 +314,7 @@ class RunConfig:
         if self.branches > 1 and not self.multi_turn:
             raise ValueError(f"branches={self.branches} forks an episode after a tool result; it needs "
                              "tools=FILE.py:NAME or environment=FILE.py:Class (or use branches=1)")
-        if self.max_leaves is not None and self.max_leaves < self.responses_per_prompt:
-            raise ValueError(f"max_leaves ({self.max_leaves}) counts a task's leaves, its responses_per_prompt "
-                             f"({self.responses_per_prompt}) rollouts among them; use at least "
-                             f"{self.responses_per_prompt}")
+        check_max_leaves(self.max_leaves, self.responses_per_prompt)
         if self.branches > 1 and (self.adv_estimator != "grpo" or self.use_kl_in_reward):
             raise ValueError(f"branches={self.branches} scores a task's leaves with GRPO over the leaves "
                              f"(tree_advantage); adv_estimator={self.adv_estimator}"
