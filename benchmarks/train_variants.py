@@ -78,49 +78,63 @@ print("MARKS " + json.dumps(marks))
 """
 
 
-def run_round(names: list[str], steps: int, work: pathlib.Path, round_: int, parallel: bool) -> list[dict]:
+def run_round(names: list[str], steps: int, work: pathlib.Path, round_: int, parallel: bool,
+              eval_size: int | None = None) -> list[dict]:
     """One child per variant, one after another or (`parallel`) all at once, each with an equal share of the CPU."""
     if not parallel:
-        return [run_variant(name, steps, work, round_) for name in names]
+        return [run_variant(name, steps, work, round_, eval_size) for name in names]
     with ThreadPoolExecutor(len(names)) as pool:
-        return list(pool.map(lambda name: run_variant(name, steps, work, round_), names))
+        return list(pool.map(lambda name: run_variant(name, steps, work, round_, eval_size), names))
 
 
-def run_variant(name: str, steps: int, work: pathlib.Path, round_: int) -> dict:
+def run_variant(name: str, steps: int, work: pathlib.Path, round_: int, eval_size: int | None = None) -> dict:
+    """`eval_size`: held-out problems (None: 8 for the memory variants, the run's default for the algorithms)."""
     out = work / f"{name}-{round_}"
-    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps),
-                                                 *(["eval_size=8"] if name in SHORT_EVAL else []), *VARIANTS[name]],
+    if eval_size is None and name in SHORT_EVAL:
+        eval_size = 8
+    evals = [] if eval_size is None else [f"eval_size={eval_size}"]
+    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *evals,
+                                                 *VARIANTS[name]],
                                                 capture_output=True, text=True))
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     marks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MARKS "))[6:])
+    return row_from_run(name, round_, out, wall_s, marks)
+
+
+def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None, marks: dict | None) -> dict:
+    """One table row from a run's directory (metrics.jsonl, summary.json) and the child's memory marks (None: not
+    recorded; the memory columns are left out)."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     score = summary["paired_on"]   # held-out accuracy (or the mean reward where there is no accuracy)
+    memory = {} if marks is None else {
+        "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
+        "after_load_mib": marks["after_load_kib"] / 1024,
+        "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
     return {"variant": name, "round": round_, "wall_s": wall_s, "eval_score": score,
-            "eval_before": summary[f"{score}_before"], "eval_after": summary[f"{score}_after"],
+            "eval_before": summary[f"eval_{score}_before"], "eval_after": summary[f"eval_{score}_after"],
             "gained": summary["gained"], "lost": summary["lost"], "sign_test_p": summary["sign_test_p"],
             "eval_problems": summary["eval_problems"],
             "step_s_mean": statistics.mean(r["step_s"] for r in rows[1:]),
             "update_s_mean": statistics.mean(r["update_s"] for r in rows[1:]),
             "logprob_s_mean": statistics.mean(r["logprob_s"] for r in rows[1:]),
-            "gen_s_mean": statistics.mean(r["gen_s"] for r in rows[1:]),
-            "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
-            "after_load_mib": marks["after_load_kib"] / 1024,
-            "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
+            "gen_s_mean": statistics.mean(r["gen_s"] for r in rows[1:]), **memory}
 
 
 def markdown(result: dict) -> str:
     rows, names = result["rows"], result["variants"]
-    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
-               for k in ("step_s_mean", "update_s_mean", "logprob_s_mean", "gen_s_mean", "train_peak_mib",
-                         "process_peak_mib", "checkpoint_mib")} for v in names}
+    keys = [k for k in ("train_peak_mib", "process_peak_mib", "step_s_mean", "update_s_mean", "logprob_s_mean",
+                        "gen_s_mean", "checkpoint_mib") if all(k in r for r in rows)]
+    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in keys} for v in names}
     base, others = names[0], names[1:]
+    eval_flag = f" --eval-size {result['eval_size']}" if result.get("eval_size") else ""
     lines = [
         f"# {' and '.join(others)} vs {base} on the default job",
         "",
         f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --steps {result['steps']} "
-        f"--rounds {result['rounds']}{' --parallel' if result.get('parallel') else ''} --name {result['name']} --out "
+        f"--rounds {result['rounds']}{' --parallel' if result.get('parallel') else ''}"
+        f"{eval_flag} --name {result['name']} --out "
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
         f"{result['rounds']} {'round' if result['rounds'] == 1 else 'interleaved rounds'}"
         f"{' (the variants of a round at the same time)' if result.get('parallel') else ''}, medians. "
@@ -136,6 +150,8 @@ def markdown(result: dict) -> str:
                        ("step_s_mean", "seconds per step"), ("update_s_mean", "  of which the update"),
                        ("logprob_s_mean", "  old + reference log-probs"), ("gen_s_mean", "  generation"),
                        ("checkpoint_mib", "checkpoint size (MiB)")]:
+        if key not in keys:
+            continue
         lines.append(f"| {label} | " + " | ".join(f"{med[v][key]:.1f}" for v in names) + " | "
                      + " | ".join(f"{med[v][key] / med[base][key]:.2f}" for v in others) + " |")
     if all(v not in SHORT_EVAL for v in names):   # runs with the default held-out evaluation: its paired result
@@ -145,6 +161,8 @@ def markdown(result: dict) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['variant']} | {r['round']} | {r['eval_before']:.2f} | {r['eval_after']:.2f} | {r['gained']} | "
                   f"{r['lost']} | {r['sign_test_p']:.2g} | {r['step_s_mean']:.1f} |" for r in rows]
+    if "train_peak_mib" not in keys:
+        return "\n".join(lines) + "\n"
     lines += ["", "Every run:", "", "| variant | round | s/step | update s | peak RSS training MiB | process MiB |",
               "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['round']} | {r['step_s_mean']:.2f} | {r['update_s_mean']:.2f} | "
@@ -160,6 +178,8 @@ def main() -> int:
                         help="the first is the baseline the others are divided by")
     parser.add_argument("--name", default="lora_vs_full", help="results file name (NAME.json, NAME.md)")
     parser.add_argument("--out", help="directory for NAME.json and NAME.md")
+    parser.add_argument("--eval-size", type=int, help="held-out problems per evaluation (default: 8 for full, "
+                        "lora and checkpointing, which measure memory and time; the run's default for the algorithms)")
     parser.add_argument("--parallel", action="store_true",
                         help="run each round's variants at the same time (equal CPU shares; step times comparable "
                              "to each other, not to runs alone)")
@@ -169,10 +189,11 @@ def main() -> int:
     host = machine()
     result = {"machine": f"{host['model']}, {host['cpus']} cores, Python {host['python']}", "steps": args.steps,
               "rounds": args.rounds, "conditions": args.conditions, "parallel": args.parallel,
-              "variants": args.variants, "name": args.name, "rows": []}
+              "eval_size": args.eval_size, "variants": args.variants, "name": args.name, "rows": []}
     with tempfile.TemporaryDirectory(prefix="hetrl-lora-bench-") as work:
         for round_ in range(args.rounds):
-            for row in run_round(args.variants, args.steps, pathlib.Path(work), round_, args.parallel):
+            for row in run_round(args.variants, args.steps, pathlib.Path(work), round_, args.parallel,
+                                 args.eval_size):
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
     text = markdown(result)
