@@ -1,16 +1,21 @@
-"""What LoRA and activation checkpointing cost and save: variants of the default job (SmolLM2-135M, GRPO, 8 prompts x
-8 responses) against full fine-tuning, peak memory and step time side by side in one run; results:
-benchmarks/results/lora_vs_full.md and checkpointing_vs_full.md.
+"""Variants of the default job (SmolLM2-135M, GRPO, 8 prompts x 8 responses) side by side: LoRA and activation
+checkpointing against full fine-tuning (peak memory, step time; results/lora_vs_full.md, checkpointing_vs_full.md),
+and the algorithm presets grpo, gspo, dr_grpo, rloo (held-out accuracy and step time; algorithms_default_job.md).
 
-Each variant trains in a fresh child process (`hetrl.train`), rounds interleaved (full, lora, full, lora, ...).
-Memory: the process's peak RSS while the run trains (evaluation, steps and the final checkpoint), with the peak
-reset (/proc/self/clear_refs) after the model is loaded, so loading the GGUF file does not hide the difference;
-also the whole process's peak. Step time: the mean `step_s` of metrics.jsonl over steps 2.. (step 1 warms up).
-The machine and how it was shared are written with the results.
+Each variant trains in a fresh child process (`hetrl.train`), rounds interleaved (full, lora, full, lora, ...), or
+with --parallel the variants of a round at the same time (equal CPU shares: their step times compare with each other,
+not with runs alone). Memory: the process's peak RSS while the run trains (evaluation, steps and the final
+checkpoint), with the peak reset (/proc/self/clear_refs) after the model is loaded, so loading the GGUF file does not
+hide the difference; also the whole process's peak. Step time: the mean `step_s` of metrics.jsonl over steps 2..
+(step 1 warms up). Held-out: the run's summary.json (accuracy before/after on the default 100 problems, gained/lost,
+sign test); the memory variants evaluate 8 problems only, to finish the run. The machine and how it was shared are
+written with the results.
 
     python -m benchmarks.train_variants --variants full lora --name lora_vs_full --out benchmarks/results
     python -m benchmarks.train_variants --variants full checkpointing --name checkpointing_vs_full --out ...
     (about 15 minutes each on 2 cores)
+    python -m benchmarks.train_variants --variants grpo gspo dr_grpo rloo --steps 16 --rounds 1 --parallel \
+        --name algorithms_default_job --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 from hetrl.bench.harness import machine, timed, write_results
 
@@ -29,7 +35,13 @@ VARIANTS = {
     "full": [],
     "lora": ["lora_rank=16", "lora_alpha=32", "lr=2e-4"],   # all-linear: every Linear but the LM head
     "checkpointing": ["gradient_checkpointing=1"],
+    # the algorithm runs keep the default held-out evaluation (100 problems): its accuracy is what they compare
+    "grpo": [],                                            # the default job (= full), named for the algorithm runs
+    "gspo": ["algorithm=gspo"],
+    "dr_grpo": ["algorithm=dr_grpo"],
+    "rloo": ["algorithm=rloo"],
 }
+SHORT_EVAL = {"full", "lora", "checkpointing"}   # memory and time only: 8 held-out problems, just to finish the run
 
 CHILD = r"""
 import json, sys
@@ -51,9 +63,14 @@ def measured_run(*args, **kwargs):
 loop.run_steps = measured_run
 out_dir, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 fields = dict(kv.split("=", 1) for kv in overrides)
-fields = {k: (float(v) if "." in v or "e-" in v else int(v)) for k, v in fields.items()}
+def value(v):
+    try:
+        return float(v) if "." in v or "e-" in v else int(v)
+    except ValueError:
+        return v                                   # a name (algorithm=gspo)
+fields = {k: value(v) for k, v in fields.items()}
 fields = {k: bool(v) if k == "gradient_checkpointing" else v for k, v in fields.items()}
-hetrl.train(None, out_dir=out_dir, steps=steps, eval_size=8, checkpoint_every=0, **fields)
+hetrl.train(None, out_dir=out_dir, steps=steps, checkpoint_every=0, **fields)
 marks["train_peak_kib"] = peak_kib()
 import resource
 marks["process_peak_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -61,37 +78,67 @@ print("MARKS " + json.dumps(marks))
 """
 
 
-def run_variant(name: str, steps: int, work: pathlib.Path, round_: int) -> dict:
+def run_round(names: list[str], steps: int, work: pathlib.Path, round_: int, parallel: bool,
+              eval_size: int | None = None) -> list[dict]:
+    """One child per variant, one after another or (`parallel`) all at once, each with an equal share of the CPU."""
+    if not parallel:
+        return [run_variant(name, steps, work, round_, eval_size) for name in names]
+    with ThreadPoolExecutor(len(names)) as pool:
+        return list(pool.map(lambda name: run_variant(name, steps, work, round_, eval_size), names))
+
+
+def run_variant(name: str, steps: int, work: pathlib.Path, round_: int, eval_size: int | None = None) -> dict:
+    """`eval_size`: held-out problems (None: 8 for the memory variants, the run's default for the algorithms)."""
     out = work / f"{name}-{round_}"
-    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *VARIANTS[name]],
+    if eval_size is None and name in SHORT_EVAL:
+        eval_size = 8
+    evals = [] if eval_size is None else [f"eval_size={eval_size}"]
+    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *evals,
+                                                 *VARIANTS[name]],
                                                 capture_output=True, text=True))
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     marks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MARKS "))[6:])
+    return row_from_run(name, round_, out, wall_s, marks)
+
+
+def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None, marks: dict | None) -> dict:
+    """One table row from a run's directory (metrics.jsonl, summary.json) and the child's memory marks (None: not
+    recorded; the memory columns are left out)."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
-    return {"variant": name, "round": round_, "wall_s": wall_s,
+    score = summary["paired_on"]   # held-out accuracy (or the mean reward where there is no accuracy)
+    memory = {} if marks is None else {
+        "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
+        "after_load_mib": marks["after_load_kib"] / 1024,
+        "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
+    return {"variant": name, "round": round_, "wall_s": wall_s, "eval_score": score,
+            "eval_before": summary[f"eval_{score}_before"], "eval_after": summary[f"eval_{score}_after"],
+            "gained": summary["gained"], "lost": summary["lost"], "sign_test_p": summary["sign_test_p"],
+            "eval_problems": summary["eval_problems"],
             "step_s_mean": statistics.mean(r["step_s"] for r in rows[1:]),
             "update_s_mean": statistics.mean(r["update_s"] for r in rows[1:]),
             "logprob_s_mean": statistics.mean(r["logprob_s"] for r in rows[1:]),
-            "gen_s_mean": statistics.mean(r["gen_s"] for r in rows[1:]),
-            "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
-            "after_load_mib": marks["after_load_kib"] / 1024,
-            "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
+            "gen_s_mean": statistics.mean(r["gen_s"] for r in rows[1:]), **memory}
 
 
 def markdown(result: dict) -> str:
     rows, names = result["rows"], result["variants"]
-    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
-               for k in ("step_s_mean", "update_s_mean", "logprob_s_mean", "gen_s_mean", "train_peak_mib",
-                         "process_peak_mib", "checkpoint_mib")} for v in names}
+    keys = [k for k in ("train_peak_mib", "process_peak_mib", "step_s_mean", "update_s_mean", "logprob_s_mean",
+                        "gen_s_mean", "checkpoint_mib") if all(k in r for r in rows)]
+    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in keys} for v in names}
     base, others = names[0], names[1:]
+    eval_flag = f" --eval-size {result['eval_size']}" if result.get("eval_size") else ""
     lines = [
         f"# {' and '.join(others)} vs {base} on the default job",
         "",
-        f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --name {result['name']} --out "
+        f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --steps {result['steps']} "
+        f"--rounds {result['rounds']}{' --parallel' if result.get('parallel') else ''}"
+        f"{eval_flag} --name {result['name']} --out "
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
-        f"{result['rounds']} interleaved rounds, medians. {result['conditions']}",
+        f"{result['rounds']} {'round' if result['rounds'] == 1 else 'interleaved rounds'}"
+        f"{' (the variants of a round at the same time)' if result.get('parallel') else ''}, medians. "
+        f"{result['conditions']}",
         "",
         *[f"- {v}: {' '.join(VARIANTS[v]) or 'the default run settings'}" for v in names],
         "",
@@ -103,8 +150,19 @@ def markdown(result: dict) -> str:
                        ("step_s_mean", "seconds per step"), ("update_s_mean", "  of which the update"),
                        ("logprob_s_mean", "  old + reference log-probs"), ("gen_s_mean", "  generation"),
                        ("checkpoint_mib", "checkpoint size (MiB)")]:
+        if key not in keys:
+            continue
         lines.append(f"| {label} | " + " | ".join(f"{med[v][key]:.1f}" for v in names) + " | "
                      + " | ".join(f"{med[v][key] / med[base][key]:.2f}" for v in others) + " |")
+    if all(v not in SHORT_EVAL for v in names):   # runs with the default held-out evaluation: its paired result
+        lines += ["", f"Held-out {rows[0]['eval_score']} on the same {rows[0]['eval_problems']} problems before and "
+                  "after (greedy), the problems gained / lost and the exact sign test on them, per run:", "",
+                  "| variant | round | before | after | gained | lost | sign-test p | s/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['variant']} | {r['round']} | {r['eval_before']:.2f} | {r['eval_after']:.2f} | {r['gained']} | "
+                  f"{r['lost']} | {r['sign_test_p']:.2g} | {r['step_s_mean']:.1f} |" for r in rows]
+    if "train_peak_mib" not in keys:
+        return "\n".join(lines) + "\n"
     lines += ["", "Every run:", "", "| variant | round | s/step | update s | peak RSS training MiB | process MiB |",
               "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['round']} | {r['step_s_mean']:.2f} | {r['update_s_mean']:.2f} | "
@@ -120,17 +178,22 @@ def main() -> int:
                         help="the first is the baseline the others are divided by")
     parser.add_argument("--name", default="lora_vs_full", help="results file name (NAME.json, NAME.md)")
     parser.add_argument("--out", help="directory for NAME.json and NAME.md")
+    parser.add_argument("--eval-size", type=int, help="held-out problems per evaluation (default: 8 for full, "
+                        "lora and checkpointing, which measure memory and time; the run's default for the algorithms)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run each round's variants at the same time (equal CPU shares; step times comparable "
+                             "to each other, not to runs alone)")
     parser.add_argument("--conditions", default="The machine was otherwise idle.",
                         help="how the CPU was shared while this ran (written with the results)")
     args = parser.parse_args()
     host = machine()
     result = {"machine": f"{host['model']}, {host['cpus']} cores, Python {host['python']}", "steps": args.steps,
-              "rounds": args.rounds, "conditions": args.conditions, "variants": args.variants, "name": args.name,
-              "rows": []}
+              "rounds": args.rounds, "conditions": args.conditions, "parallel": args.parallel,
+              "eval_size": args.eval_size, "variants": args.variants, "name": args.name, "rows": []}
     with tempfile.TemporaryDirectory(prefix="hetrl-lora-bench-") as work:
         for round_ in range(args.rounds):
-            for name in args.variants:
-                row = run_variant(name, args.steps, pathlib.Path(work), round_)
+            for row in run_round(args.variants, args.steps, pathlib.Path(work), round_, args.parallel,
+                                 args.eval_size):
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
     text = markdown(result)
