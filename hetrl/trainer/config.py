@@ -300,8 +300,6 @@ class RunConfig:
                              f"({', '.join(rewards)}); give one weight per reward")
 
     def _check_tools(self) -> None:
-        if self.executor != "local":
-            raise ValueError("tools and environments run in the local executor's rollout for now; use executor=local")
         if self.algorithm == "ppo":
             raise ValueError("tools with algorithm=ppo: the critic would value tool tokens the loss leaves out; use "
                              "algorithm=grpo or dapo")

@@ -38,6 +38,11 @@ class Trainer(LogProbs, Protocol):
                ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats: ...
 
 
+class Episodes(Protocol):
+    def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]: ...
+
+
 class Critic(Protocol):
     def values(self, groups: Groups) -> torch.Tensor: ...
 
@@ -50,7 +55,8 @@ class Engine(Protocol):
     optimizer steps (actor_infer, actor_train), `reference` gives the KL reference's log-probs (None without KL),
     `critic` gives values and takes value steps (critic_infer, critic_train; PPO only, else None). `precision`:
     what every role computes in, decided once (precision.decide) and carried by each.
-    `episodes` rolls out multi-turn tool-use episodes in a run with tools or an environment (else None).
+    `episodes` rolls out multi-turn tool-use episodes (hetrl.data Examples in, their tools run where the rollout
+    runs) in a run with tools or an environment (else None).
     `rollout_logprobs`: whether the loop asks `worker.generate(..., logprobs=True)` for its samples' log-probs,
     which a sync update takes as old log-probs (where the rollout's sampling logits are fp32:
     RolloutWorker.gives_logprobs)."""
@@ -59,7 +65,7 @@ class Engine(Protocol):
     learner: Trainer
     reference: LogProbs | None
     critic: Critic | None
-    episodes: EpisodeWorker | None
+    episodes: Episodes | None
     rollout_logprobs: bool
     precision: RunPrecision
 
@@ -134,10 +140,9 @@ class LocalEngine:
 
 def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int, precision: RunPrecision,
                 agent: Agent | None = None) -> Engine:
-    """`agent`: the run's tools or environment (local executor only: RunConfig refuses them with Ray)."""
+    """`agent`: the run's tools or environment (their episodes run where the rollout runs)."""
     if cfg.executor == "local":
         return LocalEngine(cfg, model, tokenizer, precision, agent)
-    assert agent is None, "RunConfig refuses tools and environments with executor=ray"
     from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
 
-    return RayEngine(cfg, model.config, tokenizer, prompt_len, precision)
+    return RayEngine(cfg, model.config, tokenizer, prompt_len, precision, agent)

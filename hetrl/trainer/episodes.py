@@ -104,6 +104,7 @@ class Episode:
     tool_turns: int = 0
     calls: int = 0
     errors: int = 0
+    unanswered: int = 0         # of `calls`, those whose results did not fit the token budget (never shown)
     truncated: bool = False
     last_text: str = ""
     group_prompt_len: int = 0   # the prompt tokens its group shares (the rest of `prompt` starts its sample)
@@ -377,6 +378,7 @@ def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_token
                                  agent.template)
         if len(ep.tokens) + len(suffix) >= max_new_tokens:   # no room left for the model to answer: TRL drops it
             ep.truncated = True
+            ep.unanswered += len(got)
             continue
         ep.tokens += suffix
         ep.model_mask += [False] * len(suffix)
@@ -396,7 +398,8 @@ def leaf_advantages(samples: list[Sample], rewards: list[float], subtree: bool, 
 
 def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
     """Per-step means over episodes (leaves, where episodes fork): turns, the calls made (each once, however many
-    leaves share it) and per leaf, tool errors; the step's tokens by source (per leaf, as trained); leaves per
+    leaves share it) and per leaf, tool errors; the calls made whose results did not fit the token budget (the
+    episode ended there, the model never saw them: a call that ends a leaf is never shared); the step's tokens by source (per leaf, as trained); leaves per
     task and unique / linearized tokens (prompt included: what the trie-packed update computes of what running
     every leaf alone would)."""
     eps = [s.episode for s in samples if s.episode is not None]
@@ -412,6 +415,7 @@ def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
     out = {"turns_mean": float(np.mean([s["turns"] for s in st])),
            "tool_calls": calls, "tool_calls_per_episode": sum(s["tool_calls"] for s in st) / len(st),
            "tool_errors": errors, "tool_error_frac": errors / calls if calls else 0.0,
+           "tool_calls_unanswered": sum(e.unanswered for e in eps),
            "tokens_model": sum(s["model_tokens"] for s in st), "tokens_tool": sum(s["tool_tokens"] for s in st),
            "tokens_prompt": sum(s["prompt_tokens"] for s in st),
            "leaves_per_task": len(eps) / len(tasks),
@@ -438,6 +442,7 @@ class EpisodeWorker:
     def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]:
         w = self.worker
+        w.apply_queued()   # a bf16 rollout copy's weight sync (LocalEngine.sync_weights) lands before sampling
         return generate_episodes(w.model, w.tokenizer, self.agent, examples, n, max_new_tokens,
                                  temperature=temperature, top_p=top_p, greedy=greedy, logprobs=logprobs,
                                  batch_size=w.batch_size, precision=w.precision, prompt_suffix=self.prompt_suffix,

@@ -18,7 +18,7 @@ from hetrl.data import Example, RewardSet, Scores, Source
 from hetrl.data.rewards import nested
 from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.engine import Generator
+from hetrl.trainer.engine import Episodes, Generator
 from hetrl.trainer.rollout import Sample
 
 
@@ -33,7 +33,7 @@ def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list
 
 
 def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generator,
-             path: pathlib.Path, agent: episodes.EpisodeWorker | None = None) -> tuple[list[float], dict]:
+             path: pathlib.Path, agent: Episodes | None = None) -> tuple[list[float], dict]:
     """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
     (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
     correctness, else the weighted reward; the means for eval.jsonl)."""

@@ -37,7 +37,7 @@ from hetrl.data.rewards import TrainerState
 from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
-from hetrl.trainer.engine import Engine
+from hetrl.trainer.engine import Engine, Episodes
 from hetrl.trainer.evaluation import evaluate, greedy_rewards, headline, paired_comparison, score_groups, score_name
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import Sample
@@ -60,7 +60,7 @@ class Rollout:
 
 
 def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine: Engine, start: int,
-                     agent: episodes.EpisodeWorker | None = None):
+                     agent: Episodes | None = None):
     """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
     are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds.
     -> (kept, sampled, next stream index, reward statistics of everything sampled)."""

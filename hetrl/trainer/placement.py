@@ -137,13 +137,28 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
     # the cost model's mini-batches hold whole groups in equal numbers; a split that is not even is priced as one
     # optimizer step (its per-step gradient sync and Adam step then counted once)
     steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
-    return WorkloadSpec(
+    return WorkloadSpec(**_episode_shape(cfg),
         algorithm=cfg.algorithm if cfg.algorithm in ("grpo", "dapo", "ppo") else "grpo", mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
         reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
-        response_tokens=TokenLengths(cfg.max_new_tokens, float(cfg.max_new_tokens)), dualkv=True, precision=precision,
+        dualkv=True, precision=precision,
         optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision),
         rollout_logprob_pass=cfg.mode == "async" and not logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"))
+
+
+def _episode_shape(cfg) -> dict:
+    """The response of a run as the planner's workload fields. Single-turn: max_new_tokens. With tools (multi-turn
+    episodes): the most turns an episode may take (max_tool_calls + 1), each model turn and each tool result an
+    equal share of max_new_tokens, which bounds them together (so the longest sequence is priced as the run caps
+    it; how a real episode splits its budget is not known before it runs), its branches and max_leaves; tool
+    latency is not known either, so none is priced."""
+    budget = cfg.max_new_tokens
+    if not cfg.multi_turn:
+        return {"response_tokens": TokenLengths(budget, float(budget))}
+    turns = cfg.max_tool_calls + 1
+    share = max(1, budget // (2 * turns - 1))
+    return {"response_tokens": TokenLengths(share, float(share)), "turns": turns,
+            "tool_tokens": TokenLengths(share, float(share)), "branches": cfg.branches, "max_leaves": cfg.max_leaves}
 
 
 def plan_for_run(cfg, model_config, prompt_len: int, precision: str) -> tuple[ClusterSpec, Plan]:

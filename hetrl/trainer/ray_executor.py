@@ -25,6 +25,7 @@ import math
 import os
 import pathlib
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files, guards
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
+from hetrl.trainer.episodes import Agent, EpisodeWorker, group_prompt
 from hetrl.trainer.learner import CriticStats, UpdateStats
 from hetrl.trainer.precision import RunPrecision, samples_in_bf16
 from hetrl.trainer.checkpoint import resume_command
@@ -127,16 +129,19 @@ def _whereabouts() -> dict:
 
 
 class RolloutActor:
-    def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, behaviour_logprobs: bool):
+    def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, behaviour_logprobs: bool,
+                 agent: Agent | None = None):
         """Sampled continuations come with their tokens' log-probs under the weights that drew them wherever the
         sampling logits give them (config.logits_give_old_logprobs: fp32 logits), at no cost: a sync step's later
         mini-batches then take them as old log-probs, as the local loop does. `behaviour_logprobs` (async mode):
         they must come with every sample, so where the logits do not give them (bf16 logits, or
-        old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them."""
+        old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them.
+        `agent`: the run's tools or environment; its episodes run here, tools included (`episodes`)."""
         self.policy, tokenizer = _setup(cfg, precision, threads)
         if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
             self.policy.module.to(torch.bfloat16)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
+        self.agent = EpisodeWorker(self.worker, agent, cfg.prompt_suffix) if agent is not None else None
         self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
         self.scorer = build.scorer(cfg, self.policy.module, precision) \
             if behaviour_logprobs and not self.logits_logprobs else None
@@ -154,16 +159,25 @@ class RolloutActor:
 
     def generate(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seed):
         torch.manual_seed(seed)
-        if self.logits_logprobs and not greedy:   # each sample's log-probs from the logits it was drawn from
-            out = self.worker.generate(prompts, n, max_new_tokens, temperature, top_p, greedy, logprobs=True)
-            return [[dataclasses.replace(s, version=self.version) for s in g] for g in out]
-        out = self.worker.generate(prompts, n, max_new_tokens, temperature, top_p, greedy)
-        if self.scorer is not None and not greedy:
+        given = self.logits_logprobs and not greedy   # each sample's log-probs from the logits it was drawn from
+        out = self.worker.generate(prompts, n, max_new_tokens, temperature, top_p, greedy, logprobs=given)
+        return self._stamped(prompts, out, given or greedy)
+
+    def episodes(self, examples, n, max_new_tokens, temperature, top_p, greedy, seed):
+        """Multi-turn tool-use episodes of `examples` (hetrl.data Examples), their tools run in this actor."""
+        torch.manual_seed(seed)
+        given = self.logits_logprobs and not greedy
+        out = self.agent.generate(examples, n, max_new_tokens, temperature, top_p, greedy, logprobs=given)
+        prompts = [group_prompt(e, g).prompt_ids for e, g in zip(examples, out)]
+        return self._stamped(prompts, out, given or greedy)
+
+    def _stamped(self, prompts, out, done: bool):
+        """`out` with this actor's weight version, and (async, where the logits gave none) scored log-probs."""
+        if self.scorer is not None and not done:
             logp = self.scorer.logprobs([(p, [s.tokens for s in group]) for p, group in zip(prompts, out)])
             parts = iter(torch.split(logp, [len(s.tokens) for group in out for s in group]))
-        else:
-            parts = itertools.repeat(None)
-        return [[dataclasses.replace(s, version=self.version, logprobs=next(parts)) for s in g] for g in out]
+            return [[dataclasses.replace(s, version=self.version, logprobs=next(parts)) for s in g] for g in out]
+        return [[dataclasses.replace(s, version=self.version) for s in g] for g in out]
 
 
 class ReferenceActor:
@@ -581,6 +595,12 @@ class RolloutPool:
         """`logprobs`: never asked (RayEngine.rollout_logprobs): each actor gives its samples' log-probs itself
         wherever its sampling logits give them (RolloutActor)."""
         assert not logprobs, "the rollout actors decide which samples carry log-probs (RolloutActor)"
+        return self.spread("generate", prompts, n, max_new_tokens, temperature, top_p, greedy)
+
+    def spread(self, method: str, items: list, n: int, *args) -> list:
+        """RolloutActor.`method`(chunk of `items`, n, *args, seed) over the actors -> its groups in `items`' order
+        (`generate`: prompts; `episodes`: hetrl.data Examples)."""
+        prompts = items
         with self.lock:
             self.calls += 1
             self._forget_homeless()
@@ -596,8 +616,7 @@ class RolloutPool:
                         self.actors[a].load_weights.remote(*self.latest)
                         self.stale.discard(a)
                     seed = hash((self.seed, self.calls, start)) % 2**31
-                    ref = self.actors[a].generate.remote(prompts[start:start + per_chunk], n, max_new_tokens,
-                                                         temperature, top_p, greedy, seed)
+                    ref = getattr(self.actors[a], method).remote(prompts[start:start + per_chunk], n, *args, seed)
                     self.in_flight[ref] = (a, start)
                 done, _ = ray.wait(list(self.in_flight) + list(self.recovering), num_returns=1, timeout=1.0)
                 if not done:
@@ -614,6 +633,11 @@ class RolloutPool:
                 a, start = self.in_flight.pop(done[0])
                 try:
                     results[start] = ray.get(done[0])
+                except ray.exceptions.RayTaskError as e:
+                    self.in_flight.clear()
+                    if isinstance(e.cause, InputError):   # a user's environment or data, said in the actor
+                        raise InputError(str(e.cause)) from None
+                    raise
                 except ray.exceptions.RayActorError as e:
                     log.warning("rollout actor %d died (%s); re-queueing its %d prompts", a, type(e).__name__,
                                 min(per_chunk, len(prompts) - start))
@@ -622,6 +646,37 @@ class RolloutPool:
                     continue
                 idle.append(a)
             return [g for start in sorted(results) for g in results[start]]
+
+
+class RayEpisodes:
+    """The loop's multi-turn rollout (Engine.episodes) on the rollout actors: chunks of examples go to the actors
+    as prompts do (RolloutPool.spread), each actor rolls out its episodes and runs their tools itself."""
+
+    def __init__(self, pool: RolloutPool):
+        self.pool = pool
+
+    def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, logprobs: bool = False) -> list:
+        assert not logprobs, "the rollout actors decide which samples carry log-probs (RolloutActor)"
+        return self.pool.spread("episodes", list(examples), n, max_new_tokens, temperature, top_p, greedy)
+
+
+def shipped_by_value(agent: Agent) -> list[str]:
+    """Have Ray send the modules of the agent's tools and environment by value: a FILE.py tool module exists in
+    this process only (hetrl.data.tools loads it under a name of its own), and a module:NAME one may not be on
+    the actors' path. Modules of installed packages still go by reference. -> the modules registered."""
+    import ray.cloudpickle as cloudpickle
+
+    site = [p for p in map(str, sys.path) if p.endswith(("site-packages", "dist-packages"))]
+    names = []
+    for obj in (*agent.tools, agent.environment_factory):
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        path = getattr(module, "__file__", None)
+        if module is None or module.__name__ == "__main__" or path is None or path.startswith(tuple(site)):
+            continue   # __main__ goes by value already
+        cloudpickle.register_pickle_by_value(module)
+        names.append(module.__name__)
+    return names
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -639,11 +694,13 @@ class RayEngine:
     """Starts (or joins) Ray, places the plan's actors, and offers the loop the Engine protocol
     (hetrl/trainer/engine.py)."""
 
-    episodes = None            # tools and environments: the local executor's rollout only (RunConfig refuses them)
     rollout_logprobs = False   # the rollout actors give their samples' log-probs themselves (RolloutActor)
 
-    def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int, precision: RunPrecision):
-        self.cfg, self.tokenizer, self.precision = cfg, tokenizer, precision
+    def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int, precision: RunPrecision,
+                 agent: Agent | None = None):
+        """`agent`: the run's tools or environment, sent to every rollout actor (its episodes and tools run
+        there: `episodes`)."""
+        self.cfg, self.tokenizer, self.precision, self.agent = cfg, tokenizer, precision, agent
         emulated = cfg.emulate_cluster is not None
         self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len, precision.planner)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
@@ -694,8 +751,10 @@ class RayEngine:
         # a test) places actors by their hetrl-node resources alone
         real = not emulated and ray.cluster_resources().get("GPU", 0) > 0
         p = self.precision   # every actor computes in the run's precision, decided once on the driver
+        if self.agent is not None:
+            shipped_by_value(self.agent)
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
-            cfg, p, threads[r.name], cfg.mode == "async") for r in by_role["rollout"]]
+            cfg, p, threads[r.name], cfg.mode == "async", self.agent) for r in by_role["rollout"]]
         learners = [_remote(LearnerActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["learner"]),
                                                           r.zero, r.offload, r.recompute) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, p, threads[r.name])
@@ -712,6 +771,7 @@ class RayEngine:
                                   homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
         self.learner = LearnerGroup(learners, on_failure=lambda e: self._failed("learner", e),
                                     sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
+        self.episodes = RayEpisodes(self.worker) if self.agent is not None else None
         self.reference = ShardedScorer(references) if references else None
         self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e)) if critics else None
         self.last_checkpoint = None

@@ -79,7 +79,8 @@ class RolloutWorker:
         with self._queued_lock:
             self._queued = state_dict
 
-    def _apply_queued(self) -> None:
+    def apply_queued(self) -> None:
+        """Load the weights `queue_weights` holds, if any (every generate call, episodes' too, starts here)."""
         with self._queued_lock:
             state, self._queued = self._queued, None
         if state is not None:
@@ -93,7 +94,7 @@ class RolloutWorker:
         log-probs are of), from the very logits it was drawn from, in the logits' precision (fp32 at least)."""
         if logprobs and greedy:
             raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
-        self._apply_queued()
+        self.apply_queued()
         per_call = max(1, self.batch_size // n)
         out: list[list[Sample]] = []
         was_training = self.model.training

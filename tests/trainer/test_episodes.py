@@ -106,7 +106,7 @@ def test_episodes_continue_from_their_cache_exactly():
                 text = tok.decode(s.tokens)
                 assert "<tool_response>\n42\n</tool_response>" in text and "bad arguments for mul" in text
     m = episode_metrics([s for g in out for s in g])
-    assert m["tool_calls"] == 8 and m["tool_errors"] == 4 and m["tokens_tool"] > 0
+    assert m["tool_calls"] == 8 and m["tool_errors"] == 4 and m["tokens_tool"] > 0 and m["tool_calls_unanswered"] == 0
     assert m["tokens_model"] + m["tokens_tool"] == sum(len(s.tokens) for g in out for s in g)
 
 
@@ -118,6 +118,13 @@ def test_max_tool_calls_and_the_budget_end_an_episode():
     model, tok, agent, examples, end = _setup()
     (s,), = generate_episodes(model, tok, agent, examples[:1], 1, 70, greedy=True)
     assert s.truncated and len(s.tokens) <= 70
+    # a budget the first call fits in but not its result: the call ran, counted as made and as never answered
+    (full,), = generate_episodes(model, tok, agent, examples[:1], 1, end + 4, greedy=True)
+    first_turn = full.loss_mask.index(False)
+    (s,), = generate_episodes(model, tok, agent, examples[:1], 1, first_turn + 2, greedy=True)
+    assert s.tokens == full.tokens[:first_turn] and s.truncated
+    assert s.episode.calls == 1 and s.episode.unanswered == 1 and episode_metrics([s])["tool_calls_unanswered"] == 1
+    assert full.episode.unanswered == 0
 
 
 def test_a_masked_loss_is_the_loss_over_the_models_tokens():

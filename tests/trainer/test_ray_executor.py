@@ -585,3 +585,103 @@ def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(
     assert workload("executor=ray", "mode=async", "old_logprobs=recompute").rollout_logprob_pass
     assert not workload("executor=ray", "old_logprobs=recompute").rollout_logprob_pass   # sync: the learner's
     assert workload("prompts_per_step=6", "mini_batches=4").optimizer_steps == 1   # uneven: priced as one step
+    # tools: at most max_tool_calls + 1 turns, turns and tool results sharing max_new_tokens, as the run caps them
+    calc = ROOT / "examples" / "tools" / "calculator.py"
+    tools = ("executor=ray", f"tools={calc}:multiply", "max_prompt_tokens=2048", "micro_batch_tokens=2048")
+    w = workload(*tools, "max_tool_calls=2", "branches=2", "max_leaves=6", "max_new_tokens=50")
+    assert (w.turns, w.branches, w.max_leaves, w.response_tokens.max, w.tool_tokens.max) == (3, 2, 6, 10, 10)
+    assert w.completion_tokens.max <= 50 and w.leaves == 6
+    assert workload("max_new_tokens=50").completion_tokens == TokenLengths(50, 50.0) == \
+        workload("max_new_tokens=50").response_tokens
+
+
+PROBE_ENV = '''
+import os
+
+DRIVER = {pid}
+
+
+class Probe:
+    """Records which process reset it."""
+
+    def reset(self, **kwargs):
+        self.where = os.getpid()
+
+    def double(self, x: int) -> int:
+        """Doubles a number.
+
+        Args:
+            x: The number.
+        """
+        return 2 * x
+
+    def get_reward(self) -> float:
+        return float(self.where != DRIVER)
+'''
+
+
+def _probe_env(tmp_path) -> str:
+    """An environment in a file only this process has loaded (not importable by the actors)."""
+    path = tmp_path / "probe_env_module.py"
+    path.write_text(PROBE_ENV.format(pid=os.getpid()))
+    return f"{path}:Probe"
+
+
+def test_tool_episodes_run_on_the_rollout_actor_as_they_do_locally(local_ray, tmp_path):
+    """The actor's episodes equal the local EpisodeWorker's under the same seed (tokens, loss masks, and the
+    log-probs of the fp32 logits); the environment class, from a file the actor never saw, reached it by value,
+    was reset in the actor's process, and came back with each episode. Async with old_logprobs=recompute: the
+    actor scores its episodes through the trie-packed DualKV path (equal on the model's tokens)."""
+    from hetrl.trainer.episodes import EpisodeWorker, agent_from_config, resolve_tools
+    from hetrl.trainer.ray_executor import shipped_by_value
+    from hetrl.trainer.run import build_source
+
+    cfg = load_config(TINY, ["max_new_tokens=24", "precision=fp32", f"environment={_probe_env(tmp_path)}"])
+    model, tokenizer = load_model(cfg.model, seed=cfg.seed)     # what the actor loads
+    agent = agent_from_config(cfg, tokenizer, *resolve_tools(cfg))
+    examples = build_source(cfg, agent.render_tokenizer(tokenizer)).train_examples(0, 3)[0]
+    assert shipped_by_value(agent) == [agent.environment_factory.__module__]
+    got = {}
+    for how, mode in (("auto", False), ("recompute", True)):
+        c = dataclasses.replace(cfg, old_logprobs=how)
+        actor = ray.remote(RolloutActor).options(num_cpus=0).remote(c, decide(c), 1, mode, agent)
+        got[how] = ray.get(actor.episodes.remote(examples, 2, 24, cfg.temperature, 1.0, False, 7))
+        ray.kill(actor)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(7)
+        local = EpisodeWorker(build.rollout_worker(cfg, model, tokenizer, decide(cfg)), agent, cfg.prompt_suffix)
+        want = local.generate(examples, 2, 24, cfg.temperature, 1.0, logprobs=True)
+    finally:
+        torch.set_num_threads(threads)
+    flat = {k: [s for g in v for s in g] for k, v in got.items()}
+    mine = [s for g in want for s in g]
+    assert [s.tokens for s in flat["auto"]] == [s.tokens for s in mine] == [s.tokens for s in flat["recompute"]]
+    assert [s.loss_mask for s in flat["auto"]] == [s.loss_mask for s in mine]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(flat["auto"], mine))
+    for a, b in zip(flat["auto"], flat["recompute"]):
+        m = torch.tensor(a.loss_mask or [True] * len(a.tokens))
+        assert torch.allclose(a.logprobs[m], b.logprobs[m].to(a.logprobs.dtype), atol=1e-5, rtol=0)
+    assert all(s.episode.environment.get_reward() == 1.0 for s in flat["auto"])      # reset in the actor
+    assert all(s.episode.environment.get_reward() == 0.0 for s in mine)
+
+
+def test_a_tools_run_on_ray_logs_tool_metrics_and_the_environments_reward(local_ray, tmp_path):
+    """`hetrl train ... executor=ray environment=FILE.py:Class tools=...` trains (sync and async): the metrics carry
+    the tool metrics, and the environment's reward is that of instances reset in the rollout actors."""
+    calc = str(ROOT / "examples" / "tools" / "calculator.py")
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        cfg = load_config(TINY, ["executor=ray", f"emulate_cluster={CLUSTER}", f"out_dir={out}", "eval_size=4",
+                                 f"environment={_probe_env(tmp_path)}", f"tools={calc}:multiply", "steps=2",
+                                 "checkpoint_every=0", f"mode={mode}", "max_prompt_tokens=2048",
+                                 "micro_batch_tokens=2048"])
+        train(cfg)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(r["reward/Probe"] == 1.0 for r in rows), rows
+        assert all({"turns_mean", "tool_calls", "tool_calls_unanswered", "tokens_tool"} <= set(r) for r in rows)
+        assert all(math.isfinite(r["loss"]) for r in rows)
+        evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+        assert all("eval_tool_calls" in e for e in evals)

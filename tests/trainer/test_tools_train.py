@@ -12,8 +12,8 @@ from hetrl.cli import main
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
 CALC = str(ROOT / "examples" / "tools" / "calculator.py")
-TOOL_KEYS = {"turns_mean", "tool_calls", "tool_calls_per_episode", "tool_errors", "tool_error_frac", "tokens_model",
-             "tokens_tool", "tokens_prompt", "tool_s"}
+TOOL_KEYS = {"turns_mean", "tool_calls", "tool_calls_per_episode", "tool_errors", "tool_error_frac",
+             "tool_calls_unanswered", "tokens_model", "tokens_tool", "tokens_prompt", "tool_s"}
 
 
 def _rows(out):
