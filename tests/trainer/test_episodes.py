@@ -264,3 +264,24 @@ def test_tool_results_of_different_lengths_feed_in_one_forward():
             want = _plain_logprobs(model, example.prompt_ids, s.tokens)
             mask = torch.tensor(s.loss_mask)
             assert (s.logprobs[mask] - want[mask]).abs().max().item() < 1e-10
+
+
+def test_episodes_sample_from_the_weights_a_sync_queued():
+    """A bf16 rollout copy's weight sync (LocalEngine.sync_weights -> RolloutWorker.queue_weights) lands before the
+    episodes of the next step sample, as it does before single-turn generation: episodes after a sync equal
+    episodes of a model loaded with the new weights, under the same seed."""
+    from hetrl.trainer.episodes import EpisodeWorker
+    from hetrl.trainer.rollout import RolloutWorker
+
+    model, tok, agent, examples, end = _setup()
+    new = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    worker = RolloutWorker(model, tok, batch_size=6)
+    worker.queue_weights(new)
+    torch.manual_seed(3)
+    got = EpisodeWorker(worker, agent).generate(examples, 2, end + 4)
+    assert all(torch.equal(p, new[k]) for k, p in model.state_dict().items())
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(new)
+    torch.manual_seed(3)
+    want = generate_episodes(fresh, tok, agent, examples, 2, end + 4, batch_size=6)
+    assert [s.tokens for g in got for s in g] == [s.tokens for g in want for s in g]
