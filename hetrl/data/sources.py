@@ -41,11 +41,22 @@ class Example:
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
-    """A prompt as token ids: a string as is, chat messages through the chat template (generation prompt added)."""
+    """A prompt as token ids: a string as is, chat messages through the chat template. As TRL's
+    apply_chat_template: a conversation that ends with an assistant message is continued from that message's
+    text (continue_final_message: the reply starts with it), any other gets the generation prompt."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    go_on = reply_prefix(prompt) is not None
+    out = tokenizer.apply_chat_template(prompt, add_generation_prompt=not go_on, continue_final_message=go_on)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def reply_prefix(prompt) -> str | None:
+    """The text a chat prompt's reply starts with: its last message's, where that is the assistant's (None: the
+    reply starts fresh)."""
+    if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":
+        return prompt[-1]["content"]
+    return None
 
 
 def _check_prompt(prompt, where: str):
@@ -59,14 +70,21 @@ def _check_prompt(prompt, where: str):
                      f"[{{'role': ..., 'content': ...}}], got {show(prompt)}")
 
 
-def _with_suffix(prompt, suffix: str):
-    if not suffix:
-        return prompt
+def _with_suffix(prompt, suffix: str, response_prefix: str = ""):
+    """`suffix` appended to the prompt (chat: its last user message), then `response_prefix` as the start of the
+    reply (chat: an assistant message the reply continues, TRL's convention; a string prompt: appended)."""
     if isinstance(prompt, str):
-        return prompt + suffix
-    last = max(i for i, m in enumerate(prompt) if m["role"] == "user") if any(
-        m["role"] == "user" for m in prompt) else len(prompt) - 1
-    return [{**m, "content": m["content"] + suffix} if i == last else m for i, m in enumerate(prompt)]
+        return prompt + suffix + response_prefix
+    if suffix:
+        last = max(i for i, m in enumerate(prompt) if m["role"] == "user") if any(
+            m["role"] == "user" for m in prompt) else len(prompt) - 1
+        prompt = [{**m, "content": m["content"] + suffix} if i == last else m for i, m in enumerate(prompt)]
+    if response_prefix:
+        if reply_prefix(prompt) is not None:
+            raise InputError(f"response_prefix={response_prefix!r}: a prompt already ends with an assistant message "
+                             "(its reply continues that message); leave response_prefix out for such data")
+        prompt = [*prompt, {"role": "assistant", "content": response_prefix}]
+    return prompt
 
 
 class Source(Protocol):
@@ -107,7 +125,7 @@ class TaskSource(_Stream):
     """A reasoning-gym generator: problems {question, answer, metadata} as chat prompts."""
 
     def __init__(self, name: str, options: dict, seed: int, eval_size: int, tokenizer,
-                 max_prompt_tokens: int | None = None, prompt_suffix: str = ""):
+                 max_prompt_tokens: int | None = None, prompt_suffix: str = "", response_prefix: str = ""):
         import reasoning_gym
 
         super().__init__(tokenizer, max_prompt_tokens)
@@ -115,6 +133,7 @@ class TaskSource(_Stream):
         if name not in known:
             raise InputError(f"unknown task {name!r}; reasoning-gym has: {', '.join(sorted(known))}")
         self.name, self.options, self.seed, self.prompt_suffix = name, dict(options), seed, prompt_suffix
+        self.response_prefix = response_prefix
         try:
             evals = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + 1_000_003, **self.options)
         except TypeError as e:
@@ -126,11 +145,13 @@ class TaskSource(_Stream):
         self._eval(rows)
         self.description = f"reasoning-gym {name}"
         self.fingerprint = hashlib.sha256(json.dumps(
-            ["reasoning-gym", name, self.options, seed, eval_size, prompt_suffix], sort_keys=True,
+            ["reasoning-gym", name, self.options, seed, eval_size, prompt_suffix]
+            + ([response_prefix] if response_prefix else []), sort_keys=True,
             default=str).encode()).hexdigest()
 
     def _row(self, problem: dict) -> dict:
-        prompt = [{"role": "user", "content": problem["question"] + self.prompt_suffix}]
+        prompt = _with_suffix([{"role": "user", "content": problem["question"]}], self.prompt_suffix,
+                              self.response_prefix)
         return {"prompt": prompt, "question": problem["question"], "answer": problem["answer"],
                 "metadata": problem.get("metadata", {})}
 
@@ -264,13 +285,14 @@ class RowSource(_Stream):
     """A user's rows: `data` (and optionally `eval_data`) with the prompt in column `prompt_key`."""
 
     def __init__(self, data, eval_data, *, eval_size: int, seed: int, tokenizer, prompt_key: str = "prompt",
-                 max_prompt_tokens: int | None = None, prompt_suffix: str = "", name: str | None = None):
+                 max_prompt_tokens: int | None = None, prompt_suffix: str = "", name: str | None = None,
+                 response_prefix: str = ""):
         super().__init__(tokenizer, max_prompt_tokens)
         rows = read_checked(data, "data", prompt_key)
-        rows = [self._normalise(r, i, prompt_key, "data", prompt_suffix) for i, r in enumerate(rows)]
+        rows = [self._normalise(r, i, prompt_key, "data", prompt_suffix, response_prefix) for i, r in enumerate(rows)]
         self.seed = seed
         if eval_data is not None:
-            evals = [self._normalise(r, i, prompt_key, "eval_data", prompt_suffix)
+            evals = [self._normalise(r, i, prompt_key, "eval_data", prompt_suffix, response_prefix)
                      for i, r in enumerate(read_checked(eval_data, "eval_data", prompt_key))]
             split = "eval_data"
         else:
@@ -300,13 +322,13 @@ class RowSource(_Stream):
         self.fingerprint = _fingerprint(self.train_rows, evals, prompt_key, prompt_suffix)
 
     @staticmethod
-    def _normalise(row: dict, i: int, prompt_key: str, what: str, suffix: str) -> dict:
+    def _normalise(row: dict, i: int, prompt_key: str, what: str, suffix: str, response_prefix: str = "") -> dict:
         if prompt_key not in row:
             raise InputError(f"{what}: row {i} has no prompt column {prompt_key!r} (columns: "
                              f"{', '.join(map(str, row)) or 'none'}); set prompt_key=COLUMN")
         prompt = row[prompt_key]
         _check_prompt(prompt, f"{what}: row {i}, column {prompt_key!r}")
-        return {**row, "prompt": _with_suffix(prompt, suffix)}
+        return {**row, "prompt": _with_suffix(prompt, suffix, response_prefix)}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != epoch:

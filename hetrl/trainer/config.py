@@ -78,6 +78,7 @@ class RunConfig:
     answer_key: str = "answer"            # what exact_match / math_verify compare with (dotted: reward_model.ground_truth)
     max_prompt_tokens: int = rule(512, ge=1)  # longer prompts are skipped and counted, never truncated
     prompt_suffix: str = ""               # appended to each prompt (the last user message); the default leaves the format to RL
+    response_prefix: str = ""             # every reply starts with it: a last assistant message the reply continues (TRL's rule)
     # built-ins (BUILTIN_REWARDS) or your functions FILE.py:NAME / package.module:NAME (TRL or verl convention)
     reward: str | tuple[str, ...] = "verifier"
     reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each)

@@ -104,7 +104,7 @@ class LocalEngine:
         sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
         self.worker = build.rollout_worker(cfg, sampler, tokenizer, precision)
         self.rollout_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
-        self.episodes = EpisodeWorker(self.worker, agent, cfg.prompt_suffix) if agent is not None else None
+        self.episodes = EpisodeWorker(self.worker, agent) if agent is not None else None
 
     def phase_seconds(self) -> dict[str, float]:
         return dict(self.worker.phase_seconds)

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from hetrl.algo import tree_advantages
 from hetrl.data.tools import (ToolTokenizer, check_environment, environment_tools, parse_tool_calls, run_calls,
                               tool_schema, tool_suffix_ids, tool_template)
+from hetrl.data.sources import prompt_ids, reply_prefix
 from hetrl.dualkv import pack_sequences
 from hetrl.schema import InputError
 from hetrl.trainer.precision import FP32, RunPrecision
@@ -105,6 +106,7 @@ class Episode:
     calls: int = 0
     errors: int = 0
     unanswered: int = 0         # of `calls`, those whose results did not fit the token budget (never shown)
+    opening: str = ""           # the text the prompt starts the first turn with (response_prefix), parsed with it
     truncated: bool = False
     last_text: str = ""
     group_prompt_len: int = 0   # the prompt tokens its group shares (the rest of `prompt` starts its sample)
@@ -121,10 +123,11 @@ class Episode:
                 "model_tokens": model, "tool_tokens": len(self.tokens) - model, "prompt_tokens": len(self.prompt)}
 
 
-def _start(agent: Agent, example, tokenizer, prompt_suffix: str) -> Episode:
+def _start(agent: Agent, example, tokenizer) -> Episode:
     """A new environment instance per rollout; reset(**row)'s string goes at the end of the last user message."""
     env, tools = None, {t.__name__: t for t in agent.tools}
     prompt = list(example.prompt_ids)
+    opening = reply_prefix(example.row.get("prompt")) or ""
     if agent.environment_factory is not None:
         env = agent.environment_factory()
         tools |= {m.__name__: m for m in environment_tools(env)}
@@ -136,17 +139,15 @@ def _start(agent: Agent, example, tokenizer, prompt_suffix: str) -> Episode:
                                  "for a prompt that is not chat messages; it may return None, or a string for chat "
                                  "prompts")
             last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            messages = [{**m, "content": m["content"] + (prompt_suffix + observation)} if i == last else m
+            messages = [{**m, "content": m["content"] + observation} if i == last else m
                         for i, m in enumerate(messages)]
-            out = agent.render_tokenizer(tokenizer).apply_chat_template(messages, add_generation_prompt=True)
-            prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
-    return Episode(prompt=prompt, tools=tools, environment=env, pending=[prompt[-1]])
+            prompt = prompt_ids(agent.render_tokenizer(tokenizer), messages)
+    return Episode(prompt=prompt, tools=tools, environment=env, pending=[prompt[-1]], opening=opening)
 
 
 def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_tokens: int, *,
                       temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, logprobs: bool = False,
-                      batch_size: int = 64, precision: RunPrecision = FP32, prompt_suffix: str = "",
-                      clock: dict | None = None) -> list[list[Sample]]:
+                      batch_size: int = 64, precision: RunPrecision = FP32, clock: dict | None = None) -> list[list[Sample]]:
     """examples (hetrl.data Example: prompt ids rendered with the tools, the row) -> n episodes each, as Samples
     whose `loss_mask` marks the model's tokens and whose `episode` holds the Episode (environment, counts).
     `clock`: seconds are added to its prefill_s (the prompts), decode_s (turns and tool tokens) and tool_s."""
@@ -166,7 +167,7 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
     episodes = []
     for task, e in zip(tasks, examples):
         for j in range(n):
-            episodes.append(_start(agent, e, tokenizer, prompt_suffix))
+            episodes.append(_start(agent, e, tokenizer))
             episodes[-1].task, episodes[-1].path = task, (j,)
     branches = 1 if greedy else agent.branches    # greedy continuations of one state would all be equal
     cap = agent.max_leaves or n * agent.branches
@@ -356,7 +357,8 @@ def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_token
         if not ended:
             ep.truncated = True
             continue
-        calls = parse_tool_calls(tokenizer.decode(turn, skip_special_tokens=False), tokenizer,
+        opening = ep.opening if ep.turn_start == 0 else ""     # a first turn the prompt began: its calls' start
+        calls = parse_tool_calls(opening + tokenizer.decode(turn, skip_special_tokens=False), tokenizer,
                                  ep.prompt + ep.tokens[:ep.turn_start], list(agent.schemas))
         if not calls or ep.tool_turns >= agent.max_tool_calls:
             continue
@@ -435,8 +437,8 @@ class EpisodeWorker:
     """A local RolloutWorker's model and settings, rolling out episodes with `agent` (what the loop calls when the
     run has tools)."""
 
-    def __init__(self, worker, agent: Agent, prompt_suffix: str = ""):
-        self.worker, self.agent, self.prompt_suffix = worker, agent, prompt_suffix
+    def __init__(self, worker, agent: Agent):
+        self.worker, self.agent = worker, agent
         worker.phase_seconds.setdefault("tool_s", 0.0)   # reported per step beside prefill_s and decode_s
 
     def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -445,8 +447,7 @@ class EpisodeWorker:
         w.apply_queued()   # a bf16 rollout copy's weight sync (LocalEngine.sync_weights) lands before sampling
         return generate_episodes(w.model, w.tokenizer, self.agent, examples, n, max_new_tokens,
                                  temperature=temperature, top_p=top_p, greedy=greedy, logprobs=logprobs,
-                                 batch_size=w.batch_size, precision=w.precision, prompt_suffix=self.prompt_suffix,
-                                 clock=w.phase_seconds)
+                                 batch_size=w.batch_size, precision=w.precision, clock=w.phase_seconds)
 
 def resolve_tools(cfg, tools=None, environment_factory=None) -> tuple[list[Callable], Callable | None]:
     """The run's tools and environment factory from `tools=` / `environment=` (or as given from Python), loaded and

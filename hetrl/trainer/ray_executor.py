@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -141,7 +140,7 @@ class RolloutActor:
         if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
             self.policy.module.to(torch.bfloat16)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
-        self.agent = EpisodeWorker(self.worker, agent, cfg.prompt_suffix) if agent is not None else None
+        self.agent = EpisodeWorker(self.worker, agent) if agent is not None else None
         self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
         self.scorer = build.scorer(cfg, self.policy.module, precision) \
             if behaviour_logprobs and not self.logits_logprobs else None
@@ -663,7 +662,7 @@ class RayEpisodes:
 
 def shipped_by_value(agent: Agent) -> list[str]:
     """Have Ray send the modules of the agent's tools and environment by value: a FILE.py tool module exists in
-    this process only (hetrl.data.tools loads it under a name of its own), and a module:NAME one may not be on
+    this process only (hetrl.data.specs loads it under a name of its own), and a module:NAME one may not be on
     the actors' path. Modules of installed packages still go by reference. -> the modules registered."""
     import ray.cloudpickle as cloudpickle
 

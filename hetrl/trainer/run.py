@@ -210,7 +210,7 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
         raise InputError("eval_dataset is the held-out part of train_dataset; pass train_dataset too")
     if cfg.data is None:
         return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cfg.max_prompt_tokens,
-                          cfg.prompt_suffix)
+                          cfg.prompt_suffix, cfg.response_prefix)
     if cfg.data == PYTHON and train_dataset is None:
         raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
                          "from Python with the same dataset: hetrl.train(..., train_dataset=..., resume=True)")
@@ -221,7 +221,8 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
                          "hetrl.train(..., eval_dataset=...)")
     return RowSource(data, evals, eval_size=cfg.eval_size, seed=cfg.seed, tokenizer=tokenizer,
                      prompt_key=cfg.prompt_key, max_prompt_tokens=cfg.max_prompt_tokens,
-                     prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data)
+                     prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data,
+                     response_prefix=cfg.response_prefix)
 
 
 def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):

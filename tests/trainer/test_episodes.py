@@ -285,3 +285,31 @@ def test_episodes_sample_from_the_weights_a_sync_queued():
     torch.manual_seed(3)
     want = generate_episodes(fresh, tok, agent, examples, 2, end + 4, batch_size=6)
     assert [s.tokens for g in got for s in g] == [s.tokens for g in want for s in g]
+
+
+def test_a_prompt_that_opens_the_call_is_continued_and_its_call_parsed():
+    """response_prefix / a last assistant message (TRL's continue_final_message): the prompt ends inside the
+    assistant turn, after "<tool_call>"; the model's first turn writes the rest of the call, and the call is parsed
+    with the opening the prompt gave it, run, and answered."""
+    from hetrl.data.sources import _with_suffix, prompt_ids
+
+    model, tok = load_model("tiny", dtype=torch.float64, seed=2)
+    _use_float64_norms(model)
+    agent = make_agent(tok, [mul], None, max_tool_calls=2, tool_timeout_s=5.0)
+    render = agent.render_tokenizer(tok)
+    messages = _with_suffix([{"role": "user", "content": "q"}], " go", "<tool_call>")
+    assert messages[-1] == {"role": "assistant", "content": "<tool_call>"} and messages[0]["content"] == "q go"
+    ids = prompt_ids(render, messages)
+    fresh = prompt_ids(render, messages[:-1])
+    assert ids[:len(fresh)] == fresh and tok.decode(ids[len(fresh):]) == "<tool_call>"   # no end of turn after it
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]   # noqa: E731
+    eos, P = tok.eos_token_id, len(ids)
+    turn1 = enc('{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>') + [eos]
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "mul", "content": "42"}], agent.template)
+    Q = P + len(turn1) + len(suffix)
+    turn2 = enc("42") + [eos]
+    model = _scripted(model, {P + i: t for i, t in enumerate(turn1)} | {Q + i: t for i, t in enumerate(turn2)})
+    (s,), = generate_episodes(model, tok, agent, [Example({"prompt": messages}, ids)], 1, Q - P + len(turn2) + 4,
+                              greedy=True)
+    assert s.tokens == turn1 + suffix + turn2 and s.episode.calls == 1 and s.episode.errors == 0
+    assert s.text == "42" and not s.truncated

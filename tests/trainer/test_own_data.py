@@ -280,3 +280,31 @@ def test_one_reward_given_from_python_as_a_string_is_one_reward(tmp_path):
                           steps=1, eval_size=4, checkpoint_every=0, prompts_per_step=4, responses_per_prompt=2,
                           mini_batches=1)
     assert summary["config"]["reward"] == ["exact_match"]
+
+
+def test_a_response_prefix_starts_every_reply_and_a_last_assistant_message_is_continued():
+    """response_prefix: chat prompts end with an assistant message holding it, which the reply continues (TRL's
+    continue_final_message); string prompts end with it. Rows whose prompt already ends with an assistant message
+    are continued as they are (TRL's rule), and are refused with response_prefix beside them."""
+    from hetrl.data.sources import TaskSource, prompt_ids
+    from hetrl.schema import InputError
+
+    tok = tiny_tokenizer()
+    chat = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
+    text = [{"prompt": f"q{i}:"} for i in range(4)]
+    src = RowSource(chat, None, eval_size=1, seed=0, tokenizer=tok, prompt_suffix="!", response_prefix="<think>")
+    (ex,), _, _ = src.train_examples(0, 1)
+    assert ex.row["prompt"][-1] == {"role": "assistant", "content": "<think>"}
+    assert ex.row["prompt"][0]["content"].endswith("!")
+    fresh = prompt_ids(tok, ex.row["prompt"][:-1])
+    assert ex.prompt_ids[:len(fresh)] == fresh and tok.decode(ex.prompt_ids[len(fresh):]) == "<think>"
+    (ex,), _, _ = RowSource(text, None, eval_size=1, seed=0, tokenizer=tok, response_prefix=" A:").train_examples(0, 1)
+    assert ex.row["prompt"].endswith(": A:")
+    continued = [{"prompt": r["prompt"] + [{"role": "assistant", "content": "Sure"}]} for r in chat]
+    (ex,), _, _ = RowSource(continued, None, eval_size=1, seed=0, tokenizer=tok).train_examples(0, 1)
+    assert tok.decode(ex.prompt_ids).endswith("Sure")
+    with pytest.raises(InputError, match="already ends with an assistant message"):
+        RowSource(continued, None, eval_size=1, seed=0, tokenizer=tok, response_prefix="x")
+    task = TaskSource("basic_arithmetic", {}, 0, 2, tok, 1024, response_prefix="The answer is")
+    assert task.eval_examples[0].row["prompt"][-1]["content"] == "The answer is"
+    assert task.fingerprint != TaskSource("basic_arithmetic", {}, 0, 2, tok, 1024).fingerprint

@@ -651,7 +651,7 @@ def test_tool_episodes_run_on_the_rollout_actor_as_they_do_locally(local_ray, tm
     torch.set_num_threads(1)
     try:
         torch.manual_seed(7)
-        local = EpisodeWorker(build.rollout_worker(cfg, model, tokenizer, decide(cfg)), agent, cfg.prompt_suffix)
+        local = EpisodeWorker(build.rollout_worker(cfg, model, tokenizer, decide(cfg)), agent)
         want = local.generate(examples, 2, 24, cfg.temperature, 1.0, logprobs=True)
     finally:
         torch.set_num_threads(threads)
