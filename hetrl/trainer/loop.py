@@ -38,7 +38,8 @@ from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine
-from hetrl.trainer.evaluation import evaluate, greedy_rewards, headline, paired_comparison, score_groups, score_name
+from hetrl.trainer.evaluation import (evaluate, greedy_rewards, headline, paired_comparison, replies, score_groups,
+                                      score_name)
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import Sample
 
@@ -78,16 +79,12 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
             break
         examples, start, skipped = source.train_examples(start, cfg.prompts_per_step - len(kept))
         too_long += skipped
-        if agent is not None:   # multi-turn tool-use episodes
-            outputs = agent.generate(examples, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature,
-                                     cfg.top_p, logprobs=want_logprobs)
-        else:
-            outputs = engine.worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
-                                             cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                                             **({"logprobs": True} if want_logprobs else {}))
+        outputs = replies(engine.worker, agent, examples, cfg.responses_per_prompt, cfg.max_new_tokens,
+                          temperature=cfg.temperature, top_p=cfg.top_p, logprobs=want_logprobs)
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
-        baselines = greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax" else None
+        baselines = (greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax"
+                     else None)
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
         for i, (example, samples) in enumerate(zip(examples, outputs)):
