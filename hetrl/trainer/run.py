@@ -1,8 +1,8 @@
 """The run's entry: `hetrl train` and `hetrl.train()` up to the first step, and what resumes it.
 
 Config (and what was given from Python) -> one run per out_dir (a lock) -> the checkpoint to resume from, with
-the checks that keep a run from being lost or silently changed -> the user's data and rewards checked before the
-model loads -> model, prompts, rewards, engine -> the step loop (hetrl/trainer/loop.py).
+the checks that keep a run from being lost or silently changed -> the user's tools, data and rewards checked before
+the model loads -> model, prompts, rewards, engine -> the step loop (hetrl/trainer/loop.py).
 """
 
 from __future__ import annotations
