@@ -30,17 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetrl.bench.harness import machine, timed, write_results
+from hetrl.bench.harness import machine, reset_peak_rss, status_kb, timed, write_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _vm_hwm() -> int:
-    """This process's resident-set high-water mark (bytes), from /proc/self/status."""
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -92,9 +84,8 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "seq-mean-token-mean") / world
     advantages = torch.randn(int(lens.sum()), generator=g)
     gc.collect()
-    loaded_peak = _vm_hwm()
-    with open("/proc/self/clear_refs", "w") as f:   # resets VmHWM (Linux >= 4.0): the peak of the updates alone
-        f.write("5")
+    loaded_peak = status_kb("VmHWM") * 1024
+    reset_peak_rss()                                # the peak of the updates alone
     times = []
     for _ in range(steps):
         dist.barrier()
@@ -103,7 +94,7 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pathlib.Path(out, f"{zero}-{rank}.json").write_text(json.dumps(
         {"zero": zero, "rank": rank, **held, "peak_rss": peak, "peak_rss_setup": loaded_peak,
-         "peak_rss_updates": _vm_hwm(), "step_s": times}))
+         "peak_rss_updates": status_kb("VmHWM") * 1024, "step_s": times}))
     dist.destroy_process_group()
 
 

@@ -46,19 +46,17 @@ SHORT_EVAL = {"full", "lora", "checkpointing"}   # memory and time only: 8 held-
 CHILD = r"""
 import json, sys
 import hetrl
+from hetrl.bench.harness import reset_peak_rss, status_kb
 from hetrl.trainer import loop
 
 def peak_kib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
+    return status_kb("VmHWM")
 
 marks = {}
 run = loop.run_steps
 def measured_run(*args, **kwargs):
     marks["after_load_kib"] = peak_kib()
-    with open("/proc/self/clear_refs", "w") as f:   # reset the peak: from here on, the training run alone
-        f.write("5")
+    reset_peak_rss()                               # from here on, the training run alone
     return run(*args, **kwargs)
 loop.run_steps = measured_run
 out_dir, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

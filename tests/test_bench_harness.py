@@ -1,5 +1,6 @@
 """The benchmark harness does what its numbers claim: warm-up calls are not timed, variants take turns within each
-round, the spread is the median with its min and max, and results land whole in NAME.json and NAME.md."""
+round, the spread is the median with its min and max, a step's peak RSS counts what it allocated, and results land
+whole in NAME.json and NAME.md."""
 
 from __future__ import annotations
 
@@ -39,3 +40,19 @@ def test_results_are_written_whole(tmp_path):
     assert (tmp_path / "out" / "bench.md").read_text() == "# table\n"
     assert path == str(tmp_path / "out" / "bench")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench.json", "bench.md"]   # no .tmp left
+
+
+def test_peak_rss_increase_counts_what_the_step_touched_and_frees():
+    import torch
+
+    held = []
+    got = harness.peak_rss_increase(lambda: held.append(torch.ones(64 << 20, dtype=torch.uint8)))   # 64 MiB, touched
+    assert got["increase_kb"] == got["peak_kb"] - got["resident_kb"] >= 64 << 10
+    held.clear()
+    assert harness.peak_rss_increase(lambda: None)["increase_kb"] < 16 << 10    # the peak was reset, not carried
+
+
+def test_child_results_take_each_childs_last_json_line_or_its_error():
+    out = harness.child_results({"ok": ["-c", "print('{\"n\": 1}'); print('{\"n\": 2}')"],
+                                 "fails": ["-c", "raise SystemExit('bad input')"]}, jobs=2)
+    assert out == {"ok": {"n": 2}, "fails": {"error": "bad input"}}

@@ -7,7 +7,7 @@ benchmarks/results/lm_head_chunks.md and lm_head_chunks_checkpointing.md.
 The model is `config:qwen2.5-0.5b` (Qwen2.5-0.5B's architecture, random weights, fp32; vocabulary 151,936, tied
 embeddings). One group: a 256-token prompt and 8 responses of response-tokens / 8 tokens. Each measurement is a
 fresh process that loads the model, then runs `shared_prompt_logprobs` forward, a weighted sum and backward; the
-peak RSS increase over the loaded model (VmHWM reset before the pass, as hetrl/bench/dualkv_grid.py does) is the pass's
+peak RSS increase over the loaded model (VmHWM reset before the pass: hetrl.bench.harness.reset_peak_rss) is the pass's
 memory. `whole`: the chunking threshold (api.CHUNK_LOGITS_ABOVE_BYTES) raised above these logits, so the head runs
 on all rows at once. Rounds interleave the two.
 """
@@ -30,7 +30,7 @@ MODEL = "config:qwen2.5-0.5b"
 def child(variant: str, response_tokens: int, checkpointing: bool) -> None:
     import torch
 
-    from hetrl.bench.dualkv_grid import _status_kb
+    from hetrl.bench.harness import reset_peak_rss, status_kb
     from hetrl.dualkv import api, pack_groups, shared_prompt_logprobs
     from hetrl.models import load_model
 
@@ -43,16 +43,14 @@ def child(variant: str, response_tokens: int, checkpointing: bool) -> None:
     prompt = torch.randint(100, 150000, (256,), generator=g).tolist()
     responses = [torch.randint(100, 150000, (response_tokens // 8,), generator=g).tolist() for _ in range(8)]
     batch = pack_groups([(prompt, responses)])
-    with open("/proc/self/clear_refs", "w") as f:       # reset VmHWM to the current RSS
-        f.write("5")
-    resident = _status_kb("VmRSS")
+    resident = reset_peak_rss()
 
     def update():
         logp = shared_prompt_logprobs(model, batch, impl="sdpa")
         (logp * torch.linspace(0.5, 1.5, logp.numel())).sum().backward()
 
     took = seconds(update)
-    print(f"RESULT {variant} {_status_kb('VmHWM') - resident} {took:.2f} {batch.labels.numel()}")
+    print(f"RESULT {variant} {status_kb('VmHWM') - resident} {took:.2f} {batch.labels.numel()}")
 
 
 def main() -> int:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,7 +29,7 @@ from tqdm import tqdm
 from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.harness import machine, median_times
+from hetrl.bench.harness import child_results, machine, median_times, peak_rss_increase
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 
 VARIANTS = ("padded", "packed", "prefix_grouper", "dualkv", "reference")
@@ -237,19 +235,9 @@ def measure_times(model, case: Case, repeats: int) -> dict:
 
 
 def measure_memory(case: Case, jobs: int = 1) -> dict:
-    """Peak RSS increase of one update step, per variant, each in a fresh interpreter; `jobs` of them at once
-    (a process's peak is its own, so running side by side does not change it; only the wall time)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}        # as in the timed runs
-    cmds = {v: [sys.executable, "-m", "hetrl.bench.dualkv_grid", "--child", v, case.model, str(case.n), str(case.p),
-                str(case.r)] for v in VARIANTS}
-    out = {}
-    with ThreadPoolExecutor(jobs) as pool:
-        runs = {v: pool.submit(subprocess.run, cmd, capture_output=True, text=True, env=env) for v, cmd in cmds.items()}
-        for v, future in runs.items():
-            proc = future.result()
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
-    return out
+    """Peak RSS increase of one update step, per variant, each in a fresh interpreter, `jobs` of them at once."""
+    return child_results({v: ["-m", "hetrl.bench.dualkv_grid", "--child", v, case.model, str(case.n), str(case.p),
+                              str(case.r)] for v in VARIANTS}, jobs)
 
 
 def _child(variant: str, model_name: str, n: int, p: int, r: int) -> None:
@@ -258,17 +246,7 @@ def _child(variant: str, model_name: str, n: int, p: int, r: int) -> None:
     prompt, responses = make_group(case, model.config.vocab_size)
     fn = variant_logprobs(variant, model, prompt, responses)
     adv = torch.ones(n * r)
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:   # reset the peak (VmHWM) to the current RSS (Linux)
-        f.write("5")
-    update_step(fn, adv)
-    peak = _status_kb("VmHWM")
-    print(json.dumps({"resident_kb": before, "peak_kb": peak, "increase_kb": peak - before}))
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    print(json.dumps(peak_rss_increase(lambda: update_step(fn, adv))))
 
 
 def all_cases(quick: bool) -> list[Case]:

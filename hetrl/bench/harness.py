@@ -3,8 +3,9 @@
 Timing: warm-up calls, then rounds in which every variant runs once in turn, so a machine whose speed drifts
 (a shared VM) slows every variant alike; reported as the median with the spread (min, max). The machine: CPU
 model and the vector flags that decide bf16's speed, cores, threads, torch, and, where a result needs them, its
-measured matmul peaks and copy bandwidth. Results: NAME.json (every number) and NAME.md (the table a reader
-opens) in one folder, indexed in benchmarks/README.md. A benchmark script is then the experiment, not its plumbing.
+measured matmul peaks and copy bandwidth. Memory: a step's peak RSS increase, in a fresh process per variant.
+Results: NAME.json (every number) and NAME.md (the table a reader opens) in one folder, indexed in
+benchmarks/README.md. A benchmark script is then the experiment, not its plumbing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pathlib
 import platform
 import statistics
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -79,6 +82,50 @@ def spread(times: list[float]) -> dict[str, float]:
 def median_times(fns: dict[str, Callable[[], object]], repeats: int, desc: str | None = None) -> dict[str, float]:
     """One warm-up call of each fn, then `repeats` interleaved rounds; the median seconds per fn."""
     return {name: statistics.median(ts) for name, ts in interleaved_times(fns, repeats, 1, desc).items()}
+
+
+# ------------------------------------------------------------------------------------------------------- memory
+# Peak RSS, because tracemalloc cannot see torch's allocations; a fresh process per variant, because a process's
+# peak is its own (so `jobs` children side by side change only the wall time). Linux: /proc/self/{status,clear_refs}.
+
+
+def status_kb(field: str) -> int:
+    """A size field of /proc/self/status in kB: "VmRSS" (resident now), "VmHWM" (the peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak (VmHWM) to its current RSS (Linux >= 4.0); -> that RSS in kB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kb("VmRSS")
+
+
+def peak_rss_increase(fn: Callable[[], object]) -> dict[str, int]:
+    """One call of `fn`: {"resident_kb" before it, "peak_kb" during it, "increase_kb" = peak - resident}."""
+    before = reset_peak_rss()
+    fn()
+    peak = status_kb("VmHWM")
+    return {"resident_kb": before, "peak_kb": peak, "increase_kb": peak - before}
+
+
+def child_results(args: dict[str, list[str]], jobs: int = 1) -> dict[str, dict]:
+    """Run `python ARGS...` for each variant, `jobs` at once, with torch's thread count of this process (as in the
+    timed runs); -> each child's last stdout line that is a JSON object, or {"error": the end of its stderr}."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    out = {}
+    with ThreadPoolExecutor(jobs) as pool:
+        runs = {v: pool.submit(subprocess.run, [sys.executable, *a], capture_output=True, text=True, env=env)
+                for v, a in args.items()}
+        for v, future in runs.items():
+            proc = future.result()
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ machine

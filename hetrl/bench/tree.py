@@ -17,22 +17,19 @@ The LM head runs only on the rows that predict trained tokens in every layout. `
 the log-softmax over their [rows, vocab] logits whole (as `hetrl bench dualkv`'s baselines do); `prompt` and
 `tree` go through hetrl's head, which above 256 MB of logits runs in row chunks recomputed in the backward
 (more time, far less memory: api.CHUNK_LOGITS_ABOVE_BYTES), so at the grid's largest trees the memory
-columns compare that head as much as the layouts. Times: median of interleaved rounds
-after a warm-up (hetrl.bench.harness.median_times); memory: peak RSS increase of the update in a fresh process per
-layout (VmHWM reset just before the step), as `hetrl bench dualkv` measures it. The FLOP ratio is linear / tree:
-the body's parameters x tokens, the LM head x predicting rows, attention x (query, key) pairs; `tree` is expected
-at >= 0.85 of it.
+columns compare that head as much as the layouts. Times: median of interleaved rounds after a warm-up
+(hetrl.bench.harness.median_times); memory: peak RSS increase of the update in a fresh process per layout (VmHWM
+reset just before the step: hetrl.bench.harness.peak_rss_increase, as `hetrl bench dualkv` measures it). The FLOP
+ratio is linear / tree: the body's parameters x tokens, the LM head x predicting rows, attention x (query, key)
+pairs; `tree` is expected at >= 0.85 of it.
 """
 
 from __future__ import annotations
 
 import contextvars
 import json
-import os
 import random
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,7 +37,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.harness import machine, median_times
+from hetrl.bench.harness import child_results, machine, median_times, peak_rss_increase
 from hetrl.dualkv import pack_groups, pack_sequences, sequence_logprobs, shared_prompt_logprobs
 
 LAYOUTS = ("linear", "prompt", "treerow", "tree")
@@ -246,17 +243,9 @@ def measure(model, case: TreeCase, repeats: int) -> dict:
 
 
 def measure_memory(model_name: str, case: TreeCase, jobs: int = 1) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    cmds = {v: [sys.executable, "-m", "hetrl.bench.tree", "--child", v, model_name, json.dumps(asdict(case))]
-            for v in LAYOUTS}
-    out = {}
-    with ThreadPoolExecutor(jobs) as pool:
-        runs = {v: pool.submit(subprocess.run, cmd, capture_output=True, text=True, env=env) for v, cmd in cmds.items()}
-        for v, future in runs.items():
-            proc = future.result()
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            out[v] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip()[-300:]}
-    return out
+    """Peak RSS increase of one update step, per layout, each in a fresh interpreter, `jobs` of them at once."""
+    return child_results({v: ["-m", "hetrl.bench.tree", "--child", v, model_name, json.dumps(asdict(case))]
+                          for v in LAYOUTS}, jobs)
 
 
 def _child(layout: str, model_name: str, case_json: str) -> None:
@@ -266,17 +255,7 @@ def _child(layout: str, model_name: str, case_json: str) -> None:
     seqs, masks = make_tree(case, model.config.vocab_size)
     fn, _ = layout_logprobs(layout, model, seqs, masks)
     adv = _advantages(masks)
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:   # reset the peak (VmHWM) to the current RSS (Linux)
-        f.write("5")
-    update_step(fn, adv)
-    peak = _status_kb("VmHWM")
-    print(json.dumps({"resident_kb": before, "peak_kb": peak, "increase_kb": peak - before}))
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    print(json.dumps(peak_rss_increase(lambda: update_step(fn, adv))))
 
 
 def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped", max_leaves: int | None = None) -> dict:

@@ -20,23 +20,18 @@ inside its reward manager).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
-import os
-import pathlib
 import pickle
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hetrl.schema import InputError
 
-from .containment import Failure, UserAbort, WorkerPool, contained
-from .containment import where as _where
+from .containment import Failure, WorkerPool, contained
+from .specs import load_module, lookup
 
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
 VERL_SOURCE_PARAMS = ("solution_str", "ground_truth")    # verl's per-source scorers, e.g. gsm8k.compute_score
@@ -130,58 +125,7 @@ def load_reward(spec: str) -> Callable:
     """The function a spec names: `path/to/file.py:NAME` or `package.module:NAME`."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise InputError(f"reward {spec!r}: expected FILE.py:NAME or package.module:NAME")
-    where, name = spec.rsplit(":", 1)
-    try:
-        if where.endswith(".py"):
-            path = pathlib.Path(where)
-            if not path.is_file():
-                raise InputError(f"reward {spec!r}: no such file {where}")
-            module_name = f"hetrl_reward_{abs(hash(str(path.resolve())))}"
-            stat = path.stat()
-            version = (stat.st_mtime_ns, stat.st_size)
-            module = sys.modules.get(module_name)
-            if module is None or getattr(module, "__hetrl_version__", None) != version:
-                # executed once per version of the file, as Python imports a module once: the check before the
-                # model loads and the run then share it (a file changed since is executed again)
-                loader = importlib.util.spec_from_file_location(module_name, path)
-                module = importlib.util.module_from_spec(loader)
-                sys.modules[module_name] = module
-                try:
-                    loader.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[module_name]
-                    raise
-                module.__hetrl_version__ = version
-        else:
-            module = _import_here(where)
-    except (InputError, UserAbort):
-        raise
-    except SyntaxError as e:
-        raise InputError(f"reward {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
-    except BaseException as e:  # noqa: BLE001 - the user's module failed (or exited) while importing: say where
-        detail = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
-        raise InputError(f"reward {spec!r}: importing it failed at {_where(e)}: {detail}") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise InputError(f"reward {spec!r}: {where} has no {name!r} (callables there: {', '.join(found) or 'none'})")
-    if not callable(fn):
-        raise InputError(f"reward {spec!r}: {name} is not callable")
-    return fn
-
-
-def _import_here(name: str):
-    """import `name` as `python -c` would: the current directory first on the path (the `hetrl` console script,
-    unlike `python -m hetrl`, does not put it there)."""
-    here = os.getcwd()
-    added = here not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    try:
-        return importlib.import_module(name)
-    finally:
-        if added and here in sys.path:
-            sys.path.remove(here)
+    return lookup(load_module(spec, "reward"), spec, spec.rsplit(":", 1)[1], "reward")
 
 
 def resolve(specs, builtins: dict[str, Callable]) -> list[tuple[Callable, str | None]]:

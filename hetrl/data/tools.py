@@ -19,20 +19,17 @@ A model whose chat template renders no tools (SmolLM2, hetrl's tiny model) gets 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
-import pathlib
 import re
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from hetrl.schema import InputError
+
+from .specs import load_module, lookup
 
 # Qwen2.5's template (trl/chat_templates/qwen2_5.jinja) less its "You are Qwen" default system line: ChatML, the
 # tools listed in the system message, calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as
@@ -75,32 +72,6 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "hetrl_probe_tool", "des
 # ------------------------------------------------------------------------------------------ loading and checking
 
 
-def _module(spec: str, kind: str):
-    where = spec.rsplit(":", 1)[0]
-    try:
-        if where.endswith(".py"):
-            path = pathlib.Path(where)
-            if not path.is_file():
-                raise InputError(f"{kind} {spec!r}: no such file {where}")
-            name = f"hetrl_{kind}_{abs(hash(str(path.resolve())))}"
-            if name in sys.modules:
-                return sys.modules[name]
-            loader = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[name] = module
-            loader.loader.exec_module(module)
-            return module
-        return importlib.import_module(where)
-    except InputError:
-        raise
-    except SyntaxError as e:
-        raise InputError(f"{kind} {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:  # the user's module failed while importing: say where
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise InputError(f"{kind} {spec!r}: importing it failed at {frame.filename}:{frame.lineno}: "
-                         f"{type(e).__name__}: {e}") from None
-
-
 def _names(spec: str, kind: str, many: bool) -> list[str]:
     if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rsplit(":", 1)):
         form = "FILE.py:NAME[,NAME...] or package.module:NAME" if many else "FILE.py:Class or package.module:Class"
@@ -112,22 +83,11 @@ def _names(spec: str, kind: str, many: bool) -> list[str]:
     return names
 
 
-def _lookup(module, spec: str, name: str, kind: str):
-    obj = getattr(module, name, None)
-    if obj is None:
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise InputError(f"{kind} {spec!r}: {spec.rsplit(':', 1)[0]} has no {name!r} (callables there: "
-                         f"{', '.join(found) or 'none'})")
-    if not callable(obj):
-        raise InputError(f"{kind} {spec!r}: {name} is a {type(obj).__name__}, not callable")
-    return obj
-
-
 def load_tools(spec: str) -> list[Callable]:
     """`FILE.py:f1,f2` or `package.module:f1` -> the functions, each checked by `tool_schema`."""
     names = _names(spec, "tool", many=True)
-    module = _module(spec, "tool")
-    out = [_lookup(module, spec, n, "tool") for n in names]
+    module = load_module(spec, "tool")
+    out = [lookup(module, spec, n, "tool") for n in names]
     for fn in out:
         tool_schema(fn, spec)
     return out
@@ -136,7 +96,7 @@ def load_tools(spec: str) -> list[Callable]:
 def load_environment(spec: str) -> Callable:
     """`FILE.py:Class` -> the environment factory (a class, or any callable returning an instance)."""
     (name,) = _names(spec, "environment", many=False)
-    return _lookup(_module(spec, "environment"), spec, name, "environment")
+    return lookup(load_module(spec, "environment"), spec, name, "environment")
 
 
 def tool_schema(fn: Callable, where: str | None = None) -> dict:

@@ -19,7 +19,7 @@ import yaml
 
 from hetrl.algo import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, loss_aggregation
 from hetrl.algo.advantages import check_options, options_of
-from hetrl.algo.losses import TRL_LOSS_TYPES, from_trl
+from hetrl.algo.losses import from_trl
 from hetrl.planner.spec import check_max_leaves
 from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 

@@ -1,9 +1,9 @@
 """Scoring samples with the run's rewards, and the held-out evaluation with its paired sign test.
 
-`score_groups` scores a step's groups and the held-out replies alike (every reward function once per batch, TRL's
-convention), and ReMax's greedy baselines (`greedy_rewards`); `evaluate` writes each greedy held-out reply with
-its scores; `paired_comparison` says whether the change between two evaluations on the same prompts is more than
-evaluation noise.
+`replies` samples a batch (multi-turn episodes in a run with tools); `score_groups` scores a step's groups and the
+held-out replies alike (every reward function once per batch, TRL's convention), and ReMax's greedy baselines
+(`greedy_rewards`); `evaluate` writes each greedy held-out reply with its scores; `paired_comparison` says whether
+the change between two evaluations on the same prompts is more than evaluation noise.
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ from hetrl.trainer.engine import Episodes, Generator
 from hetrl.trainer.rollout import Sample
 
 
+def replies(worker: Generator, agent: Episodes | None, examples: list[Example], n: int,
+            max_new_tokens: int, **sampling) -> list[list[Sample]]:
+    """`n` samples for each example: multi-turn episodes through `agent` in a run with tools or an environment,
+    else `worker`'s replies to the prompt ids. `sampling`: temperature, top_p, greedy, logprobs (Generator's)."""
+    if agent is not None:
+        return agent.generate(examples, n, max_new_tokens, **sampling)
+    return worker.generate([e.prompt_ids for e in examples], n, max_new_tokens, **sampling)
+
+
 def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list[Sample]], check: bool = False
                  ) -> Scores:
     """Every sample of every group in one call of each reward function (TRL's batch convention). `check`: the
@@ -38,10 +47,7 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
     (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
     correctness, else the weighted reward; the means for eval.jsonl)."""
     examples = source.eval_examples
-    if agent is not None:
-        outputs = agent.generate(examples, 1, cfg.eval_max_new_tokens, greedy=True)
-    else:
-        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.eval_max_new_tokens, greedy=True)
+    outputs = replies(worker, agent, examples, 1, cfg.eval_max_new_tokens, greedy=True)
     scores = score_groups(rewards, examples, outputs)
     rows = []
     for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
@@ -66,10 +72,7 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
 
 def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples: list[Example]) -> list[float]:
     """ReMax's baselines: each prompt's greedy response (one more rollout), scored by the run's rewards."""
-    if agent is not None:
-        outputs = agent.generate(examples, 1, cfg.max_new_tokens, greedy=True)
-    else:
-        outputs = worker.generate([e.prompt_ids for e in examples], 1, cfg.max_new_tokens, greedy=True)
+    outputs = replies(worker, agent, examples, 1, cfg.max_new_tokens, greedy=True)
     return list(score_groups(rewards, examples, outputs).total)
 
 

@@ -155,8 +155,8 @@ class Learner:
         `lr_step`: this optimizer step's number in the run, which sets the learning rate where a schedule does.
         `old_logp` None: on-policy, the weights about to be updated are the ones that sampled `groups` (the first
         mini-batch of a sync step), so the old log-probs are this very forward's, detached (ratio 1, as TRL
-        does), and no separate pass computes them. With `grad_sync` this rank takes part even with nothing to
-        learn from (the others wait for it)."""
+        does), and no separate pass computes them. With `grad_sync` (or `sharded`) this rank takes part even with
+        nothing to learn from (the others wait for it)."""
         if float(weights.sum()) == 0 and self.grad_sync is None and not self.sharded:  # e.g. all overlong
             return UpdateStats.no_step()
         self.model.train()

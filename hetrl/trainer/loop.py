@@ -38,7 +38,8 @@ from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine, Episodes
-from hetrl.trainer.evaluation import evaluate, greedy_rewards, headline, paired_comparison, score_groups, score_name
+from hetrl.trainer.evaluation import (evaluate, greedy_rewards, headline, paired_comparison, replies, score_groups,
+                                      score_name)
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import Sample
 
@@ -78,16 +79,12 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
             break
         examples, start, skipped = source.train_examples(start, cfg.prompts_per_step - len(kept))
         too_long += skipped
-        if agent is not None:   # multi-turn tool-use episodes
-            outputs = agent.generate(examples, cfg.responses_per_prompt, cfg.max_new_tokens, cfg.temperature,
-                                     cfg.top_p, logprobs=want_logprobs)
-        else:
-            outputs = engine.worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
-                                             cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                                             **({"logprobs": True} if want_logprobs else {}))
+        outputs = replies(engine.worker, agent, examples, cfg.responses_per_prompt, cfg.max_new_tokens,
+                          temperature=cfg.temperature, top_p=cfg.top_p, logprobs=want_logprobs)
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
-        baselines = greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax" else None
+        baselines = (greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax"
+                     else None)
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
         for i, (example, samples) in enumerate(zip(examples, outputs)):
@@ -202,18 +199,20 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
     parts = np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups)))
+    samples = [s for r in kept for s in r.samples]
+    # the behaviour log-probs [K] read off the rollout's logits, where it gave them for every sample (old_logprobs)
+    rollout_logp = torch.cat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) else None
     if cfg.mode == "async":
-        old_logp = torch.cat([s.logprobs for r in kept for s in r.samples])
+        assert rollout_logp is not None, "async samples carry their behaviour policy's log-probs"
+        old_logp = rollout_logp
     else:
         # Sync: the first mini-batch is updated by the weights that sampled it, so its old log-probs are its own
         # update forward's (Learner.update with None); only the later mini-batches, updated after the policy has
-        # moved, need the sampling policy's log-probs: read off the rollout's logits when it gave them
-        # (old_logprobs), else computed here.
+        # moved, need the sampling policy's log-probs: the rollout's when it gave them, else computed here.
         first = _token_slice(groups, parts[0])
         old_logp = torch.zeros(len(first))
-        samples = [s for r in kept for s in r.samples]
-        if len(parts) > 1 and all(s.logprobs is not None for s in samples):
-            old_logp = torch.cat([s.logprobs for s in samples])
+        if len(parts) > 1 and rollout_logp is not None:
+            old_logp = rollout_logp
         elif len(parts) > 1:
             later = learner.logprobs([groups[i] for p in parts[1:] for i in p])
             old_logp = old_logp.to(later.dtype)
@@ -221,10 +220,7 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     ref_logp = reference.logprobs(groups) if reference is not None else None
     kl = None
     if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's, else one pass before any step
-        samples = [s for r in kept for s in r.samples]
-        behaviour = torch.cat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) \
-            else learner.logprobs(groups)
-        kl = (behaviour, ref_logp, kl_ctrl)
+        kl = (rollout_logp if rollout_logp is not None else learner.logprobs(groups), ref_logp, kl_ctrl)
     if critic is not None:
         old_values, ppo_adv, returns, kl_metrics = _ppo_targets(cfg, kept, groups, critic, kl)
     else:

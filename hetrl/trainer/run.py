@@ -1,8 +1,8 @@
 """The run's entry: `hetrl train` and `hetrl.train()` up to the first step, and what resumes it.
 
 Config (and what was given from Python) -> one run per out_dir (a lock) -> the checkpoint to resume from, with
-the checks that keep a run from being lost or silently changed -> the user's data and rewards checked before the
-model loads -> model, prompts, rewards, engine -> the step loop (hetrl/trainer/loop.py).
+the checks that keep a run from being lost or silently changed -> the user's tools, data and rewards checked before
+the model loads -> model, prompts, rewards, engine -> the step loop (hetrl/trainer/loop.py).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def train_command(config_path: str | None, overrides: list[str], *, resume: bool
 def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = False, *, train_dataset=None,
           eval_dataset=None, reward_funcs=None, tools=None, environment_factory=None) -> dict:
     """Run (or with `resume`, continue) the training run `cfg` describes. From Python, `train_dataset` /
-    `eval_dataset` (a datasets.Dataset or a list of dicts) and `reward_funcs` (callables, built-in names or
-    FILE.py:NAME specs) stand in for the config's data and reward."""
+    `eval_dataset` (a datasets.Dataset or a list of dicts), `reward_funcs` (callables, built-in names or
+    FILE.py:NAME specs), `tools` (functions) and `environment_factory` (a class or factory) stand in for the
+    config's data, reward, tools and environment."""
     changes = python_fields(cfg.data, cfg.eval_data, train_dataset, eval_dataset, reward_funcs, tools,
                             environment_factory)
     if any(getattr(cfg, k) != v for k, v in changes.items()):

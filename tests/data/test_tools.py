@@ -80,6 +80,41 @@ def test_bad_tool_specs_are_one_line(bad_file, name, says):
     assert "\n" not in str(e.value)
 
 
+def test_module_specs_import_from_the_current_directory_as_reward_specs_do(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    (tmp_path / "mytools").mkdir()
+    (tmp_path / "mytools" / "__init__.py").write_text("")
+    (tmp_path / "mytools" / "calc.py").write_text(BAD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    (good,) = load_tools("mytools.calc:good")
+    assert good(4) == 8
+    with pytest.raises(InputError, match="defines no reset"):
+        check_environment(load_environment("mytools.calc:NoReset"))
+    assert str(tmp_path) not in sys.path           # the path is as it was
+
+
+def test_a_tools_file_is_executed_once_per_version_and_a_failed_import_is_not_kept(tmp_path):
+    import os
+
+    f = tmp_path / "counted.py"
+    f.write_text("import pathlib\nLOG = pathlib.Path(__file__).with_suffix('.runs')\n"
+                 "LOG.write_text(LOG.read_text() + 'x' if LOG.exists() else 'x')\n" + BAD)
+    load_tools(f"{f}:good")
+    load_tools(f"{f}:good")
+    assert (tmp_path / "counted.runs").read_text() == "x"
+    f.write_text(f.read_text() + "raise SystemExit(3)\n")
+    os.utime(f, ns=(1, 2))
+    with pytest.raises(InputError, match=r"^tool .*: importing it failed at .*counted\.py:\d+: SystemExit\(3\)$"):
+        load_tools(f"{f}:good")
+    f.write_text(f.read_text().replace("raise SystemExit(3)\n", ""))
+    os.utime(f, ns=(3, 4))
+    load_tools(f"{f}:good")
+    assert (tmp_path / "counted.runs").read_text() == "xxx"
+
+
 def test_bad_specs_exit_2_in_one_line(bad_file, tmp_path, capsys):
     for spec, says in ((f"tools={bad_file}:undocumented", "no docstring"),
                        (f"tools={bad_file}:missing", "has no 'missing'"),

@@ -165,7 +165,6 @@ def test_load_imbalance_is_a_stated_factor_under_ep():
 
 def test_generation_with_ep_reads_its_experts_only():
     c, w = _h100(), _workload()
-    m = w.actor
     g1 = task_costs(c, w, _group(c, w, Parallelism(1, 1, 8), gen=Parallelism(2, 1, 4)))["actor_gen"].terms
     g8 = task_costs(c, w, _group(c, w, Parallelism(1, 1, 8), gen=Parallelism(2, 1, 4, ep=8)))["actor_gen"].terms
     assert g8["hbm"] < g1["hbm"] and g8["ep_comm"] > 0
