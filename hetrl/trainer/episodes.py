@@ -18,9 +18,11 @@ Tree-shaped sampling (`branches` K > 1): once an episode's tool results are fed,
 whose cache rows repeat its row (no prefill; the tool tokens computed once), while its task has at most
 `max_leaves` leaves. Every leaf is a sample of its task; `path` and `fork_at` say where it forked.
 
+On Ray the same code runs inside each rollout actor (ray_executor.RolloutActor.episodes): tools run there.
+
 Not here yet: the shared-prefix decode attention (hetrl.dualkv.decode reads a prompt's K/V once per step for
 its N rows) handles one token per row per step without holes, so episodes (and forks) decode from repeated
-cache rows; Ray rollout actors (issue 38, item 7).
+cache rows.
 """
 
 from __future__ import annotations
