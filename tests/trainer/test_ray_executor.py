@@ -685,3 +685,29 @@ def test_a_tools_run_on_ray_logs_tool_metrics_and_the_environments_reward(local_
         assert all(math.isfinite(r["loss"]) for r in rows)
         evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
         assert all("eval_tool_calls" in e for e in evals)
+
+
+def test_forks_on_a_rollout_actor_equal_the_local_ones(local_ray):
+    """branches=2 on Ray: a rollout actor sampling from test_branches' scripted model (its episodes call a tool
+    twice and fork after each result) rolls out the same trees as the local rollout under the same seed: the same
+    leaves (paths and fork points), tokens, loss masks and log-probs (fp64)."""
+    from hetrl.trainer.episodes import generate_episodes
+    from hetrl.trainer.ray_executor import shipped_by_value
+
+    from .test_branches import _setup as branching
+
+    model, tok, agent, examples, budget = branching()
+    cfg = load_config(TINY, ["precision=fp32", "rollout_batch_size=12"])
+    shipped_by_value(agent)           # the tool lives in a test module, as a user's FILE.py tool would
+    actor = ray.remote(RolloutActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, False, agent)
+    ray.get(actor.__ray_call__.remote(lambda a, m: setattr(a.worker, "model", m), model))
+    got = ray.get(actor.episodes.remote(examples, 2, budget, 1.0, 1.0, False, 5))
+    ray.kill(actor)
+    torch.manual_seed(5)
+    want = generate_episodes(model, tok, agent, examples, 2, budget, temperature=1.0, logprobs=True, batch_size=12,
+                             precision=decide(cfg))
+    paths = [[s.episode.path for s in g] for g in got]
+    assert paths == [[s.episode.path for s in g] for g in want] and max(map(len, paths)) == 6   # forks happened
+    for a, b in zip([s for g in got for s in g], [s for g in want for s in g]):
+        assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.episode.fork_at == b.episode.fork_at
+        assert (a.logprobs - b.logprobs).abs().max().item() < 1e-10
