@@ -70,7 +70,7 @@ def _check_prompt(prompt, where: str):
                      f"[{{'role': ..., 'content': ...}}], got {show(prompt)}")
 
 
-def _with_suffix(prompt, suffix: str, response_prefix: str = ""):
+def shaped_prompt(prompt, suffix: str, response_prefix: str = ""):
     """`suffix` appended to the prompt (chat: its last user message), then `response_prefix` as the start of the
     reply (chat: an assistant message the reply continues, TRL's convention; a string prompt: appended)."""
     if isinstance(prompt, str):
@@ -150,7 +150,7 @@ class TaskSource(_Stream):
             default=str).encode()).hexdigest()
 
     def _row(self, problem: dict) -> dict:
-        prompt = _with_suffix([{"role": "user", "content": problem["question"]}], self.prompt_suffix,
+        prompt = shaped_prompt([{"role": "user", "content": problem["question"]}], self.prompt_suffix,
                               self.response_prefix)
         return {"prompt": prompt, "question": problem["question"], "answer": problem["answer"],
                 "metadata": problem.get("metadata", {})}
@@ -328,7 +328,7 @@ class RowSource(_Stream):
                              f"{', '.join(map(str, row)) or 'none'}); set prompt_key=COLUMN")
         prompt = row[prompt_key]
         _check_prompt(prompt, f"{what}: row {i}, column {prompt_key!r}")
-        return {**row, "prompt": _with_suffix(prompt, suffix, response_prefix)}
+        return {**row, "prompt": shaped_prompt(prompt, suffix, response_prefix)}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != epoch:

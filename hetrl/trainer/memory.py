@@ -54,9 +54,8 @@ def estimate(cfg, model, prompt_tokens: int, precision: RunPrecision) -> dict[st
     # a bf16-mixed run holds its reference in bf16 (build.frozen): half of an fp32 weight
     ref_scale = 0.5 if b == 4 and precision.autocast else scale
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
-    if cfg.branches > 1:   # whole tasks per rollout batch, each growing to max_leaves rows (episodes.py)
-        leaves = cfg.max_leaves or cfg.responses_per_prompt * cfg.branches
-        gen_rows = min(cfg.prompts_per_step, max(1, cfg.rollout_batch_size // leaves)) * leaves
+    if cfg.branches > 1:   # whole tasks per rollout batch, each growing to its leaves' rows (episodes.py)
+        gen_rows = min(cfg.prompts_per_step, max(1, cfg.rollout_batch_size // w.leaves)) * w.leaves
     gen_len = prompt_tokens + cfg.max_new_tokens
     # LoRA: gradients and Adam moments only for the adapter's parameters (the planner's per-parameter bytes, scaled
     # to their count); the reference is the same weights with the adapter off, so no second copy.

@@ -140,7 +140,7 @@ class RolloutActor:
         if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
             self.policy.module.to(torch.bfloat16)
         self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
-        self.agent = EpisodeWorker(self.worker, agent) if agent is not None else None
+        self.tool_worker = EpisodeWorker(self.worker, agent) if agent is not None else None
         self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
         self.scorer = build.scorer(cfg, self.policy.module, precision) \
             if behaviour_logprobs and not self.logits_logprobs else None
@@ -166,7 +166,7 @@ class RolloutActor:
         """Multi-turn tool-use episodes of `examples` (hetrl.data Examples), their tools run in this actor."""
         torch.manual_seed(seed)
         given = self.logits_logprobs and not greedy
-        out = self.agent.generate(examples, n, max_new_tokens, temperature, top_p, greedy, logprobs=given)
+        out = self.tool_worker.generate(examples, n, max_new_tokens, temperature, top_p, greedy, logprobs=given)
         prompts = [group_prompt(e, g).prompt_ids for e, g in zip(examples, out)]
         return self._stamped(prompts, out, given or greedy)
 
@@ -599,13 +599,12 @@ class RolloutPool:
     def spread(self, method: str, items: list, n: int, *args) -> list:
         """RolloutActor.`method`(chunk of `items`, n, *args, seed) over the actors -> its groups in `items`' order
         (`generate`: prompts; `episodes`: hetrl.data Examples)."""
-        prompts = items
         with self.lock:
             self.calls += 1
             self._forget_homeless()
             # chunks (and so their seeds) depend on the pool's size, not on which actors are alive now
-            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(prompts) / len(self.actors))))
-            queue = collections.deque(range(0, len(prompts), per_chunk))
+            per_chunk = max(1, min(self.batch_size // n, math.ceil(len(items) / len(self.actors))))
+            queue = collections.deque(range(0, len(items), per_chunk))
             results: dict[int, list] = {}
             idle = collections.deque(self._usable())
             while queue or self.in_flight:
@@ -615,7 +614,7 @@ class RolloutPool:
                         self.actors[a].load_weights.remote(*self.latest)
                         self.stale.discard(a)
                     seed = hash((self.seed, self.calls, start)) % 2**31
-                    ref = getattr(self.actors[a], method).remote(prompts[start:start + per_chunk], n, *args, seed)
+                    ref = getattr(self.actors[a], method).remote(items[start:start + per_chunk], n, *args, seed)
                     self.in_flight[ref] = (a, start)
                 done, _ = ray.wait(list(self.in_flight) + list(self.recovering), num_returns=1, timeout=1.0)
                 if not done:
@@ -639,7 +638,7 @@ class RolloutPool:
                     raise
                 except ray.exceptions.RayActorError as e:
                     log.warning("rollout actor %d died (%s); re-queueing its %d prompts", a, type(e).__name__,
-                                min(per_chunk, len(prompts) - start))
+                                min(per_chunk, len(items) - start))
                     queue.appendleft(start)
                     self._failed(a, e)
                     continue

@@ -291,13 +291,13 @@ def test_a_prompt_that_opens_the_call_is_continued_and_its_call_parsed():
     """response_prefix / a last assistant message (TRL's continue_final_message): the prompt ends inside the
     assistant turn, after "<tool_call>"; the model's first turn writes the rest of the call, and the call is parsed
     with the opening the prompt gave it, run, and answered."""
-    from hetrl.data.sources import _with_suffix, prompt_ids
+    from hetrl.data.sources import shaped_prompt, prompt_ids
 
     model, tok = load_model("tiny", dtype=torch.float64, seed=2)
     _use_float64_norms(model)
     agent = make_agent(tok, [mul], None, max_tool_calls=2, tool_timeout_s=5.0)
     render = agent.render_tokenizer(tok)
-    messages = _with_suffix([{"role": "user", "content": "q"}], " go", "<tool_call>")
+    messages = shaped_prompt([{"role": "user", "content": "q"}], " go", "<tool_call>")
     assert messages[-1] == {"role": "assistant", "content": "<tool_call>"} and messages[0]["content"] == "q go"
     ids = prompt_ids(render, messages)
     fresh = prompt_ids(render, messages[:-1])
