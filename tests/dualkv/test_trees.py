@@ -199,6 +199,26 @@ def test_tree_strategy_works_in_bf16():
     assert all(bool(x.grad.isfinite().all()) for x in (q, k, v))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_logprobs_and_grads_under_bf16_autocast(family):
+    """precision=bf16-mixed (CPU bf16 autocast over fp32 weights): the tree strategy gets q, k, v in one dtype as SDPA
+    would (RoPE leaves q, k fp32 beside a bf16 v; the flash kernel refused the mix), and its log-probs and gradients
+    are the fp32 ones within bf16's error."""
+    model = tiny_model(family, dtype=torch.float32)
+    seqs = forest(3)
+    batch = pack_sequences(seqs)
+    want = sequence_logprobs(model, batch, impl="sdpa")
+    want_g = grads(model, sum(p.sum() for p in want))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = sequence_logprobs(model, batch, impl="sdpa")
+    got_g = grads(model, sum(p.sum() for p in got))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and bool(((g - w).abs() < 0.02).all())
+    for name, w in want_g.items():
+        assert got_g[name].isfinite().all()
+        assert (got_g[name] - w).norm() <= 0.05 * w.norm() + 1e-6, name
+
+
 def test_block_mask_equals_create_block_mask_on_trees():
     from torch.nn.attention.flex_attention import create_block_mask
     seqs = forest(2) + [[3] * 200 + [4] * 60, [3] * 200 + [5] * 90, [3] * 130]     # several tiles

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pytest
+
 import hetrl
 from hetrl.cli import main
 
@@ -60,3 +62,18 @@ def test_an_environment_from_python_adds_its_reward(tmp_path):
     assert summary["config"]["environment"] == "<python>:CalculatorEnv"
     (row,) = _rows(out)
     assert "reward/CalculatorEnv" in row and TOOL_KEYS <= set(row)
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_the_agent_demo_runs_in_both_precisions(tmp_path, precision):
+    """The README's agent command (examples/runs/tools.yaml, SmolLM2) for one short step in the precision that
+    precision=auto picks on CPUs with bf16 (bf16-mixed: the tree strategy crashed there with 'expected scalar type
+    Float but found BFloat16'; tests/dualkv/test_trees.py::test_tree_logprobs_and_grads_under_bf16_autocast is the
+    unit check) and in the one it picks elsewhere."""
+    out = tmp_path / precision
+    assert main(["train", "--config", str(ROOT / "examples" / "runs" / "tools.yaml"), "steps=1", "prompts_per_step=2",
+                 "responses_per_prompt=4", f"precision={precision}", "eval_size=2", f"out_dir={out}"]) == 0
+    (row,) = _rows(out)
+    assert row["tool_calls"] > 0 and row["loss"] == row["loss"]

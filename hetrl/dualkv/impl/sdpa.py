@@ -133,8 +133,8 @@ def attend(query, key, value, plans, bounds, scale: float) -> torch.Tensor:
             query[:, :, s:s + p], key[:, :, s:s + p], value[:, :, s:s + p], is_causal=True, scale=scale,
             enable_gqa=gqa))
         if isinstance(plan, _Tree):
-            out.append(_TreeAttention.apply(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], plan.blocks, p,
-                                            scale))
+            q, k, v = _same_dtype(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e])
+            out.append(_TreeAttention.apply(q, k, v, plan.blocks, p, scale))
         elif isinstance(plan, _Stream):
             out.append(F.scaled_dot_product_attention(
                 query[:, :, s + p:e], key[:, :, s:e], value[:, :, s:e], attn_mask=plan.mask, scale=scale,
@@ -142,6 +142,20 @@ def attend(query, key, value, plans, bounds, scale: float) -> torch.Tensor:
         elif isinstance(plan, _Batched):
             out.append(_batched(query, key, value, s, p, plan, scale, gqa))
     return torch.cat(out, dim=2)
+
+
+def _same_dtype(q, k, v):
+    """q, k, v in the one dtype the flash kernel needs, as F.scaled_dot_product_attention would get them: under
+    autocast its dtype (SDPA is on autocast's lower-precision list; a custom autograd Function is not cast by it,
+    and under CPU bf16 autocast RoPE can leave q and k fp32 beside a bf16 v), else their promoted dtype."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if q.dtype == torch.float64:     # autocast never casts fp64 values
+            dtype = torch.float64
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def _batched(query, key, value, s, p, plan: _Batched, scale, gqa) -> torch.Tensor:
