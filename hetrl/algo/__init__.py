@@ -8,6 +8,7 @@ from .losses import (KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, KLControlle
                      entropy_from_logits, entropy_loss, kl_in_reward, kl_penalty, loss_aggregation,
                      per_token_policy_loss, policy_loss, token_weights, weighted_sum)
 from .packing import packed_policy_loss, row_mask, to_packed, to_padded
+from .rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS, mismatch_metrics, rollout_correction
 from .tree import tree_advantages
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "KL_PENALTIES", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "KLController", "advantage",
@@ -15,4 +16,5 @@ __all__ = ["ADVANTAGE_ESTIMATORS", "KL_PENALTIES", "LOSS_AGGREGATIONS", "POLICY_
            "clipped_value_loss", "entropy_from_logits", "entropy_loss", "explained_variance", "gae_returns",
            "kl_penalty", "loss_aggregation", "masked_mean", "masked_whiten", "packed_policy_loss",
            "per_token_policy_loss", "policy_loss", "row_mask", "to_packed", "to_padded", "token_weights",
-           "tree_advantages", "weighted_sum", "whiten"]
+           "tree_advantages", "weighted_sum", "whiten",
+           "ROLLOUT_IS_LEVELS", "ROLLOUT_RS_OPTIONS", "mismatch_metrics", "rollout_correction"]
