@@ -116,6 +116,22 @@ def _train(args) -> int:
     return 130 if result.get("interrupted") else 0
 
 
+def _diagnose(args) -> int:
+    from hetrl.trainer.diagnose import mismatch
+
+    report = mismatch(args.config, args.overrides, out=args.out, prompts=args.prompts)
+    names = list(report["vs_fp64"])
+    for name in names:
+        m = report["vs_fp64"][name]
+        print(f"{name:>34} vs fp64: |dlogp| mean {m['abs_diff_mean']:.2e}  p99 {m['abs_diff_p99']:.2e}  "
+              f"max {m['abs_diff_max']:.2e}")
+    m = report["engine_vs_trainer"]
+    print(f"{'rollout engine vs trainer':>34}        : |dlogp| mean {m['abs_diff_mean']:.2e}  p99 "
+          f"{m['abs_diff_p99']:.2e}  max {m['abs_diff_max']:.2e}")
+    print(f"verdict: {report['verdict']}\nwrote {args.out}/mismatch.md, .json and .png")
+    return 0
+
+
 def _plan(args) -> int:
     from hetrl.planner import report
 
@@ -214,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. steps=5")
     tr.set_defaults(func=_train)
 
+    dg = sub.add_parser("diagnose", help="find where a problem comes from")
+    dg_sub = dg.add_subparsers(dest="what", required=True)
+    mm = dg_sub.add_parser("mismatch", help="score one rollout batch three ways (the rollout engine, the trainer at "
+                           "the run's precision, fp64) and say which side drifts from the exact log-probs")
+    mm.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
+    mm.add_argument("--out", default="runs/diagnose_mismatch", help="folder for mismatch.md, .json and .png")
+    mm.add_argument("--prompts", type=int, default=None, help="prompts to sample (default: prompts_per_step)")
+    mm.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. rollout_engine=vllm")
+    mm.set_defaults(func=_diagnose)
+
     va = sub.add_parser("validate", help="check hetrl input files (cluster, workload, plan JSON, run config) "
                         "without running anything: prints ok or one line per problem")
     va.add_argument("files", nargs="+", metavar="FILE")
@@ -280,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. A user-input problem (a bad value, a missing file, an unwritable directory) is one
     line on stderr and exit code 2; other exceptions are bugs and keep their traceback (`--debug`: always)."""
     args = build_parser().parse_args(argv)
-    if args.command == "train" and args.config is None and not args.resume and os.path.isfile(DEFAULT_RUN):
+    if args.command in ("train", "diagnose") and args.config is None and not getattr(args, "resume", False) \
+            and os.path.isfile(DEFAULT_RUN):
         args.config = DEFAULT_RUN
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -66,11 +66,13 @@ def tiny_tokenizer():
 
 
 def tiny_model(tokenizer, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A 2-layer Llama (GQA) sized for tests and smoke runs, initialised from `seed`."""
+    """A 2-layer Llama (GQA) sized for tests and smoke runs, initialised from `seed`. Heads of 32 dimensions (2 query
+    heads, 1 key/value head): the smallest vLLM's CPU attention runs (32, 64, 80, ...), so rollout_engine=vllm
+    runs it too."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng():
@@ -123,6 +125,31 @@ def _without_gguf_quantization(model):
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
     return plain
+
+
+class Float64RMSNorm(torch.nn.Module):
+    """An RMSNorm that computes in its input's dtype. transformers' RMSNorms compute in fp32 even on fp64 inputs, so
+    an fp64 model is not fp64 through its norms: its backward rounds each copy of a shared prompt's gradient to fp32
+    separately in the standard layout but the N-fold sum once in the packed one (a ~1e-7 relative difference that
+    says nothing about the layouts), and an "exact" fp64 forward is fp32-exact only."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def float64_norms(model):
+    """Every RMSNorm of `model` replaced (in place) by Float64RMSNorm over the same weight: the fp64 oracles'
+    model (tests; `hetrl diagnose mismatch`'s exact forward). -> model."""
+    for _, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child).__name__.endswith("RMSNorm"):
+                setattr(module, child_name, Float64RMSNorm(child))
+    return model
 
 
 def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32, seed: int = 0):

@@ -14,6 +14,7 @@ import math
 import copy
 import difflib
 import logging
+import pathlib
 import warnings
 from collections.abc import Callable
 
@@ -180,6 +181,20 @@ def fast_fp32_matmuls(precision: RunPrecision) -> None:
 
 def rollout_worker(cfg: RunConfig, model, tokenizer, precision: RunPrecision) -> RolloutWorker:
     return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=precision)
+
+
+def vllm_worker(cfg: RunConfig, model, tokenizer, precision: RunPrecision, tp: int = 1,
+                model_dir: pathlib.Path | None = None):
+    """vLLM's engine in this process, loaded with `model`'s weights (saved to `model_dir`, by default
+    out_dir/.vllm_model, while the run lasts), long enough for the longest prompt the run keeps and the longest
+    reply it asks for."""
+    from hetrl.trainer.vllm_engine import VllmWorker
+
+    longest = cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
+    limit = getattr(model.config, "max_position_embeddings", None) or longest
+    return VllmWorker(model, tokenizer, precision, model_dir or pathlib.Path(cfg.out_dir) / ".vllm_model",
+                      min(longest, limit),
+                      cfg.rollout_batch_size, cfg.seed, tp=tp)
 
 
 def bf16_copy(model):

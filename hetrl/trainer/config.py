@@ -156,6 +156,18 @@ class RunConfig:
     temperature: float = rule(0.7, gt=0)
     top_p: float = rule(1.0, gt=0, le=1)
     rollout_batch_size: int = rule(64, ge=1)   # sequences per generate() call
+    # the rollout engine (docs/vllm.md): hf (hetrl's decoding loop), vllm (vLLM's offline LLM; install.sh --vllm);
+    # auto: vllm where it is installed and the device is CUDA, else hf
+    rollout_engine: str = rule("auto", choices=("auto", "hf", "vllm"))
+    # the rollout engine's log-probs vs the trainer's, corrected by verl's algorithm.rollout_correction (docs/vllm.md):
+    # importance weights per token or sequence, truncated at rollout_is_threshold (a float: TIS) or masked outside
+    # "lo_hi" (IcePop); auto: token-level TIS where the rollout is another engine (vllm), none with hf
+    rollout_is: str | None = rule("auto", choices=("auto", "token", "sequence", None))
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None                 # rejection by verl's estimators (token_k1 ... seq_mean_k3, a,b)
+    rollout_rs_threshold: float | str | None = None
+    bypass_mode: bool = False                     # verl's: the rollout's log-probs are the old ones (no recompute)
     # engine
     device: str = "auto"                  # auto (CUDA when present, else CPU) | cpu | cuda | cuda:N (local executor)
     # bf16-mixed: fp32 weights and optimizer, bf16 autocast around the rollout, log-prob, value and update passes
@@ -223,6 +235,7 @@ class RunConfig:
         if self.executor == "ray" and self.device != "auto":
             raise ValueError(f"device={self.device} is for the local executor; on Ray the plan puts each role on its "
                              "GPUs (or CPU cores): leave device=auto")
+        self._check_rollout_correction()
         if self.executor == "local":
             given = [k for k in ("plan", "cluster", "emulate_cluster") if getattr(self, k) is not None]
             if given:
@@ -238,6 +251,30 @@ class RunConfig:
             raise ValueError("executor=ray needs exactly one of cluster=C.yaml (a running Ray cluster at ray_address) "
                              "or emulate_cluster=C.yaml (a local Ray declaring C's GPUs, e.g. "
                              "examples/clusters/cpu-2x2.yaml); plan=PLAN.json is optional")
+
+    def _check_rollout_correction(self) -> None:
+        """verl's rollout-correction knobs checked by the function that applies them (hetrl.algo.rollout_correction);
+        bypass_mode is old_logprobs=rollout by verl's name."""
+        if self.bypass_mode:
+            if self.old_logprobs == "recompute":
+                raise ValueError("bypass_mode=true takes the rollout's log-probs as the old ones; old_logprobs="
+                                 "recompute asks for the trainer's: set one of them")
+            object.__setattr__(self, "old_logprobs", "rollout")
+        if self.rollout_is is None and self.rollout_rs is None:
+            return
+        import torch
+
+        from hetrl.algo import rollout_correction
+
+        one = torch.zeros(1, 1, dtype=torch.float64)   # the function's own checks, on one token
+        rollout_correction(one, one, torch.ones(1, 1), **self.rollout_correction_options(
+            "token" if self.rollout_is == "auto" else self.rollout_is))
+
+    def rollout_correction_options(self, rollout_is: str | None) -> dict:
+        """hetrl.algo.rollout_correction's keyword arguments, with `rollout_is` resolved (auto: the engine's)."""
+        return dict(rollout_is=rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+                    rollout_is_batch_normalize=self.rollout_is_batch_normalize, rollout_rs=self.rollout_rs,
+                    rollout_rs_threshold=self.rollout_rs_threshold)
 
     def _check_algorithm(self) -> None:
         """The estimator, loss and their options fit together (each refusal names the valid choices)."""
@@ -348,7 +385,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 # verl's and TRL's names for knobs that exist here (docs/algorithms.md); resolve_aliases maps them
 ALIASES = {"loss_agg_mode": "loss_agg", "clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
            "kl_loss_coef": "kl_coef", "norm_adv_by_std_in_grpo": "scale_advantages", "kl_penalty": "kl_loss_type",
-           "entropy_coef": "entropy_coeff", "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high"}
+           "entropy_coef": "entropy_coeff", "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high",
+           "vllm_importance_sampling_cap": "rollout_is_threshold"}
 TRL_OPTIONS = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}   # into loss_options
 TRL_KEYS = ("loss_type", "importance_sampling_level", "scale_rewards")
 ALIAS_KEYS = (*ALIASES, *TRL_OPTIONS, *TRL_KEYS)

