@@ -27,7 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 NEMO_RL = ("NeMo-RL v0.5 performance summary (docs/about/performance-summary.md, DGX-H100 BF16 table; recipes "
            "examples/configs/recipes/llm/performance/)")
-DUALKV_LR = "DualKV paper §6.3 (LongReason, Qwen3-8B, one p5.48xlarge); notes: ../shared/reference/dualkv_paper_notes.md"
+DUALKV_LR = ("DualKV paper §6.3 (LongReason, Qwen3-8B, one p5.48xlarge); notes: "
+             "../shared/reference/dualkv_paper_notes.md")
 DUALKV_GSM = ("DualKV paper appendix 'GRPO Training on GSM8K' (notes §6.6: Qwen3-8B, 64x A100-40GB), step 3 of 3; "
               "notes: dualkv_paper_notes.md")
 DUALKV_MOE = "DualKV paper §'Multi-Node RL Training with MoE Models' (notes §6.4), mean over 29 steps"
@@ -452,7 +453,8 @@ def main() -> None:
     summary = {**_stats(rows), "systems": sorted({r["system"] for r in rows}), "refused": refused,
                "first_19": _stats([r for r in rows if not r.get("new")]),
                "published_runs_yaml": _stats([r for r in rows if r.get("new")]),
-               "moe": {**_stats(moe), "within_50pct": sum(abs(r["error"]) <= 0.5 for r in moe if r["error"] is not None)},
+               "moe": {**_stats(moe),
+                       "within_50pct": sum(abs(r["error"]) <= 0.5 for r in moe if r["error"] is not None)},
                "megatron": _stats([r for r in rows if r["megatron"]]),
                "spearman_by_system": rho}
 
@@ -466,12 +468,15 @@ def main() -> None:
              f"- runs: {len(rows)} from {len(summary['systems'])} systems ({', '.join(summary['systems'])}); "
              f"refused as infeasible: {len(refused)}" + (f" ({', '.join(refused)})" if refused else ""),
              f"- all runs: median |error| {pct(summary['median_abs_error'])}, worst {pct(summary['worst_abs_error'])}",
-             f"- the first 19 (the runs the model was developed against): median {pct(summary['first_19']['median_abs_error'])}, "
+             "- the first 19 (the runs the model was developed against): median "
+             f"{pct(summary['first_19']['median_abs_error'])}, "
              f"worst {pct(summary['first_19']['worst_abs_error'])}",
              f"- the 45 of published_runs.yaml (never seen while the model was written): median "
-             f"{pct(summary['published_runs_yaml']['median_abs_error'])}, worst {pct(summary['published_runs_yaml']['worst_abs_error'])}",
+             f"{pct(summary['published_runs_yaml']['median_abs_error'])}, "
+             f"worst {pct(summary['published_runs_yaml']['worst_abs_error'])}",
              f"- MoE runs: {summary['moe']['runs']}, median {pct(summary['moe']['median_abs_error'])}, within 50%: "
-             f"{summary['moe']['within_50pct']} of {summary['moe']['scored']}; Megatron runs: {summary['megatron']['runs']}, "
+             f"{summary['moe']['within_50pct']} of {summary['moe']['scored']}; "
+             f"Megatron runs: {summary['megatron']['runs']}, "
              f"median {pct(summary['megatron']['median_abs_error'])}",
              "- Spearman rank correlation of measured vs predicted within a system: "
              + ", ".join(f"{s} {v:+.2f} ({len(by_system[s])} runs)" for s, v in rho.items()), "",
@@ -494,7 +499,8 @@ def main() -> None:
               "## Phases, where the source publishes them", "",
               "Measured vs predicted seconds of each phase (rollout = `actor_gen`, old_log_prob = `actor_infer`, "
               "ref_log_prob = `ref_infer`, policy update = `actor_train`): which term is off.", "",
-              "| run | phase | measured s | predicted s | error | predicted terms of the phase |", "|---|---|---|---|---|---|"]
+              "| run | phase | measured s | predicted s | error | predicted terms of the phase |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         if not r["feasible"]:
             continue
@@ -507,7 +513,8 @@ def main() -> None:
                     for name, v in r["task_terms"].get(k, {}).items():
                         terms[name] = terms.get(name, 0.0) + v
             shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v >= 0.5)
-            lines.append(f"| {r['run']} | {task} | {measured} | {got:.0f} | {(got - measured) / measured:+.0%} | {shown} |")
+            lines.append(f"| {r['run']} | {task} | {measured} | {got:.0f} | {(got - measured) / measured:+.0%} | "
+                         f"{shown} |")
     lines += ["", "## GSM8K: what the unstated network does", "",
               "The paper does not state the 8 A100 nodes' network; the table above assumes 100 Gb/s per node. The same "
               "runs predicted at other per-node bandwidths (nothing else changed):", "",

@@ -36,14 +36,15 @@ import yaml
 from hetrl.bench.harness import calls_per_s, interleaved_times, machine, revision, timed, write_results
 from hetrl.data import TaskSource
 from hetrl.models import load_model
-from hetrl.planner import evaluate, load_cluster, plan as plan_search, plan_from_dict, workload_tasks
+from hetrl.planner import evaluate, load_cluster, plan_from_dict, workload_tasks
+from hetrl.planner import plan as plan_search
 from hetrl.planner.cost import task_costs
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict
 from hetrl.trainer.config import load_config
-from hetrl.trainer.run import train
 from hetrl.trainer.placement import model_spec_from_hf, run_workload
 from hetrl.trainer.precision import decide
+from hetrl.trainer.run import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -369,8 +370,8 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
         cfg = load_config(CONFIGS[config], _overrides(config, name, mode, steps, work, cluster_path, plan_file))
         _, wall = timed(lambda: train(cfg))
         metrics = [json.loads(x) for x in (pathlib.Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
-        timed = metrics[1:] or metrics
-        step_s = statistics.median(r["step_s"] for r in timed)
+        later = metrics[1:] or metrics
+        step_s = statistics.median(r["step_s"] for r in later)
         placement = pathlib.Path(cfg.out_dir) / "placement.json"
         actors = json.loads(placement.read_text())["actors"] if placement.exists() else []
         rows.append({
@@ -379,11 +380,11 @@ def run(config: str, steps: int, work: pathlib.Path, cluster_path: pathlib.Path,
             "learners": sum(a["role"] == "learner" for a in actors) or 1,
             "plan_groups": json.loads(plan_file.read_text())["groups"] if plan_file else None,
             "step_s": step_s, "steps_per_s": 1 / step_s,
-            "gen_wait_s": statistics.median(r["gen_s"] for r in timed),
-            "update_s": statistics.median(r.get("logprob_s", 0) + r.get("update_s", 0) for r in timed),
-            "weight_sync_s": statistics.median(r.get("weight_sync_s", r.get("weight_load_s", 0)) for r in timed),
-            "weight_sync_bytes": timed[-1].get("weight_sync_bytes"),
-            "max_staleness_seen": max(r.get("staleness", 0) for r in timed),
+            "gen_wait_s": statistics.median(r["gen_s"] for r in later),
+            "update_s": statistics.median(r.get("logprob_s", 0) + r.get("update_s", 0) for r in later),
+            "weight_sync_s": statistics.median(r.get("weight_sync_s", r.get("weight_load_s", 0)) for r in later),
+            "weight_sync_bytes": later[-1].get("weight_sync_bytes"),
+            "max_staleness_seen": max(r.get("staleness", 0) for r in later),
             "predicted": predicted})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "plan_groups"}), flush=True)
     return rows
@@ -415,6 +416,11 @@ def repredict(path: pathlib.Path) -> dict:
     return result
 
 
+def _probe_ratio(core: dict) -> float:
+    """All cores against one process on the matmul and copy probes, the smaller of the two."""
+    return min(core["all_cores_fp32_matmul_flops"] / core["fp32_matmul_flops"],
+               core["copy_bytes_per_s_all_cores"] / core["copy_bytes_per_s_one_process"])
+
 
 def markdown(result: dict) -> str:
     m = result["machine"]
@@ -436,7 +442,7 @@ def markdown(result: dict) -> str:
            f"{result['core']['pass_mfu']:.2f} of that peak as the cost model counts its FLOPs (`mfu`; the GPU "
            f"constants are 0.45 / 0.50) and, one process per core at once, the cores deliver "
            f"{result['core']['pass_concurrent_devices']:g} cores' worth (`concurrent_devices`; the matmul and "
-           f"copy probes: {min(result['core']['all_cores_fp32_matmul_flops'] / result['core']['fp32_matmul_flops'], result['core']['copy_bytes_per_s_all_cores'] / result['core']['copy_bytes_per_s_one_process']):.2f}); "
+           f"copy probes: {_probe_ratio(result['core']):.2f}); "
            f"two processes all-reduce through gloo at {result['core']['intra_node_gbps']:.1f} Gbit/s "
            "(`intra_node_gbps`)" if "pass_mfu" in result["core"] else "")
         + ("; a decode step on one core (the rollout's own, one thread) reaches "
@@ -456,12 +462,14 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if probes else "")]
     for r in result["rows"]:
         p = r["predicted"]["iteration_time_s"] if r["predicted"] else None
+        independent_s = ('' if p is None or 'independent_cores_s' not in r['predicted']
+                         else format(r['predicted']['independent_cores_s'], '.4f'))
         lines.append(
             f"| {r['config']} | {r['plan']} | {r['mode']} | {r['rollout_workers']} | {r['learners']} | "
             f"{r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['gen_wait_s']:.3f} | {r['update_s']:.3f} | "
             f"{r['weight_sync_s']:.4f} | {'' if p is None else f'{p:.4f}'} | "
             f"{'' if p is None else format(r['step_s'] / p, '.1f') + 'x'} | "
-            f"{'' if p is None or 'independent_cores_s' not in r['predicted'] else format(r['predicted']['independent_cores_s'], '.4f')} |"
+            f"{independent_s} |"
             + (f" {'' if p is None else format(r['predicted']['without_new_probes_s'], '.4f')} |" if probes else ""))
     lines += ["", "Plans: `split` = generation on cpu:0, log-probs/reference/training on cpu:1; `colocated` = every "
               "task on both cores, data-parallel 2; `planner` = the hybrid search's choice for this cluster; "
@@ -478,14 +486,16 @@ def markdown(result: dict) -> str:
                 ("independent cores", lambda r: r["predicted"].get("independent_cores_s", math.inf)),
                 ("without", lambda r: r["predicted"].get("without_new_probes_s", math.inf)))}
             gap = {k: max(vals) / min(vals) - 1 for k, vals in (
-                ("measured", [r["step_s"] for r in rows]), ("predicted", [r["predicted"]["iteration_time_s"] for r in rows]))}
+                ("measured", [r["step_s"] for r in rows]),
+                ("predicted", [r["predicted"]["iteration_time_s"] for r in rows]))}
             lines.append(f"- {config}, {mode}: measured {order['measured']} (by {gap['measured']:.1%}); predicted "
                          f"{order['predicted']} (by {gap['predicted']:.1%}) "
                          f"({'agrees' if order['predicted'] == order['measured'] else 'DISAGREES'}); independent "
                          f"cores {order['independent cores']} "
                          f"({'agrees' if order['independent cores'] == order['measured'] else 'disagrees'})"
                          + (f"; without decode/timeshare {order['without']} "
-                            f"({'agrees' if order['without'] == order['measured'] else 'disagrees'})" if probes else ""))
+                            f"({'agrees' if order['without'] == order['measured'] else 'disagrees'})"
+                            if probes else ""))
     lines.append("")
     for r in result["rows"]:
         if r["plan"] == "planner":

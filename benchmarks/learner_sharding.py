@@ -47,13 +47,14 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from hetrl.algo import token_weights
+    from hetrl.models import load_model
     from hetrl.trainer import build, sharding
     from hetrl.trainer.config import load_config
     from hetrl.trainer.precision import decide
     from hetrl.trainer.ray_executor import allreduce_grads
-    from hetrl.models import load_model
 
-    cfg = load_config(str(ROOT / "examples" / "runs" / "default.yaml"), ["dtype=float32", "precision=fp32", "kl_coef=0"])
+    cfg = load_config(str(ROOT / "examples" / "runs" / "default.yaml"),
+                      ["dtype=float32", "precision=fp32", "kl_coef=0"])
     model, _ = load_model(cfg.model, torch.float32, seed=0)
     pol = build.Policy(model)
     if zero == 3:
@@ -135,7 +136,8 @@ def markdown(res: dict) -> str:
                                    ("peak_rss_setup", "peak RSS of loading and sharding"),
                                    ("peak_rss", "peak RSS of the process")) if key in by[1][0]),
               f"| step time (median) | {step(1):.2f} s | {step(3):.2f} s | {step(3) / step(1):.2f}x |", "",
-              *([f"Beyond the states, the peak during the updates held {(mean(1, 'peak_rss_updates') - tot[1]) / gib:.2f}"
+              *(["Beyond the states, the peak during the updates held "
+                 f"{(mean(1, 'peak_rss_updates') - tot[1]) / gib:.2f}"
                  f" GiB with zero 1 and {(mean(3, 'peak_rss_updates') - tot[3]) / gib:.2f} GiB with zero 3: the "
                  "difference is what FSDP2 adds (gathered layer weights, the root's unsharded embedding and head, "
                  "gloo's buffers, freed memory the allocator keeps); this run does not break it down further.", ""]

@@ -96,17 +96,25 @@ def markdown(res: dict) -> str:
              "`verl` = all tasks colocated on the best homogeneous pool (the planner issue's definition); `verl-all` = "
              "verl as the HetRL paper ran it, all tasks colocated on all 64 GPUs with DP replicas fed evenly (verl "
              "assumes identical GPUs), given its best parallelism for that.", "",
-             "| scenario | workload | hybrid s (search s; best found at s) | ilp s (search s, gap) | verl s | verl-all s | streamrl s | "
+             "| scenario | workload | hybrid s (search s; best found at s) | ilp s (search s, gap) | "
+             "verl s | verl-all s | streamrl s | "
              "hybrid/ilp | speedup vs verl | vs verl-all | vs streamrl | verl critical terms -> plan critical terms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    found = lambda m: f"; {m['best_found_s']:.1f}" if m.get("best_found_s") is not None else ""
+
+    def found(m):
+        return f"; {m['best_found_s']:.1f}" if m.get("best_found_s") is not None else ""
+
     for r in res["rows"]:
-        top = lambda b: ", ".join(f"{k} {v:.0f}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])[:3] if v >= 0.5)
+        def top(b):
+            return ", ".join(f"{k} {v:.0f}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])[:3] if v >= 0.5)
+
         gap = r["ilp"]["optimality_gap"]
         lines.append(
             f"| {r['scenario'].removeprefix('paper-')} | {r['workload']} | {r['hybrid']['iteration_time_s']:.1f} "
-            f"({r['hybrid']['search_time_s']:.1f}{found(r['hybrid'])}) | {r['ilp']['iteration_time_s']:.1f} ({r['ilp']['search_time_s']:.1f}, "
-            f"{'cut, no gap' if gap is None else f'{gap:.1%}'}) | {r['verl']['iteration_time_s']:.1f} | {r['verl-all']['iteration_time_s']:.1f} | "
+            f"({r['hybrid']['search_time_s']:.1f}{found(r['hybrid'])}) | {r['ilp']['iteration_time_s']:.1f} "
+            f"({r['ilp']['search_time_s']:.1f}, "
+            f"{'cut, no gap' if gap is None else f'{gap:.1%}'}) | {r['verl']['iteration_time_s']:.1f} | "
+            f"{r['verl-all']['iteration_time_s']:.1f} | "
             f"{r['streamrl']['iteration_time_s']:.1f} | {r['hybrid_vs_ilp']:.3f} | {r['speedup_vs_verl']:.2f}x | "
             f"{r['speedup_vs_verl_all']:.2f}x | {r['speedup_vs_streamrl']:.2f}x | "
             f"{top(r['verl']['breakdown'])} -> {top(r['ilp']['breakdown'])} |")
@@ -114,7 +122,9 @@ def markdown(res: dict) -> str:
               "regions):", "", "| GPUs | search s (best found at s) | plans scored | hybrid s/iter | verl s/iter |",
               "|---|---|---|---|---|"]
     for s in res["scaling"]:
-        lines.append(f"| {s['gpus']} | {s['search_time_s']:.1f}{found(s).replace('; ', ' (') + ')' if found(s) else ''} | {s['evaluated']} | {s['iteration_time_s']:.1f} | "
+        lines.append(f"| {s['gpus']} | "
+                     f"{s['search_time_s']:.1f}{found(s).replace('; ', ' (') + ')' if found(s) else ''} | "
+                     f"{s['evaluated']} | {s['iteration_time_s']:.1f} | "
                      f"{s['verl_iteration_time_s']:.1f} |")
     return "\n".join(lines + targets(res)) + "\n"
 
@@ -147,14 +157,18 @@ def targets(res: dict) -> list[str]:
     if big:
         out.append(f"- Hybrid on 1024 GPUs: {big[0]['search_time_s']:.1f} s.")
     out.append("- Predicted speedup of the best plan (hybrid or ilp) over the baselines, against the paper's ranges:")
-    out += ["", "| target | paper's lower bound | over verl (best homogeneous pool) | over verl-all (paper's setting) |",
+    out += ["",
+            "| target | paper's lower bound | over verl (best homogeneous pool) | over verl-all (paper's setting) |",
             "|---|---|---|---|"]
     for label, sc, mode, bound in TARGETS:
         sel = [r for r in rows if r["scenario"] == sc and r["workload"].endswith("-" + mode)]
         if not sel:
             continue
-        rng = lambda key: (f"{min(r[key] for r in sel):.2f}-{max(r[key] for r in sel):.2f}x "
-                           f"({'met' if min(r[key] for r in sel) >= bound else 'not met'})")
+
+        def rng(key):
+            return (f"{min(r[key] for r in sel):.2f}-{max(r[key] for r in sel):.2f}x "
+                    f"({'met' if min(r[key] for r in sel) >= bound else 'not met'})")
+
         out.append(f"| {label} | {bound}x | {rng('speedup_vs_verl')} | {rng('speedup_vs_verl_all')} |")
     out += ["", "Why the two verl baselines differ (the breakdown columns above show the terms): `verl` may take the "
             "24 A100s of one region and never pay the WAN, so the planner's gain over it is what the other 40 GPUs "

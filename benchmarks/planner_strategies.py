@@ -38,7 +38,8 @@ def _strategies(p, cluster) -> list[str]:
 def run() -> dict:
     published = []
     for c, w, p in PUBLISHED:
-        cluster, workload = load_cluster(str(EX / "clusters" / f"{c}.yaml")), load_workload(str(EX / "workloads" / f"{w}.yaml"))
+        cluster, workload = (load_cluster(str(EX / "clusters" / f"{c}.yaml")),
+                             load_workload(str(EX / "workloads" / f"{w}.yaml")))
         e = estimate(cluster, workload, load_plan(str(EX / "plans" / f"{p}.json"), cluster, workload))
         published.append({"plan": p, "feasible": e.feasible, "iteration_time_s": e.iteration_time_s,
                           "breakdown": e.breakdown, "peak_gb": max(e.memory_bytes.values()) / 1e9})
@@ -73,12 +74,15 @@ def markdown(res: dict) -> str:
         lines.append(f"| {p['plan']} | {p['feasible']} | {p['iteration_time_s']:.1f} | {p['peak_gb']:.1f} | {top} |")
     c = res["multi_continent_qwen3_14b_ppo"]
     lines += ["", "## paper-multi-continent, qwen3-14b PPO sync (hybrid, 15 s)", "",
-              f"{c['iteration_time_s']:.1f} s per iteration (search {c['search_time_s']:.1f} s; {c['stopped'] or 'finished'}).",
+              f"{c['iteration_time_s']:.1f} s per iteration (search {c['search_time_s']:.1f} s; "
+              f"{c['stopped'] or 'finished'}).",
               "Strategies other than the defaults: " + ("; ".join(c["strategies"]) or "none") + ".",
-              "Breakdown: " + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(c["breakdown"].items(), key=lambda kv: -kv[1])
+              "Breakdown: " + ", ".join(f"{k} {v:.1f} s"
+                                        for k, v in sorted(c["breakdown"].items(), key=lambda kv: -kv[1])
                                         if v >= 0.05) + ".",
               "", "## 2048 GPUs (one A100-80G pool, qwen3-8b GRPO sync)", "",
-              f"Configuring every task block on the whole cluster: {res['configure_2048_gpus_all_blocks_s']:.1f} s.", "",
+              f"Configuring every task block on the whole cluster: {res['configure_2048_gpus_all_blocks_s']:.1f} s.",
+              "",
               "| method | limit s | wall s | s/iter | stopped |", "|---|---|---|---|---|"]
     for t in res["time_limits_2048_gpus"]:
         lines.append(f"| {t['method']} | {t['limit_s']:g} | {t['wall_s']:.1f} | {t['iteration_time_s']:.1f} | "

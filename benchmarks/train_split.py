@@ -70,7 +70,8 @@ def peak_flops(device: str, precision: str) -> tuple[float, str]:
                 return g.dense_bf16_flops, f"catalog {key} ({g.source})"
         raise ValueError(f"{name} is not in the planner catalog; add it to compare MFU")
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-    return harness.matmul_gflops(dtype, 1024, 3.0) * 1e9, f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here"
+    return (harness.matmul_gflops(dtype, 1024, 3.0) * 1e9,
+            f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here")
 
 
 def decode_floor(spec, cfg, precision: str, prompt_tokens: float, bandwidth: float) -> float:
@@ -87,11 +88,11 @@ def decode_floor(spec, cfg, precision: str, prompt_tokens: float, bandwidth: flo
 
 
 def phases(model: str, rows: list[dict], run: dict, peak: float, bandwidth: float) -> dict:
+    import torch
+
     from hetrl.models import load_model
     from hetrl.trainer.config import RunConfig
     from hetrl.trainer.placement import model_spec_from_hf, old_logprob_share
-
-    import torch
     with torch.device("meta"):
         spec = model_spec_from_hf(load_model(model)[0].config, model)
     params = spec.active_params
@@ -99,7 +100,10 @@ def phases(model: str, rows: list[dict], run: dict, peak: float, bandwidth: floa
     passes = (1.0 if cfg.kl_coef > 0 else 0.0) + old_logprob_share(cfg, "bf16" if run["precision"] == "bf16-mixed"
                                                                       else "fp32")
     timed = rows[1:] or rows
-    med = lambda key: statistics.median(r[key] for r in timed)
+
+    def med(key):
+        return statistics.median(r[key] for r in timed)
+
     generated = med("response_len_mean") * cfg.prompts_per_step * cfg.responses_per_prompt
     packed = med("packed_tokens")
     prompt_once = packed - generated      # each group's prompt once (the packed stream's other tokens)
@@ -132,8 +136,13 @@ def markdown(res: dict) -> str:
              "| model | precision | step s | rollout s | tok/s | MFU | log-probs s | tok/s | MFU | update s | tok/s | "
              "MFU | decode ms/step | memory floor ms | x floor |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    pct = lambda v: "-" if v is None else f"{v:.1%}"
-    num = lambda v: "-" if v is None else f"{v:.0f}"
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    def num(v):
+        return "-" if v is None else f"{v:.0f}"
+
     for m, r in res["runs"].items():
         p = r["phases"]
         cells = [m, r["precision"], f"{p['step_s']:.2f}"]

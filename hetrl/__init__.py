@@ -23,7 +23,8 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
     Returns the run's summary (as summary.json).
     """
     from hetrl.trainer.config import RunConfig, load_config, resolve_aliases
-    from hetrl.trainer.run import python_fields, train as _train
+    from hetrl.trainer.run import python_fields
+    from hetrl.trainer.run import train as _train
 
     if isinstance(config, RunConfig):
         fields = config.to_dict()

@@ -72,7 +72,8 @@ def _bench_dualkv(args) -> int:
     if args.checkpointing:
         raise ValueError("--checkpointing is for the layer benchmark (--layer paper|qwen3-8b|tiny)")
     if args.device != "cpu":
-        raise ValueError("--device is for the layer benchmark (--layer paper|qwen3-8b|tiny); the model grid runs on CPU")
+        raise ValueError("--device is for the layer benchmark (--layer paper|qwen3-8b|tiny); the model grid runs "
+                         "on CPU")
     from hetrl.bench import dualkv_grid
 
     cases = [dualkv_grid.parse_case(c) for c in args.cases] if args.cases else None
@@ -95,8 +96,8 @@ def _bench_dualkv(args) -> int:
 
 
 def _train(args) -> int:
-    from hetrl.trainer.run import train_command
     from hetrl.trainer.placement import ExecutorFailure
+    from hetrl.trainer.run import train_command
 
     try:
         result = train_command(args.config, args.overrides, resume=args.resume,
@@ -265,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "Table 2 setup (P 5K-32K, mb 4-32, R ~ U(131, 2048)); tiny: small sizes for CPU")
     dk.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (the layer benchmark; bf16 on CUDA)")
     dk.add_argument("--checkpointing", action="store_true",
-                    help="the layer benchmark also times DualKV with activation checkpointing (its peak memory on CUDA)")
+                    help="the layer benchmark also times DualKV with activation checkpointing (its peak memory on "
+                    "CUDA)")
     dk.set_defaults(func=_bench_dualkv)
     bt = bench_sub.add_parser("train", help="whole GRPO steps: hetrl train vs TRL's GRPOTrainer, stock and with DualKV")
     bt.add_argument("--case", nargs="+", default=["default"], metavar="CASE",

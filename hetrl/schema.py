@@ -212,9 +212,9 @@ def from_mapping(cls, data, where: str, **given):
     missing = [n for n, f in fields.items() if n not in data and n not in given
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise InputError(f"{where}: missing key(s) {missing}; required: "
-                         f"{', '.join(n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)}",
-                         located=True)
+        required = ", ".join(n for n, f in fields.items()
+                             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        raise InputError(f"{where}: missing key(s) {missing}; required: {required}", located=True)
     hints = _hints(cls)
     kwargs = dict(given)
     for name, value in data.items():

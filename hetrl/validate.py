@@ -2,8 +2,8 @@
 
 The kind of file is told by its form: a `.json` file is a plan; a YAML with `nodes` is a cluster, with `models`
 a workload, anything else a run config. A run config's own files (cluster, emulate_cluster, plan, a local
-model directory, data and eval_data, the reward functions it names) are checked too. Each check returns a short description of what it read; a problem raises
-the same one-line error `hetrl plan` / `hetrl train` would.
+model directory, data and eval_data, the reward functions it names) are checked too. Each check returns a short
+description of what it read; a problem raises the same one-line error `hetrl plan` / `hetrl train` would.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def validate_file(path: str, cluster: str | None = None, workload: str | None = 
     data = read_yaml(path)
     if "nodes" in data:
         c = cluster_from_dict(data, path)
-        return f"cluster {c.name}: {len(c.gpus)} GPUs on {len(c.nodes)} node(s) in {len({n.region for n in c.nodes})} region(s)"
+        return (f"cluster {c.name}: {len(c.gpus)} GPUs on {len(c.nodes)} node(s) in "
+                f"{len({n.region for n in c.nodes})} region(s)")
     if "models" in data:
         w = workload_from_dict(data, path)
         return f"workload: {w.algorithm} {w.mode}, actor {w.actor.name}, {w.samples} samples per step"

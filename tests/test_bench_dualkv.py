@@ -178,7 +178,10 @@ def test_the_layer_flop_count_is_the_papers_rho_on_linear_layers():
     model = dualkv_layer.build_layer("tiny", torch.device("cpu"), torch.float32)
     case = dualkv_layer.LayerCase(100, 4, (10, 20, 30, 40))
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    attn = lambda pairs: 3 * 4 * 4 * 16 * pairs
+
+    def attn(pairs):
+        return 3 * 4 * 4 * 16 * pairs
+
     assert dualkv_layer.executed_flops(model, case, "packed") == 6 * params * 500 + attn(sum((100 + r) ** 2 / 2
                                                                                              for r in case.responses))
     assert dualkv_layer.executed_flops(model, case, "dualkv") == 6 * params * 200 + attn(

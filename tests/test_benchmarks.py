@@ -28,5 +28,6 @@ def test_script_is_a_module_with_a_why_and_its_result(path):
     assert pages, f"{path.name}'s docstring links no results page"
     assert any((ROOT / p).exists() or (ROOT / "benchmarks" / "results" / p).exists() for p in pages), \
         f"{path.name}'s docstring names results pages that do not exist: {pages}"
-    assert f"benchmarks.{_module(path).removeprefix('benchmarks.')}" in (ROOT / "benchmarks" / "README.md").read_text(), \
+    assert (f"benchmarks.{_module(path).removeprefix('benchmarks.')}"
+            in (ROOT / "benchmarks" / "README.md").read_text()), \
         f"benchmarks/README.md does not list {_module(path)}"

@@ -31,7 +31,8 @@ def test_relative_links_resolve(page):
 
 def test_readme_is_short():
     lines = len((ROOT / "README.md").read_text().splitlines())
-    assert lines <= 220, f"README.md has {lines} lines; reference belongs in docs/, measurements in benchmarks/README.md"
+    assert lines <= 220, (f"README.md has {lines} lines; reference belongs in docs/, "
+                          "measurements in benchmarks/README.md")
 
 
 def test_benchmarks_readme_names_every_results_page():

@@ -1,5 +1,6 @@
 """Imports go one way: trainer -> {dualkv, planner, algo, data}; those never import each other, trainer or ray,
-and planner never imports torch; hetrl.schema (the validation layer) imports no other hetrl package. Checked in a fresh interpreter so that nothing is already loaded."""
+and planner never imports torch; hetrl.schema (the validation layer) imports no other hetrl package. Checked in a
+fresh interpreter so that nothing is already loaded."""
 
 import importlib.util
 import json

@@ -68,7 +68,8 @@ def main() -> int:
     lines += [f"| {i + 1} | {r['setting']} | {', '.join(f'{t:.2f}' for t in r['pass_s'])} | {r['max_rss_mb']:.0f} |"
               for i, r in enumerate(runs)]
     lines += ["", f"Median pass: kept {med['kept']:.2f} s, system {med['system']:.2f} s "
-              f"({med['system'] / med['kept']:.2f}x); peak RSS kept {rss['kept']:.0f} MB, system {rss['system']:.0f} MB.",
+              f"({med['system'] / med['kept']:.2f}x); peak RSS kept {rss['kept']:.0f} MB, "
+              f"system {rss['system']:.0f} MB.",
               ""]
     write_results(args.out, "allocator", result, "\n".join(lines))
     print("\n".join(lines))

@@ -230,7 +230,8 @@ def main() -> None:
     s = data["summary"]
     lines = ["# Where the cost model's error comes from, run by run", "",
              "Read from `benchmarks/results/cost_model_validation.json` "
-             "(`python -m benchmarks.studies.cost_model_error_analysis` after `python -m benchmarks.cost_model_validation`). "
+             "(`python -m benchmarks.studies.cost_model_error_analysis` after "
+             "`python -m benchmarks.cost_model_validation`). "
              "Nothing here feeds back into the model: no constant "
              "was set from these numbers.", "",
              f"Runs {s['runs']}, median |error| {s['median_abs_error']:.0%}, worst {s['worst_abs_error']:.0%}; "

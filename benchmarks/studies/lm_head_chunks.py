@@ -70,7 +70,8 @@ def main() -> int:
     labels = 0
     for _ in range(args.rounds):
         for variant in runs:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.studies.lm_head_chunks", "--child", variant, str(args.response_tokens)]
+            out = subprocess.run([sys.executable, "-m", "benchmarks.studies.lm_head_chunks", "--child", variant,
+                                  str(args.response_tokens)]
                                  + (["--checkpointing"] if args.checkpointing else []),
                                  capture_output=True, text=True, cwd=ROOT)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
@@ -81,12 +82,14 @@ def main() -> int:
             print(variant, runs[variant][-1], flush=True)
     logits_mb = int(labels) * 151936 * 4 / 2**20
     res = {"revision": revision(), "date": utc_now(), "machine": machine(),
-           "model": MODEL, "checkpointing": args.checkpointing, "response_tokens": int(labels), "fp32_logits_mb": logits_mb,
+           "model": MODEL, "checkpointing": args.checkpointing, "response_tokens": int(labels),
+           "fp32_logits_mb": logits_mb,
            "chunk_above_bytes": api.CHUNK_LOGITS_ABOVE_BYTES, "chunk_bytes": api.CHUNK_BYTES, "runs": runs}
     med = {k: statistics.median(r["peak_increase_mb"] for r in v) for k, v in runs.items()}
     sec = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
     lines = ["# The LM head in row chunks at a 151,936-token vocabulary: the pass's memory", "",
-             f"`python -m benchmarks.studies.lm_head_chunks` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"`python -m benchmarks.studies.lm_head_chunks` at {res['revision']}, {res['date']}: "
+             f"{res['machine']['model']}, "
              f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']}. {MODEL} (fp32), one group "
              f"of a 256-token prompt and 8 responses, {labels} response tokens: their fp32 logits would be "
              f"{logits_mb:.0f} MiB whole; activation checkpointing "

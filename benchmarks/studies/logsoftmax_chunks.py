@@ -94,7 +94,8 @@ def main() -> int:
         print(u, case["dtype"], {k: round(case[k]["median_s"], 3) for k in times}, flush=True)
 
     lines = ["# The gathered log-softmax: cache-sized row chunks against whole-matrix passes", "",
-             f"`python -m benchmarks.studies.logsoftmax_chunks` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"`python -m benchmarks.studies.logsoftmax_chunks` at {res['revision']}, {res['date']}: "
+             f"{res['machine']['model']}, "
              f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']}. Forward + backward with "
              f"entropy, temperature {t}; chunks of {CACHE_CHUNK_BYTES >> 20} MiB of fp32 rows; median of "
              f"{args.rounds} interleaved rounds after one warm-up. Errors: the largest absolute difference from an "
@@ -104,7 +105,10 @@ def main() -> int:
     for c in res["cases"]:
         w, k = c["whole matrix"]["median_s"], c["row chunks"]["median_s"]
         e = c["errors_vs_fp64"]
-        err = lambda x: f"{x['logp']:.1e}; {x['grad']:.1e}"
+
+        def err(x):
+            return f"{x['logp']:.1e}; {x['grad']:.1e}"
+
         lines.append(f"| {c['rows']} x {c['vocab']} | {c['dtype']} | {w:.3f} | {k:.3f} | {k / w:.2f}x | "
                      f"{err(e['whole matrix'])} | {err(e['row chunks'])} |")
     write_results(args.out, "logsoftmax_chunks", res, "\n".join(lines))

@@ -59,8 +59,8 @@ def rollout(model, tokenizer, rounds: int) -> dict:
 def projections(config) -> list[dict]:
     """One decode step's projection matmuls (q, k, v, o, gate, up, down per layer) on distinct weights, so that
     each step reads them from memory as decode does."""
-    h, kv, inter = config.hidden_size, config.num_key_value_heads * (config.hidden_size // config.num_attention_heads), \
-        config.intermediate_size
+    h, kv, inter = (config.hidden_size, config.num_key_value_heads * (config.hidden_size // config.num_attention_heads),
+                    config.intermediate_size)
     shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * config.num_hidden_layers
     out = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -120,7 +120,8 @@ def main() -> int:
               "update": update(model, args.rounds)}
     r, u = result["rollout"], result["update"]
     lines = ["# The `long` case's time on this CPU, profiled", "",
-             f"Made by `python -m benchmarks.studies.long_case_profile --out benchmarks/results` on {result['machine']['model']}, "
+             "Made by `python -m benchmarks.studies.long_case_profile --out benchmarks/results` on "
+             f"{result['machine']['model']}, "
              f"{result['threads']} torch threads, torch {result['torch']}, nothing else running. SmolLM2-135M fp32. "
              f"fp32 1024^3 matmul peak measured at the start: {result['fp32_matmul_peak_gflops']:.0f} GFLOP/s "
              "(GFLOP/s per operator below: the profiler's FLOP count over its self time).", "",

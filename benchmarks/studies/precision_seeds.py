@@ -2,7 +2,8 @@
 of held-out accuracy): fp32 against bf16-mixed on the default job over seeds, from finished `hetrl train` runs;
 result: benchmarks/results/precision_seeds.md.
 
-    python -m benchmarks.studies.precision_seeds --fp32 RUN_DIR... --bf16 RUN_DIR... [--out benchmarks/results/precision_seeds]
+    python -m benchmarks.studies.precision_seeds --fp32 RUN_DIR... --bf16 RUN_DIR...
+        [--out benchmarks/results/precision_seeds]
 
 Each RUN_DIR is a finished run's out_dir (summary.json, metrics.jsonl, run_config.yaml), e.g. from
 `hetrl train precision=bf16-mixed seed=1 out_dir=...` or `hetrl bench train`'s work directory. The precision a run
@@ -34,7 +35,8 @@ def read_run(run_dir: pathlib.Path, side: str) -> dict:
     steps = [r for r in rows if "step" in r and "step_s" in r]
     later = steps[1:] or steps
     return {"run_dir": str(run_dir), "precision": ran, "seed": cfg["seed"], "steps": len(steps),
-            "eval_accuracy_before": summary["eval_accuracy_before"], "eval_accuracy_after": summary["eval_accuracy_after"],
+            "eval_accuracy_before": summary["eval_accuracy_before"],
+            "eval_accuracy_after": summary["eval_accuracy_after"],
             "gained": summary["gained"], "lost": summary["lost"], "sign_test_p": summary["sign_test_p"],
             "median_s": {k: statistics.median(r[k] for r in later) for k in PHASES if all(k in r for r in later)},
             "per_step_s": [{k: r[k] for k in ("step", *PHASES) if k in r} for r in steps]}
@@ -59,13 +61,15 @@ def markdown(result: dict) -> str:
              "| update s | step s |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in result["runs"]:
         m = r["median_s"]
-        lines.append(f"| {r['precision']} | {r['seed']} | {r['eval_accuracy_before']:.2f} | {r['eval_accuracy_after']:.2f} "
+        lines.append(f"| {r['precision']} | {r['seed']} | {r['eval_accuracy_before']:.2f} | "
+                     f"{r['eval_accuracy_after']:.2f} "
                      f"| {r['gained']} / {r['lost']} | {r['sign_test_p']:.1e} | {m.get('gen_s', float('nan')):.2f} "
                      f"| {m['logprob_s']:.2f} | {m['update_s']:.2f} | {m['step_s']:.2f} |")
     lines += ["", "| precision | seeds | held-out after: mean (min-max) | step s (mean) |", "|---|---|---|---:|"]
     for name, s in (("fp32", fp32), ("bf16-mixed", bf16)):
         lines.append(f"| {name} | {', '.join(map(str, s['seeds']))} | {s['accuracy_after_mean']:.3f} "
-                     f"({s['accuracy_after_min']:.2f}-{s['accuracy_after_max']:.2f}) | {s['median_s_mean']['step_s']:.2f} |")
+                     f"({s['accuracy_after_min']:.2f}-{s['accuracy_after_max']:.2f}) | "
+                     f"{s['median_s_mean']['step_s']:.2f} |")
     ratio = bf16["median_s_mean"]["step_s"] / fp32["median_s_mean"]["step_s"]
     diff = bf16["accuracy_after_mean"] - fp32["accuracy_after_mean"]
     lines += ["", f"bf16-mixed / fp32 step time: **{ratio:.2f}x**; held-out accuracy after, bf16-mixed minus fp32: "

@@ -14,8 +14,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hetrl.bench.harness import machine, seconds
 from hetrl.bench.dualkv_grid import Case, build_model, make_group, update_step, variant_logprobs
+from hetrl.bench.harness import machine, seconds
 
 
 def one(n: int, p: int = 2048, r: int = 64) -> str:

@@ -32,8 +32,8 @@ def main() -> int:
     from hetrl.trainer import build
     from hetrl.trainer.config import RunConfig
     from hetrl.trainer.precision import decide
-    from hetrl.trainer.run import build_source
     from hetrl.trainer.rollout import RolloutWorker
+    from hetrl.trainer.run import build_source
 
     cfg = RunConfig(precision="bf16-mixed")
     model, tokenizer = load_model("smollm2-135m")
@@ -60,15 +60,20 @@ def main() -> int:
         times = interleaved_times({k: sample(k, w) for k, w in workers.items()}, args.rounds, warmup=1)
         res["cases"][new_tokens] = {k: {**spread(v), "times": v} for k, v in times.items()}
         print(new_tokens, {k: round(statistics.median(v), 3) for k, v in times.items()}, flush=True)
-    refresh = lambda: workers["bf16 copy"].load_weights(build.bf16_weights_of(model.state_dict()))
+
+    def refresh():
+        return workers["bf16 copy"].load_weights(build.bf16_weights_of(model.state_dict()))
+
     res["refresh_s"] = statistics.median(interleaved_times({"refresh": refresh}, args.rounds, warmup=0)["refresh"])
 
     lines = ["# The bf16-mixed rollout: a bf16 copy of the policy against the fp32 policy under autocast", "",
-             f"`python -m benchmarks.studies.rollout_bf16` at {res['revision']}, {res['date']}: {res['machine']['model']}, "
+             f"`python -m benchmarks.studies.rollout_bf16` at {res['revision']}, {res['date']}: "
+             f"{res['machine']['model']}, "
              f"{res['machine']['torch_threads']} threads, torch {res['machine']['torch']} (bf16 1024^3 matmul "
              f"{res['bf16_matmul_gflops']:.0f} GFLOP/s in this run). SmolLM2-135M, the default task's 8 prompts x 8 "
              f"samples (64 rows), EOS off; median of {args.rounds} interleaved rounds after one warm-up.", "",
-             "| new tokens | fp32 policy under autocast s | bf16 copy s | bf16 copy / autocast |", "|---:|---:|---:|---:|"]
+             "| new tokens | fp32 policy under autocast s | bf16 copy s | bf16 copy / autocast |",
+             "|---:|---:|---:|---:|"]
     for n, c in res["cases"].items():
         a, b = c["fp32 policy under autocast"]["median_s"], c["bf16 copy"]["median_s"]
         lines.append(f"| {n} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")

@@ -216,7 +216,8 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
 
     Metrics, verl's keys and values, prefixed "rollout_corr/": rollout_is_{mean, max, min, std,
     eff_sample_size, ratio_fraction_high, ratio_fraction_low} (before batch normalization; fraction_high is
-    the fraction of tokens, or of responses for "sequence", above u: truncated), rollout_is_oob_ratio (IcePop), rollout_is_batch_norm_factor; per rs option
+    the fraction of tokens, or of responses for "sequence", above u: truncated), rollout_is_oob_ratio (IcePop),
+    rollout_is_batch_norm_factor; per rs option
     rollout_rs_<option>_{mean, max, min, masked_fraction, seq_masked_fraction}, and the rejected fractions of
     all together, rollout_rs_masked_fraction (tokens) and rollout_rs_seq_masked_fraction (responses). Statistics
     over responses count the responses with tokens (verl counts empty rows too, as responses with weight 1).

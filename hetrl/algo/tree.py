@@ -39,9 +39,9 @@ def tree_advantages(rewards: torch.Tensor, paths: list[tuple[int, ...]], fork_at
         return torch.repeat_interleave(grpo, torch.tensor(lens, dtype=torch.long))
     denom = rewards.std() + GRPO_EPS if scale else rewards.new_tensor(1.0)
     parts = []
-    for l, (path, cuts, n) in enumerate(zip(paths, fork_at, lens)):
+    for leaf, (path, cuts, n) in enumerate(zip(paths, fork_at, lens)):
         bounds = [0, *cuts, n]
         for d in range(len(bounds) - 1):
             below = torch.tensor([p[:d] == path[:d] for p in paths])
-            parts.append(((rewards[l] - rewards[below].mean()) / denom).expand(bounds[d + 1] - bounds[d]))
+            parts.append(((rewards[leaf] - rewards[below].mean()) / denom).expand(bounds[d + 1] - bounds[d]))
     return torch.cat(parts)

@@ -67,7 +67,10 @@ def flop_ratio(model, case: Case) -> float:
     """Forward FLOPs of the standard layout over the packed one: linear layers + causal attention."""
     c = model.config
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    attn = lambda pairs: 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+
+    def attn(pairs):
+        return 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+
     n, p, r = case.n, case.p, case.r
     std = 2 * params * n * (p + r) + attn(n * (p + r) ** 2 / 2)
     dkv = 2 * params * (p + n * r) + attn(p * p / 2 + n * (r * p + r * r / 2))
@@ -108,7 +111,8 @@ def variant_logprobs(variant: str, model, prompt, responses):
     labels = torch.stack(responses)
     if variant == "padded":
         ids = torch.cat([prompt.expand(n, p), labels], dim=1)
-        return lambda: _logp(model(input_ids=ids, logits_to_keep=r + 1, use_cache=False).logits[:, :-1], labels).flatten()
+        return lambda: _logp(model(input_ids=ids, logits_to_keep=r + 1, use_cache=False).logits[:, :-1],
+                             labels).flatten()
     if variant == "packed":
         ids = torch.cat([torch.cat([prompt, x]) for x in responses])[None]
         pos = torch.arange(p + r).repeat(n)[None]
@@ -320,16 +324,26 @@ def markdown(res: dict) -> str:
              "Every row's log-probs were checked against hetrl's reference before timing "
              "(`max_abs_logprob_diff` in the JSON).", "",
              "| model | N | P | R | rho | FLOP ratio | update s: packed / padded / prefix-grouper / dualkv | "
-             "update speedup vs packed / padded / prefix-grouper | log-prob speedup vs packed / padded / prefix-grouper | "
-             "update memory MB: packed / padded / prefix-grouper / dualkv |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "update speedup vs packed / padded / prefix-grouper | "
+             "log-prob speedup vs packed / padded / prefix-grouper | "
+             "update memory MB: packed / padded / prefix-grouper / dualkv |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         u, lp = r["update_s"], r["logprob_s"]
         mem = r.get("memory", {})
-        mb = lambda v: f"{mem[v]['increase_kb'] / 1024:.0f}" if v in mem and "increase_kb" in mem[v] else "-"
-        sec = lambda t: " / ".join(f"{t[v]:.3f}" if v in t else "-" for v in BASELINES + ("dualkv",))
-        speedups = lambda t: " / ".join(f"{t[v] / t['dualkv']:.2f}x" if v in t else "-" for v in BASELINES)
+
+        def mb(v):
+            return f"{mem[v]['increase_kb'] / 1024:.0f}" if v in mem and "increase_kb" in mem[v] else "-"
+
+        def sec(t):
+            return " / ".join(f"{t[v]:.3f}" if v in t else "-" for v in BASELINES + ("dualkv",))
+
+        def speedups(t):
+            return " / ".join(f"{t[v] / t['dualkv']:.2f}x" if v in t else "-" for v in BASELINES)
+
         lines.append(f"| {r['model']} | {r['n']} | {r['p']} | {r['r']} | {r['rho']:.2f} | {r['flop_ratio']:.2f} | "
-                     f"{sec(u)} | {speedups(u)} | {speedups(lp)} | {' / '.join(mb(v) for v in BASELINES + ('dualkv',))} |")
+                     f"{sec(u)} | {speedups(u)} | {speedups(lp)} | "
+                     f"{' / '.join(mb(v) for v in BASELINES + ('dualkv',))} |")
     lines += checks(res["rows"])
     errors = {v: e for r in res["rows"] for v, e in r["errors"].items()}
     for v, e in errors.items():
@@ -345,7 +359,10 @@ def checks(rows: list[dict]) -> list[str]:
     """The DualKV CPU issue's acceptance list, computed from the measured rows."""
     if not rows:
         return []
-    ok = lambda cond: "met" if cond else "**not met**"
+
+    def ok(cond):
+        return "met" if cond else "**not met**"
+
     out = ["", "## Against the targets", ""]
     target = next((r for r in rows if _key(r) == TARGET_CASE), None)
     if target:
@@ -367,11 +384,13 @@ def checks(rows: list[dict]) -> list[str]:
         ratio = mem["memory"]["dualkv"]["increase_kb"] / mem["memory"]["packed"]["increase_kb"]
         out.append(f"- Update memory at N=16, P=2048, R=256: dualkv / packed increase = {ratio:.3f}, target <= "
                    f"1.3 / rho = {1.3 / mem['rho']:.3f}: {ok(ratio <= 1.3 / mem['rho'])}.")
-    over = [r for r in rows if "memory" in r and all("increase_kb" in r["memory"].get(v, {}) for v in ("packed", "dualkv"))
+    over = [r for r in rows
+            if "memory" in r and all("increase_kb" in r["memory"].get(v, {}) for v in ("packed", "dualkv"))
             and r["memory"]["dualkv"]["increase_kb"] > r["memory"]["packed"]["increase_kb"]]
     if over:
         out.append("- Update memory above packed's (not a target; for the record): " + ", ".join(
-            f"{r['n']}x{r['p']}x{r['r']} ({r['memory']['dualkv']['increase_kb'] / r['memory']['packed']['increase_kb']:.2f}x)"
+            f"{r['n']}x{r['p']}x{r['r']} "
+            f"({r['memory']['dualkv']['increase_kb'] / r['memory']['packed']['increase_kb']:.2f}x)"
             for r in over) + ".")
     return out
 

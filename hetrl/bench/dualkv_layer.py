@@ -47,8 +47,8 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from hetrl.bench.harness import interleaved_times, machine
 from hetrl.bench.dualkv_grid import _SEGMENTS, _logp, _prefix_grouper  # _SEGMENTS: its per-segment SDPA attention
+from hetrl.bench.harness import interleaved_times, machine
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.dualkv.impl import flex
 
@@ -124,9 +124,9 @@ def predicted_seconds(model, case: LayerCase, layout: str, gpu: str = "H100") ->
     term of an actor_train pass over one prompt of P tokens and mb responses (their mean and longest length),
     bf16, no optimizer step (the benchmark takes none). DualKV and prefix-grouper are priced as the cost model
     prices DualKV, the packed layouts as it prices the standard layout."""
+    from hetrl.planner.cost import task_costs
     from hetrl.planner.plan import Group, Parallelism
     from hetrl.planner.spec import TokenLengths, WorkloadSpec, cluster_from_dict
-    from hetrl.planner.cost import task_costs
     from hetrl.trainer.placement import model_spec_from_hf
 
     cluster = cluster_from_dict({"name": "one", "nodes": [{"name": "n", "region": "r", "gpu": gpu, "count": 1}]})
@@ -137,7 +137,8 @@ def predicted_seconds(model, case: LayerCase, layout: str, gpu: str = "H100") ->
                      response_tokens=TokenLengths(max(rs), sum(rs) / len(rs)),
                      dualkv=layout in PROMPT_ONCE, micro_batch_responses=case.mb)
     par = Parallelism(1, 1, 1, recompute=layout == "dualkv_ckpt")
-    return task_costs(cluster, w, Group(("actor_train",), (0,), (("actor_train", par),)))["actor_train"].terms["compute"]
+    costs = task_costs(cluster, w, Group(("actor_train",), (0,), (("actor_train", par),)))
+    return costs["actor_train"].terms["compute"]
 
 
 def _group(case: LayerCase, device):
@@ -253,7 +254,8 @@ def measure(model, case: LayerCase, device, warmup: int, repeats: int, layouts=L
     weights = torch.randn(sum(case.responses), generator=torch.Generator().manual_seed(1)).to(device)
     values = {}
     for layout in layouts:
-        entry = {"flops": executed_flops(model, case, layout), "predicted_h100_s": predicted_seconds(model, case, layout)}
+        entry = {"flops": executed_flops(model, case, layout),
+                 "predicted_h100_s": predicted_seconds(model, case, layout)}
         row["layouts"][layout] = entry
         why = unavailable(layout, device)
         if why:
@@ -305,8 +307,8 @@ def measure(model, case: LayerCase, device, warmup: int, repeats: int, layouts=L
 def run(layer: str, device: str = "cpu", grid: str | None = None, warmup: int = 2, repeats: int = 5,
         seed: int = 0, checkpointing: bool = False, only: list[tuple[int, int]] | None = None,
         rows_path: str | None = None) -> dict:
-    """Every (P, mb) of the grid (or `only` those, in that order), each row appended to `rows_path` (JSON lines) as it finishes,
-    so a run cut short keeps what it measured."""
+    """Every (P, mb) of the grid (or `only` those, in that order), each row appended to `rows_path` (JSON lines) as it
+    finishes, so a run cut short keeps what it measured."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but torch sees no CUDA GPU here; use --device cpu (with --layer tiny)")
@@ -373,7 +375,10 @@ def markdown(res: dict) -> str:
     timed_layouts = [k for k in res.get("layouts", ("dualkv", "packed_sdpa"))
                      if any("seconds" in r["layouts"].get(k, {}) for r in res["rows"])]
     skipped = {k: e["skipped"] for r in res["rows"] for k, e in r["layouts"].items() if "skipped" in e}
-    gib = lambda e: f"{e['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in e else "-"
+
+    def gib(e):
+        return f"{e['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in e else "-"
+
     lines = [f"# DualKV, one {res['layer']} layer, forward + backward ({res['device']}, {res['dtype']})", "",
              f"torch {res['torch']}{', ' + res['gpu'] if res['gpu'] else ''}; median of {res['repeats']} rounds after "
              f"{res['warmup']} warm-up; responses R ~ U{GRIDS[res['grid']][2]} by seed {res['seed']}. "
@@ -402,7 +407,8 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {r['p']} | {r['mb']} | {k} | {e['tflops']:.3g} | {gib(e)} | {diff} |")
     lines += ["", "## The cost model against the measurement" + ("" if on_gpu else " (predictions only: "
               "the measurement here is not on an H100)"), "",
-              f"The planner's compute term for the same pass on its H100 catalog entry ({gpu('H100').dense_bf16_flops / 1e12:g} "
+              "The planner's compute term for the same pass on its H100 catalog entry "
+              f"({gpu('H100').dense_bf16_flops / 1e12:g} "
               f"TFLOP/s bf16 dense at MFU_TRAIN = {MFU_TRAIN}), DualKV and prefix-grouper priced as DualKV, packed as "
               "the standard layout.", "",
               "| P | mb | layout | predicted ms | measured ms | error |", "|---|---|---|---|---|---|"]

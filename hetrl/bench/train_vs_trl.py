@@ -173,7 +173,8 @@ def trl_args(cfg, seed: int, out_dir: str):
         num_generations=n, max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=0, learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=cfg.max_grad_norm,
-        beta=cfg.kl_coef if cfg.kl_coef is not None else 0.001, epsilon=cfg.clip_low if cfg.clip_low is not None else 0.2,
+        beta=cfg.kl_coef if cfg.kl_coef is not None else 0.001,
+        epsilon=cfg.clip_low if cfg.clip_low is not None else 0.2,
         epsilon_high=cfg.clip_high if cfg.clip_high is not None else 0.2, loss_type="grpo",
         scale_rewards="group" if cfg.scale_advantages else "none", mask_truncated_completions=False,
         shuffle_dataset=False, gradient_checkpointing=cfg.gradient_checkpointing, disable_dropout=True,
@@ -242,7 +243,8 @@ def _timed(cls, times: _StepTimes):
     return Timed
 
 
-def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool, overrides: tuple[str, ...] = ()) -> dict:
+def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
+            overrides: tuple[str, ...] = ()) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -250,8 +252,8 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
     from hetrl.data.rewards import completion_text
     from hetrl.integrations.trl import with_dualkv
     from hetrl.trainer.evaluation import evaluate, paired_comparison
-    from hetrl.trainer.run import build_rewards, build_source, python_fields
     from hetrl.trainer.rollout import RolloutWorker
+    from hetrl.trainer.run import build_rewards, build_source, python_fields
 
     name = "trl-dualkv" if dualkv else "trl"
     out = work / f"{name}-{case.name}-{seed}"
@@ -403,8 +405,8 @@ def markdown(table: dict, records: list[dict]) -> str:
              "[rollout.md](rollout.md).", ""]
     for case, systems in table.items():
         lines += [f"## Case `{case}`", "",
-                  "| system | seeds | step s (each seed) | vs stock TRL | rollout s | log-probs s | update s | tokens/s | "
-                  "effective GFLOP/s (of fp32 / bf16 peak) | held-out accuracy after (mean, min-max) |",
+                  "| system | seeds | step s (each seed) | vs stock TRL | rollout s | log-probs s | update s | "
+                  "tokens/s | effective GFLOP/s (of fp32 / bf16 peak) | held-out accuracy after (mean, min-max) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
         for system in SYSTEMS:
             if system not in systems:
@@ -455,7 +457,8 @@ def markdown(table: dict, records: list[dict]) -> str:
         for p in pairs:
             t = target.get(p["case"])
             lines.append(f"- `{p['case']}` seed {p['seed']} ({p['revision']}, {', '.join(p.get('flags', []))}; peaks "
-                         f"fp32 {p['fp32_peak_gflops']:.0f}, bf16 {p.get('bf16_peak_gflops', 0):.0f} GFLOP/s): hetrl {p['hetrl_step_s']:.1f} s, stock TRL {p['trl_step_s']:.1f} s: "
+                         f"fp32 {p['fp32_peak_gflops']:.0f}, bf16 {p.get('bf16_peak_gflops', 0):.0f} GFLOP/s): "
+                         f"hetrl {p['hetrl_step_s']:.1f} s, stock TRL {p['trl_step_s']:.1f} s: "
                          f"{p['ratio']:.3f} (1/{1 / p['ratio']:.1f})"
                          + (f"; the target <= 1/{t}: {'met' if p['ratio'] <= 1 / t else 'NOT met'}" if t else "") + ".")
     lines += ["", "## What differs between the two systems", ""] + [f"- {k}" for k in KNOBS] + [""]
@@ -522,8 +525,8 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
                     got = run_hetrl(case, seed, n, work, overrides)
                 else:
                     got = run_trl(case, seed, n, work, system == "trl-dualkv", overrides)
-                rec = {"case": case_name, "system": system, "seed": seed, "steps_asked": n, "overrides": list(overrides),
-                       "machine": mach,
+                rec = {"case": case_name, "system": system, "seed": seed, "steps_asked": n,
+                       "overrides": list(overrides), "machine": mach,
                        "matmul_params": params, "wall_s": time.perf_counter() - t0,
                        "date": time.strftime("%Y-%m-%d"), "revision": code, **got}
                 with open(store, "a") as f:

@@ -192,7 +192,8 @@ def flops(model, seqs, masks) -> dict:
     c = model.config
     body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     head = c.vocab_size * c.hidden_size
-    attn = 4 * c.num_hidden_layers * c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    attn = (4 * c.num_hidden_layers * c.num_attention_heads
+            * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads))
     lin_tokens = sum(map(len, seqs))
     lin = 2 * body * lin_tokens + 2 * head * sum(sum(m[1:]) for m in masks) + attn * sum(
         len(s) * (len(s) + 1) / 2 for s in seqs)
@@ -258,7 +259,8 @@ def _child(layout: str, model_name: str, case_json: str) -> None:
     print(json.dumps(peak_rss_increase(lambda: update_step(fn, adv))))
 
 
-def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped", max_leaves: int | None = None) -> dict:
+def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped",
+        max_leaves: int | None = None) -> dict:
     cases = QUICK if quick else GRID
     if max_leaves is not None:
         cases = [TreeCase(**{**asdict(c), "max_leaves": max_leaves}) for c in cases]
@@ -275,11 +277,14 @@ def run(quick: bool, repeats: int, memory: bool, model_name: str = "qwen3-shaped
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = [f"# Tree engine on agentic trees ({res['model']}, {m['cpus']} CPUs, torch {m['torch']}, "
-             f"{m['torch_threads']} threads; median of {res['repeats']} interleaved rounds{', --quick' if res['quick'] else ''})",
-             "", "One update micro-step (forward, GRPO clipped loss on the model's tokens, backward). Speedup of `tree` "
+             f"{m['torch_threads']} threads; median of {res['repeats']} interleaved rounds"
+             f"{', --quick' if res['quick'] else ''})",
+             "",
+             "One update micro-step (forward, GRPO clipped loss on the model's tokens, backward). Speedup of `tree` "
              "over each layout; `frac` = speedup over linear / FLOP ratio (target >= 0.85). Memory: peak RSS increase "
              "of the update in a fresh process.", "",
-             "| case | leaves | tokens linear / prompt / treerow / tree | FLOP ratio | update s linear / prompt / treerow / tree "
+             "| case | leaves | tokens linear / prompt / treerow / tree | FLOP ratio | "
+             "update s linear / prompt / treerow / tree "
              "| speedup vs linear / prompt / treerow | frac | memory MB linear / prompt / treerow / tree |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:

@@ -9,8 +9,14 @@
 """
 
 from .api import IMPLS, sequence_logprobs, shared_prompt_head, shared_prompt_logprobs
-from .packing import (PackedBatch, TreeBatch, pack_groups, pack_sequences, split_by_token_budget,
-                      split_sequences_by_token_budget)
+from .packing import (
+    PackedBatch,
+    TreeBatch,
+    pack_groups,
+    pack_sequences,
+    split_by_token_budget,
+    split_sequences_by_token_budget,
+)
 
 __all__ = ["IMPLS", "PackedBatch", "TreeBatch", "pack_groups", "pack_sequences", "sequence_logprobs",
            "shared_prompt_head", "shared_prompt_logprobs", "split_by_token_budget", "split_sequences_by_token_budget"]

@@ -393,7 +393,8 @@ def shared_prompt_logprobs(model, batch: TreeBatch, *, impl: str = "auto", tempe
 
     Returns:
       logp [K] (autograd-enabled when grad is on), K = total response tokens (labels), ordered group by
-      group, response by response, token by token (sequence by sequence for a TreeBatch); with return_entropy, (logp [K], entropy [K]).
+      group, response by response, token by token (sequence by sequence for a TreeBatch); with return_entropy,
+      (logp [K], entropy [K]).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")

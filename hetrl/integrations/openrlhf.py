@@ -28,8 +28,16 @@ import shlex
 from hetrl.planner.plan import Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
 
-from .common import (Draft, View, bind_inference, cheapest, engine_workload, even_split_and_order, node_counts,
-                     pool_layout)
+from .common import (
+    Draft,
+    View,
+    bind_inference,
+    cheapest,
+    engine_workload,
+    even_split_and_order,
+    node_counts,
+    pool_layout,
+)
 
 OPENRLHF = "OpenRLHF 0.11.2"
 TRAINERS = ("actor_train", "critic_train")

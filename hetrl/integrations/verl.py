@@ -42,8 +42,18 @@ from hetrl.planner.plan import Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
 from hetrl.schema import InputError, read_json, read_yaml
 
-from .common import (Draft, View, bind_inference, canonical_gpus, cheapest, engine_workload, even_split_and_order,
-                     model_parallel, node_counts, pool_layout)
+from .common import (
+    Draft,
+    View,
+    bind_inference,
+    canonical_gpus,
+    cheapest,
+    engine_workload,
+    even_split_and_order,
+    model_parallel,
+    node_counts,
+    pool_layout,
+)
 
 TRAINERS = ("actor_train", "critic_train")
 VERL = "verl 0.9.1"

@@ -10,8 +10,8 @@ import inspect
 
 from .catalog import GPUS, gpu
 from .cost import Estimate, estimate
-from .plan import Plan, load_plan, plan_from_dict, workload_tasks
 from .ilp import ilp
+from .plan import Plan, load_plan, plan_from_dict, workload_tasks
 from .search import SearchResult, exhaustive, hybrid, streamrl, verl, verl_all
 from .spec import PRESETS, ClusterSpec, WorkloadSpec, load_cluster, load_workload
 
@@ -51,7 +51,8 @@ def _no_plan_message(cluster: ClusterSpec, workload: WorkloadSpec, method: str) 
     width = 4 if workload.precision == "fp32" else 2
     actor = workload.actor.params * width / 1e9
     return (f"{method}: no plan fits in memory: the actor alone is {actor:.1f} GB of {workload.precision} weights, "
-            f"and training needs ~16 bytes per parameter ({16 * workload.actor.params / 1e9:.0f} GB) spread over the GPUs of its group, next to "
+            f"and training needs ~16 bytes per parameter ({16 * workload.actor.params / 1e9:.0f} GB) spread over the "
+            "GPUs of its group, next to "
             f"the other models and the KV cache; the largest GPU has {biggest:.0f} GB and the cluster "
             f"{len(cluster.gpus)} GPUs. Add GPUs, use a smaller model, or shorten prompt/response lengths")
 

@@ -59,7 +59,8 @@ _NVIDIA = "NVIDIA datasheet"
 GPUS: dict[str, GPUType] = {g.name: g for g in [
     GPUType("H100", 989e12, 80 * GB, 3.35 * TB, 450 * GB, True, f"{_NVIDIA}: H100 SXM5 (1,979 TF sparse / 2)"),
     GPUType("H200", 989e12, 141 * GB, 4.8 * TB, 450 * GB, True, f"{_NVIDIA}: H200 SXM, same die as H100"),
-    GPUType("H20", 148e12, 96 * GB, 4.0 * TB, 450 * GB, True, "NVIDIA H20 spec sheet as quoted by RollMux/StreamRL-era reports"),
+    GPUType("H20", 148e12, 96 * GB, 4.0 * TB, 450 * GB, True,
+            "NVIDIA H20 spec sheet as quoted by RollMux/StreamRL-era reports"),
     GPUType("A100-80G", 312e12, 80 * GB, 2.039 * TB, 300 * GB, True, f"{_NVIDIA}: A100 80GB SXM"),
     GPUType("A100-40G", 312e12, 40 * GB, 1.555 * TB, 300 * GB, True, f"{_NVIDIA}: A100 40GB SXM"),
     GPUType("A800-80G", 312e12, 80 * GB, 2.039 * TB, 200 * GB, True,
@@ -69,7 +70,8 @@ GPUS: dict[str, GPUType] = {g.name: g for g in [
             "NVLink 5 1.8 TB/s bidirectional per GPU)"),
     GPUType("L40S", 362e12, 48 * GB, 864 * GB, 0, True, f"{_NVIDIA}: L40S (733 TF sparse / 2)"),
     GPUType("L4", 121e12, 24 * GB, 300 * GB, 0, True, f"{_NVIDIA}: L4 (242 TF sparse / 2)"),
-    GPUType("A10G", 70e12, 24 * GB, 600 * GB, 0, True, "AWS G5 A10G; tensor clocks below the A10's 125 TF (Baseten A10 vs A10G note; unverified)"),
+    GPUType("A10G", 70e12, 24 * GB, 600 * GB, 0, True,
+            "AWS G5 A10G; tensor clocks below the A10's 125 TF (Baseten A10 vs A10G note; unverified)"),
     GPUType("V100", 125e12, 32 * GB, 900 * GB, 150 * GB, False, f"{_NVIDIA}: V100 SXM2 32GB, fp16 tensor (no bf16)"),
     GPUType("T4", 65e12, 16 * GB, 320 * GB, 0, False, f"{_NVIDIA}: T4, fp16 tensor (no bf16)"),
 ]}
@@ -119,7 +121,8 @@ GEMM_SOURCE = "NVIDIA Matrix Multiplication Background User's Guide (arithmetic 
 # S. Jeaugey (NCCL), NVIDIA/nccl-tests issue #212, 2024-05-06. Read by the all-to-all terms (ep_comm, sp_comm) on
 # NVLink paths; the ring all-reduces of TP/DP keep the line rate they had (the bit-identical default).
 NVLINK_BUS_EFFICIENCY = 370 / 450
-NVLINK_BUS_SOURCE = "NVIDIA/nccl-tests#212 (NCCL maintainer): ~370 GB/s busbw of 450 GB/s NVLink line rate, ~20% protocol"
+NVLINK_BUS_SOURCE = ("NVIDIA/nccl-tests#212 (NCCL maintainer): ~370 GB/s busbw of 450 GB/s NVLink line rate, "
+                     "~20% protocol")
 
 
 def attention_efficiency(seq_len: float) -> float:

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan import ROLE_OF_TASK, Group, Parallelism, Plan, check_structure
 from .catalog import NVLINK_BUS_EFFICIENCY, attention_efficiency, gemm_efficiency
-from .spec import INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, GBIT, ModelSpec, WorkloadSpec
+from .plan import ROLE_OF_TASK, Group, Parallelism, Plan, check_structure
+from .spec import GBIT, INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, ModelSpec, WorkloadSpec
 
 MFU_TRAIN = 0.45     # Megatron-style 3D parallelism on A100/H100: 35-55% (peers_schedulers.md §6.1)
 MFU_INFER = 0.50     # prefill-like forward passes
@@ -951,7 +951,8 @@ def shard_gather_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group) -> float
         return max((allreduce_s(vb * (shard - experts), par.replicas, link) + allreduce_s(vb * experts, edp, link)) / 2
                    for link in links)
     shard = w.actor.params * precision_bytes(w)[0] / (par.tp * par.pp)
-    return max(allreduce_s(shard, par.dp, link) / 2 for link in _dp_links(cluster, _dp_groups(_shards(train, par), par)))
+    return max(allreduce_s(shard, par.dp, link) / 2
+               for link in _dp_links(cluster, _dp_groups(_shards(train, par), par)))
 
 
 def weight_sync_s(cluster: ClusterSpec, w: WorkloadSpec, train: Group, gen: Group, colocated: bool) -> float:
@@ -1044,8 +1045,8 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
             return Estimate(False, f"{task}: not even one sequence's KV cache fits next to the resident "
                                    "weights and optimizer states", memory_bytes=peak)
     gen_group, train_group = plan.group_of("actor_gen"), plan.group_of("actor_train")
-    transfer = max([group_transfer_s(cluster, gen_group, g, sample_bytes(w)) for g in plan.groups if g is not gen_group],
-                   default=0.0)
+    transfer = max([group_transfer_s(cluster, gen_group, g, sample_bytes(w))
+                    for g in plan.groups if g is not gen_group], default=0.0)
     sync = weight_sync_s(cluster, w, train_group, gen_group, gen_group is train_group)
     total, critical = aggregate(w.mode, [{t: costs[t].seconds for t in g.tasks} for g in plan.groups], transfer, sync)
     breakdown: dict[str, float] = {}
@@ -1062,5 +1063,5 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
-           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link", "task_costs", "task_memory",
-           "timeshare_efficiency", "weight_sync_s"]
+           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link",
+           "task_costs", "task_memory", "timeshare_efficiency", "weight_sync_s"]

@@ -10,8 +10,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from hetrl.schema import (InputError, check, choice_error, from_mapping, read_json, reject_unknown, require_mapping,
-                          rule, show)
+from hetrl.schema import (
+    InputError,
+    check,
+    choice_error,
+    from_mapping,
+    read_json,
+    reject_unknown,
+    require_mapping,
+    rule,
+    show,
+)
 
 from .spec import ClusterSpec, WorkloadSpec
 
@@ -75,7 +84,8 @@ class Parallelism:
                              f"ZeRO-3 do), got zero: {self.zero}; set zero: 3 or offload: optimizer")
         if self.ep > 1 and (self.tp * self.sp * self.dp) % self.ep:
             raise ValueError(f"ep {self.ep} must divide tp*sp*dp = {self.tp}*{self.sp}*{self.dp} = "
-                             f"{self.tp * self.sp * self.dp} (the GPUs of one pipeline stage the experts are spread over); "
+                             f"{self.tp * self.sp * self.dp} (the GPUs of one pipeline stage the experts are "
+                             "spread over); "
                              f"valid: {', '.join(str(e) for e in _divisors(self.tp * self.sp * self.dp))}")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"vpp {self.vpp} (virtual pipeline stages) needs pp > 1; set vpp: 1 or pp >= 2")
@@ -247,8 +257,10 @@ def check_structure(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec) ->
             model = workload.model(ROLE_OF_TASK[t])
             if p.ep > 1 and (not model.experts or model.experts % p.ep):
                 raise ValueError(f"{t}: ep {p.ep} needs an MoE whose experts it divides; {model.name} has "
-                                 f"{model.experts} experts" + (f" (valid ep: {', '.join(str(e) for e in _divisors(model.experts) if (p.tp * p.sp * p.dp) % e == 0)})"
-                                                               if model.experts else " (a dense model: ep 1)"))
+                                 f"{model.experts} experts"
+                                 + (" (valid ep: " + ", ".join(str(e) for e in _divisors(model.experts)
+                                                               if (p.tp * p.sp * p.dp) % e == 0) + ")"
+                                    if model.experts else " (a dense model: ep 1)"))
             if p.sp > 1 and model.heads % (p.tp * p.sp):
                 raise ValueError(f"{t}: sp {p.sp} x tp {p.tp} must divide the {model.heads} attention heads (Ulysses "
                                  "splits heads over the sequence-parallel group)")

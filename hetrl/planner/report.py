@@ -94,7 +94,8 @@ def write_json(report: dict, path: str) -> None:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['method']} plan for {r['workload']} on {r['cluster']}: {_seconds(r['iteration_time_s'])} per iteration, "
+    lines = [f"{r['method']} plan for {r['workload']} on {r['cluster']}: "
+             f"{_seconds(r['iteration_time_s'])} per iteration, "
              f"{r['samples_per_s']:.1f} samples/s, {r['tokens_per_s']:,.0f} tokens/s "
              f"(search {r['search_time_s']:.1f} s"
              + (f", optimality gap {r['optimality_gap']:.2%}" if r.get("optimality_gap") is not None else "") + ")",
@@ -114,13 +115,15 @@ def format_report(r: dict) -> str:
     for name, m in r.get("methods", {}).items():
         gap = f", gap {m['optimality_gap']:.2%}" if m.get("optimality_gap") is not None else ""
         stop = "; stopped early" if m.get("stopped") else ""
-        lines.append(f"  {name:<10} {m['iteration_time_s']:8.1f} s/iter  (search {m['search_time_s']:.1f} s{gap}{stop})")
+        lines.append(f"  {name:<10} {m['iteration_time_s']:8.1f} s/iter  "
+                     f"(search {m['search_time_s']:.1f} s{gap}{stop})")
     lines.append("baselines:")
     for name, b in r["baselines"].items():
         if b.get("plan") is None:
             lines.append(f"  {name:<10} no plan fits ({_shorten(b.get('error', ''), name)})")
         else:
-            lines.append(f"  {name:<10} {_seconds(b['iteration_time_s']):>10}/iter  -> this plan is {b['speedup']:.2f}x faster")
+            lines.append(f"  {name:<10} {_seconds(b['iteration_time_s']):>10}/iter  "
+                         f"-> this plan is {b['speedup']:.2f}x faster")
     return "\n".join(lines)
 
 

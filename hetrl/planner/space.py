@@ -21,8 +21,19 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .cost import (PHASES, ROLE_OF, TRAIN_TASKS, group_transfer_s, aggregate, memory, sample_bytes, task_costs, task_memory,
-                   shard_gather_s, weight_sync_s)
+from .cost import (
+    PHASES,
+    ROLE_OF,
+    TRAIN_TASKS,
+    aggregate,
+    group_transfer_s,
+    memory,
+    sample_bytes,
+    shard_gather_s,
+    task_costs,
+    task_memory,
+    weight_sync_s,
+)
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
 from .spec import ClusterSpec, Node, WorkloadSpec
 
@@ -213,7 +224,8 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
 
 
 @functools.lru_cache(maxsize=200_000)
-def _options(cluster, w, task: str, gpus: tuple[int, ...], data_split: str, strategies: bool) -> tuple[Parallelism, ...]:
+def _options(cluster, w, task: str, gpus: tuple[int, ...], data_split: str,
+             strategies: bool) -> tuple[Parallelism, ...]:
     """One task's options on these GPUs, fastest first (alone on them: a task's own seconds do not depend on
     the other tasks of its group). Cached: every block holding the task on the same counts shares them."""
     opts = [v for p in parallelisms(w, task, len(gpus), strategies) for v in _variants(task, p, strategies)]
@@ -235,7 +247,8 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, sw
             costs = task_costs(cluster, w, group, mem.kv_free, mem.swap_s[0])
             seconds = tuple((t, costs[t].seconds) for t in tasks)
             if all(math.isfinite(s) for _, s in seconds):
-                local = weight_sync_s(cluster, w, group, group, True) if {"actor_gen", "actor_train"} <= set(tasks) else 0.0
+                local = (weight_sync_s(cluster, w, group, group, True)
+                         if {"actor_gen", "actor_train"} <= set(tasks) else 0.0)
                 return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split, swap,
                                    shard_gather_s(cluster, w, group))
         # shard the task holding the most memory further (next option with a smaller per-GPU share)

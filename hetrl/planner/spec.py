@@ -11,8 +11,18 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
-from hetrl.schema import (InputError, check, choice_error, from_mapping, located, read_yaml, reject_unknown,
-                          require_mapping, rule, show)
+from hetrl.schema import (
+    InputError,
+    check,
+    choice_error,
+    from_mapping,
+    located,
+    read_yaml,
+    reject_unknown,
+    require_mapping,
+    rule,
+    show,
+)
 
 from .catalog import GPUType, gpu
 
@@ -56,9 +66,11 @@ class ModelSpec:
     def __post_init__(self):
         check(self)
         if self.heads % self.kv_heads:
-            raise ValueError(f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads})")
         if self.experts and not (0 < self.experts_per_token <= self.experts and self.moe_intermediate > 0):
-            raise ValueError(f"model {self.name}: an MoE needs 0 < experts_per_token <= experts and moe_intermediate > 0")
+            raise ValueError(f"model {self.name}: an MoE needs 0 < experts_per_token <= experts and "
+                             "moe_intermediate > 0")
         if not self.experts and self.intermediate < 1:
             raise ValueError(f"model {self.name}: intermediate must be >= 1 for a dense model")
         if not self.experts and (self.shared_intermediate or self.first_k_dense or self.moe_every != 1
@@ -109,7 +121,8 @@ class ModelSpec:
     def mlp_params_per_layer(self) -> int:
         """MLP weights of the largest layer (an MoE layer when there are experts): routed + shared experts + router."""
         if self.experts:
-            return self.expert_params_per_layer + self.hidden * self.experts + 3 * self.hidden * self.shared_intermediate
+            return (self.expert_params_per_layer + self.hidden * self.experts
+                    + 3 * self.hidden * self.shared_intermediate)
         return self.dense_mlp_params
 
     @property
@@ -195,7 +208,8 @@ def model_spec(value, where: str = "model") -> ModelSpec | None:
     if isinstance(value, str):
         if value not in PRESETS:
             raise InputError(choice_error(f"{where}: preset", value, PRESETS)
-                             + " (or give {layers, hidden, heads, kv_heads, head_dim, intermediate, vocab})", located=True)
+                             + " (or give {layers, hidden, heads, kv_heads, head_dim, intermediate, vocab})",
+                             located=True)
         return PRESETS[value]
     if isinstance(value, dict):
         return from_mapping(ModelSpec, value, where)
@@ -510,9 +524,11 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
     for key in ("nodes", "regions", "gpu_types"):
         if data.get(key) is not None and not isinstance(data[key], list):
             raise InputError(f"{where}: {key} must be a list, got {show(data[key])}", located=True)
-    types = tuple(from_mapping(GPUType, t, f"{where}: gpu_types[{i}]") for i, t in enumerate(data.get("gpu_types") or []))
+    types = tuple(from_mapping(GPUType, t, f"{where}: gpu_types[{i}]")
+                  for i, t in enumerate(data.get("gpu_types") or []))
     nodes = tuple(from_mapping(Node, n, f"{where}: nodes[{i}]") for i, n in enumerate(data.get("nodes") or []))
-    links = tuple(from_mapping(RegionLink, r, f"{where}: regions[{i}]") for i, r in enumerate(data.get("regions") or []))
+    links = tuple(from_mapping(RegionLink, r, f"{where}: regions[{i}]")
+                  for i, r in enumerate(data.get("regions") or []))
     with located(where):
         return ClusterSpec(data.get("name", where), nodes, links, types)
 

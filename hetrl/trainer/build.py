@@ -10,10 +10,10 @@ copy. LoRA goes through peft (`get_peft_model`, `disable_adapter`, `merge_and_un
 from __future__ import annotations
 
 import contextlib
-import math
 import copy
 import difflib
 import logging
+import math
 import pathlib
 import warnings
 from collections.abc import Callable
@@ -84,6 +84,28 @@ class Policy:
         result = set_peft_model_state_dict(self.peft, state)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"adapter state does not match this model: unexpected {result.unexpected_keys[:4]}")
+
+    def merged_weights(self):
+        """(name, tensor) of the plain model's state dict, with a LoRA adapter merged in (W + its delta, computed
+        one weight at a time and never written back, so the trained base weights stay bit-identical): what an
+        engine without the adapter (vLLM) loads. Full fine-tuning: the state dict itself."""
+        if self.peft is None:
+            yield from self.module.state_dict().items()
+            return
+        from peft.tuners.lora import LoraLayer
+
+        layers = {name: m for name, m in self.module.named_modules() if isinstance(m, LoraLayer)}
+        with torch.no_grad():
+            for name, tensor in self.module.state_dict().items():
+                if ".lora_" in name:
+                    continue
+                owner, _, leaf = name.rpartition(".base_layer.")
+                if owner and owner in layers:
+                    name = f"{owner}.{leaf}"
+                    if leaf == "weight":
+                        adapter = layers[owner].active_adapters[0]
+                        tensor = tensor + layers[owner].get_delta_weight(adapter)
+                yield name, tensor
 
     def merged(self):
         """A plain transformers model with the adapter merged in (a copy; this policy is unchanged)."""
@@ -180,21 +202,21 @@ def fast_fp32_matmuls(precision: RunPrecision) -> None:
 
 
 def rollout_worker(cfg: RunConfig, model, tokenizer, precision: RunPrecision) -> RolloutWorker:
-    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=precision)
+    return RolloutWorker(model, tokenizer, cfg.rollout_batch_size, precision=precision, top_k=cfg.top_k)
 
 
-def vllm_worker(cfg: RunConfig, model, tokenizer, precision: RunPrecision, tp: int = 1,
+def vllm_worker(cfg: RunConfig, pol: Policy, tokenizer, precision: RunPrecision, tp: int = 1,
                 model_dir: pathlib.Path | None = None):
-    """vLLM's engine in this process, loaded with `model`'s weights (saved to `model_dir`, by default
-    out_dir/.vllm_model, while the run lasts), long enough for the longest prompt the run keeps and the longest
-    reply it asks for."""
+    """vLLM's engine in this process, loaded with the policy's weights (merged with its LoRA adapter; saved to
+    `model_dir`, by default out_dir/.vllm_model, while the run lasts), long enough for the longest prompt the run
+    keeps and the longest reply it asks for."""
     from hetrl.trainer.vllm_engine import VllmWorker
 
     longest = cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
-    limit = getattr(model.config, "max_position_embeddings", None) or longest
-    return VllmWorker(model, tokenizer, precision, model_dir or pathlib.Path(cfg.out_dir) / ".vllm_model",
-                      min(longest, limit),
-                      cfg.rollout_batch_size, cfg.seed, tp=tp)
+    limit = getattr(pol.module.config, "max_position_embeddings", None) or longest
+    return VllmWorker(pol.module, tokenizer, precision, model_dir or pathlib.Path(cfg.out_dir) / ".vllm_model",
+                      min(longest, limit), cfg.rollout_batch_size, cfg.seed, tp=tp, top_k=cfg.top_k,
+                      weights=dict(pol.merged_weights()) if pol.lora else None)
 
 
 def bf16_copy(model):

@@ -68,17 +68,18 @@ CRITIC_ALGORITHMS = ("ppo",)
 @dataclass(frozen=True)
 class RunConfig:
     # what to train
-    model: str = "smollm2-135m"           # "smollm2-135m" (embedded), "tiny", "config:NAME" (random weights), a local HF dir
+    # "smollm2-135m" (embedded), "tiny", "config:NAME" (random weights), a local HF dir
+    model: str = "smollm2-135m"
     dtype: str = rule("float32", choices=DTYPES)
     task: str | None = "basic_arithmetic"  # a reasoning-gym generator name (None when `data` is given)
     task_config: dict = field(default_factory=lambda: dict(DEFAULT_TASK_CONFIG))
     data: str | None = None               # your rows: JSONL / JSON / Parquet / CSV / save_to_disk dir (replaces task)
     eval_data: str | None = None          # held-out rows (default: eval_size rows drawn out of data by seed)
     prompt_key: str = "prompt"            # the column holding the prompt (a string or chat messages)
-    answer_key: str = "answer"            # what exact_match / math_verify compare with (dotted: reward_model.ground_truth)
+    answer_key: str = "answer"            # exact_match / math_verify compare with it (dotted: a.b.c)
     max_prompt_tokens: int = rule(512, ge=1)  # longer prompts are skipped and counted, never truncated
-    prompt_suffix: str = ""               # appended to each prompt (the last user message); the default leaves the format to RL
-    response_prefix: str = ""             # every reply starts with it: a last assistant message the reply continues (TRL's rule)
+    prompt_suffix: str = ""               # appended to each prompt (the last user message); "" leaves the format to RL
+    response_prefix: str = ""             # every reply starts with it: a last assistant message continued (TRL's rule)
     # built-ins (BUILTIN_REWARDS) or your functions FILE.py:NAME / package.module:NAME (TRL or verl convention)
     reward: str | tuple[str, ...] = "verifier"
     reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each)
@@ -105,7 +106,7 @@ class RunConfig:
     lora_rank: int = rule(0, ge=0)
     lora_alpha: float = rule(16.0, gt=0)
     lora_dropout: float = rule(0.0, ge=0, lt=1)
-    lora_target_modules: str | tuple[str, ...] = "all-linear"   # peft's names, or all-linear (every Linear but the LM head)
+    lora_target_modules: str | tuple[str, ...] = "all-linear"   # peft's names, or all-linear (every Linear but lm_head)
     # algorithm
     algorithm: str = rule("grpo", choices=ALGORITHMS)
     steps: int = rule(16, ge=1)
@@ -155,6 +156,7 @@ class RunConfig:
     max_new_tokens: int = rule(16, ge=1)
     temperature: float = rule(0.7, gt=0)
     top_p: float = rule(1.0, gt=0, le=1)
+    top_k: int = rule(0, ge=0)            # sample among the k most likely tokens (0: off)
     rollout_batch_size: int = rule(64, ge=1)   # sequences per generate() call
     # the rollout engine (docs/vllm.md): hf (hetrl's decoding loop), vllm (vLLM's offline LLM; install.sh --vllm);
     # auto: vllm where it is installed and the device is CUDA, else hf
@@ -176,7 +178,7 @@ class RunConfig:
     precision: str = rule("auto", choices=PRECISIONS)
     impl: str = rule("auto", choices=("auto", "sdpa", "flex", "reference"))  # DualKV attention
     micro_batch_tokens: int = rule(2048, ge=1)   # packed tokens per forward/backward
-    gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, ~1/3 more FLOPs
+    gradient_checkpointing: bool = False  # recompute each layer in the backward: 1 layer's activations, 1/3 more FLOPs
     memory_limit_gib: float | None = rule(None, gt=0)  # default: the machine's available memory
     # evaluation and output
     eval_size: int = rule(100, ge=1)
@@ -184,10 +186,10 @@ class RunConfig:
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
     out_dir: str = "runs/default"
-    report_to: str = rule("none", choices=REPORT_TO)
+    report_to: str = rule("none", choices=REPORT_TO)   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
     # a non-finite reward total, advantage, loss or gradient norm (hetrl/trainer/guards.py): stop the run before
     # the step's checkpoint, or skip what it poisons (the step's update, or one optimizer step) and log it
-    nonfinite: str = rule("stop", choices=("stop", "skip"))   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
+    nonfinite: str = rule("stop", choices=("stop", "skip"))
     seed: int = rule(0, ge=0)
     # execution (README "hetrl train on Ray"); the local executor runs every role in this process
     executor: str = rule("local", choices=EXECUTORS)
@@ -242,7 +244,8 @@ class RunConfig:
                 raise ValueError(f"{', '.join(given)} place roles on Ray and need executor=ray")
             if self.mode == "async":
                 raise ValueError("mode=async overlaps generation and the update in separate processes; "
-                                 "it needs executor=ray (e.g. executor=ray emulate_cluster=examples/clusters/cpu-2x2.yaml)")
+                                 "it needs executor=ray (e.g. executor=ray "
+                                 "emulate_cluster=examples/clusters/cpu-2x2.yaml)")
         elif self.old_logprobs == "rollout":
             raise ValueError("old_logprobs=rollout reads the log-probs off the local rollout's logits; on Ray the "
                              "rollout runs in other processes and the learner recomputes them: use old_logprobs=auto "
@@ -443,8 +446,8 @@ _TYPES = typing.get_type_hints(RunConfig)
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers", "report_to", "device", "nonfinite",
-                     "reward_errors", "reward_timeout_s", "strict")
+                     "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers", "report_to", "device",
+                     "nonfinite", "reward_errors", "reward_timeout_s", "strict")
 
 
 def _check_keys(keys, where: str) -> None:

@@ -34,7 +34,7 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
              prompts: int | None = None) -> dict:
     """Score one rollout batch of the run `config` (+ `overrides`) three ways; -> the report (also written to `out`).
     `prompts`: how many of the run's prompts (default prompts_per_step), each with responses_per_prompt samples."""
-    from hetrl.trainer.run import build_source   # the run's own data path (run imports the loop; not at import)
+    from hetrl.trainer.run import build_source  # the run's own data path (run imports the loop; not at import)
 
     cfg = load_config(config, list(overrides))
     if cfg.executor != "local":

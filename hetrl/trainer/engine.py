@@ -112,7 +112,7 @@ class LocalEngine:
                                                                        self.policy.lora)
         self.correction = None
         if rollout_engine == "vllm":
-            self.worker = build.vllm_worker(cfg, self.policy.module, tokenizer, precision)
+            self.worker = build.vllm_worker(cfg, self.policy, tokenizer, precision)
             self.correction = vllm_engine.correction(cfg)
         else:
             sampler = build.bf16_copy(self.policy.module) if self.bf16_rollout else self.policy.module
@@ -127,7 +127,7 @@ class LocalEngine:
         """The updated policy into vLLM now, or into the bf16 rollout's copy (applied before its next generate
         call); -> seconds (and bytes for vLLM)."""
         if self.rollout_engine == "vllm":
-            return self.worker.load_weights(self.policy.module.state_dict())
+            return self.worker.load_weights(self.policy.merged_weights())
         if not self.bf16_rollout:
             return {}
         t0 = time.perf_counter()

@@ -39,9 +39,17 @@ import torch
 from transformers import DynamicCache
 
 from hetrl.algo import tree_advantages
-from hetrl.data.tools import (ToolTokenizer, check_environment, environment_tools, parse_tool_calls, run_calls,
-                              tool_schema, tool_suffix_ids, tool_template)
 from hetrl.data.sources import prompt_ids, reply_prefix
+from hetrl.data.tools import (
+    ToolTokenizer,
+    check_environment,
+    environment_tools,
+    parse_tool_calls,
+    run_calls,
+    tool_schema,
+    tool_suffix_ids,
+    tool_template,
+)
 from hetrl.dualkv import pack_sequences
 from hetrl.schema import InputError
 from hetrl.trainer.precision import FP32, RunPrecision
@@ -149,7 +157,8 @@ def _start(agent: Agent, example, tokenizer) -> Episode:
 
 def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_tokens: int, *,
                       temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, logprobs: bool = False,
-                      batch_size: int = 64, precision: RunPrecision = FP32, clock: dict | None = None) -> list[list[Sample]]:
+                      batch_size: int = 64, precision: RunPrecision = FP32, clock: dict | None = None,
+                      top_k: int = 0) -> list[list[Sample]]:
     """examples (hetrl.data Example: prompt ids rendered with the tools, the row) -> n episodes each, as Samples
     whose `loss_mask` marks the model's tokens and whose `episode` holds the Episode (environment, counts).
     `clock`: seconds are added to its prefill_s (the prompts), decode_s (turns and tool tokens) and tool_s."""
@@ -175,7 +184,7 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
     cap = agent.max_leaves or n * agent.branches
     # forks grow a batch up to `cap` leaves per task: whole tasks per batch, as many as fit batch_size leaves
     per_batch = max(1, batch_size) if branches == 1 else max(1, batch_size // cap) * n
-    warp = None if greedy else warpers(temperature, top_p)
+    warp = None if greedy else warpers(temperature, top_p, top_k)
     was_training = model.training
     model.eval()
     leaves: dict[object, list[Episode]] = {}
@@ -224,7 +233,8 @@ def group_prompt(example, samples: list[Sample]):
 
 
 def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_tokens: int, warp,
-               scored: float | None, precision: RunPrecision, clock: dict, branches: int = 1, cap: int = 0) -> list[Episode]:
+               scored: float | None, precision: RunPrecision, clock: dict, branches: int = 1,
+               cap: int = 0) -> list[Episode]:
     """Roll out `episodes` (whole tasks where branches > 1) -> every leaf: the episodes and their forks' copies.
     An episode whose turn ends in tool calls forks into `branches` continuations while its task has at most `cap`
     leaves: after its tool results are fed, its cache row is repeated (no prefill), and each copy samples its own
@@ -403,9 +413,9 @@ def leaf_advantages(samples: list[Sample], rewards: list[float], subtree: bool, 
 def episode_metrics(samples: list[Sample], prefix: str = "") -> dict:
     """Per-step means over episodes (leaves, where episodes fork): turns, the calls made (each once, however many
     leaves share it) and per leaf, tool errors; the calls made whose results did not fit the token budget (the
-    episode ended there, the model never saw them: a call that ends a leaf is never shared); the step's tokens by source (per leaf, as trained); leaves per
-    task and unique / linearized tokens (prompt included: what the trie-packed update computes of what running
-    every leaf alone would)."""
+    episode ended there, the model never saw them: a call that ends a leaf is never shared); the step's tokens by
+    source (per leaf, as trained); leaves per task and unique / linearized tokens (prompt included: what the
+    trie-packed update computes of what running every leaf alone would)."""
     eps = [s.episode for s in samples if s.episode is not None]
     if not eps:
         return {}
@@ -449,7 +459,8 @@ class EpisodeWorker:
         w.apply_queued()   # a bf16 rollout copy's weight sync (LocalEngine.sync_weights) lands before sampling
         return generate_episodes(w.model, w.tokenizer, self.agent, examples, n, max_new_tokens,
                                  temperature=temperature, top_p=top_p, greedy=greedy, logprobs=logprobs,
-                                 batch_size=w.batch_size, precision=w.precision, clock=w.phase_seconds)
+                                 batch_size=w.batch_size, precision=w.precision, clock=w.phase_seconds,
+                                 top_k=w.top_k)
 
 def resolve_tools(cfg, tools=None, environment_factory=None) -> tuple[list[Callable], Callable | None]:
     """The run's tools and environment factory from `tools=` / `environment=` (or as given from Python), loaded and

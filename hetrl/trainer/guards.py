@@ -18,6 +18,7 @@ import torch
 
 from hetrl.schema import InputError
 
+
 class NonFiniteError(InputError):
     """A non-finite reward total, advantage, loss or gradient norm, with the rows it came from."""
 
@@ -57,7 +58,8 @@ def check_rewards(step: int, groups) -> str | None:
     bad = [(g, s) for g, r in enumerate(groups) for s, v in enumerate(r.rewards) if not math.isfinite(v)]
     if bad:
         g = bad[0][0]
-        return (f"step {step}: non-finite reward total at {_rows(bad)} (first prompt {_prompt(groups[g].example.row)}): "
+        return (f"step {step}: non-finite reward total at {_rows(bad)} "
+                f"(first prompt {_prompt(groups[g].example.row)}): "
                 "the weighted sum of the reward functions overflows; keep rewards in a sane range (e.g. [-10, 10])")
     for g, r in enumerate(groups):
         values = torch.tensor(r.rewards, dtype=torch.float64)

@@ -17,8 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from hetrl.algo import clipped_value_loss, kl_penalty, packed_policy_loss, weighted_sum
-from hetrl.dualkv import (TreeBatch, pack_groups, pack_sequences, shared_prompt_head, shared_prompt_logprobs,
-                          split_by_token_budget, split_sequences_by_token_budget)
+from hetrl.dualkv import (
+    TreeBatch,
+    pack_groups,
+    pack_sequences,
+    shared_prompt_head,
+    shared_prompt_logprobs,
+    split_by_token_budget,
+    split_sequences_by_token_budget,
+)
 from hetrl.trainer.precision import FP32, RunPrecision
 
 Groups = list[tuple[list[int], list[list[int]]]]

@@ -28,8 +28,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hetrl.algo import (ADVANTAGE_ESTIMATORS, KLController, advantage, explained_variance, gae_returns, kl_in_reward,
-                        mismatch_metrics, rollout_correction, row_mask, to_packed, to_padded, token_weights, whiten)
+from hetrl.algo import (
+    ADVANTAGE_ESTIMATORS,
+    KLController,
+    advantage,
+    explained_variance,
+    gae_returns,
+    kl_in_reward,
+    mismatch_metrics,
+    rollout_correction,
+    row_mask,
+    to_packed,
+    to_padded,
+    token_weights,
+    whiten,
+)
 from hetrl.algo.advantages import options_of
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source
 from hetrl.data.containment import UserAbort
@@ -38,8 +51,15 @@ from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine, Episodes
-from hetrl.trainer.evaluation import (evaluate, greedy_rewards, headline, paired_comparison, replies, score_groups,
-                                      score_name)
+from hetrl.trainer.evaluation import (
+    evaluate,
+    greedy_rewards,
+    headline,
+    paired_comparison,
+    replies,
+    score_groups,
+    score_name,
+)
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import Sample
 
@@ -210,34 +230,14 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
     samples = [s for r in kept for s in r.samples]
     # the behaviour log-probs [K] read off the rollout's logits, where it gave them for every sample (old_logprobs)
     rollout_logp = torch.cat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) else None
-    engine_logp, is_weights, kept_tokens, mismatch = None, None, None, {}
-    if correction is not None and cfg.mode != "async":
-        assert rollout_logp is not None, "the loop asks another engine's samples for their log-probs"
-        engine_logp, rollout_logp = rollout_logp, None     # not the trainer's: never taken as old log-probs
-        trainer_logp = learner.logprobs(groups)
-        is_weights, kept_tokens, mismatch = _rollout_correction(kept, cfg, trainer_logp, engine_logp, correction)
-    if cfg.mode == "async":
-        assert rollout_logp is not None, "async samples carry their behaviour policy's log-probs"
-        old_logp = rollout_logp
-    else:
-        # Sync: the first mini-batch is updated by the weights that sampled it, so its old log-probs are its own
-        # update forward's (Learner.update with None); only the later mini-batches, updated after the policy has
-        # moved, need the sampling policy's log-probs: the rollout's when it gave them, else computed here.
-        first = _token_slice(groups, parts[0])
-        old_logp = torch.zeros(len(first))
-        if engine_logp is not None:       # computed above for the mismatch, every token
-            old_logp = trainer_logp
-        elif len(parts) > 1 and rollout_logp is not None:
-            old_logp = rollout_logp
-        elif len(parts) > 1:
-            later = learner.logprobs([groups[i] for p in parts[1:] for i in p])
-            old_logp = old_logp.to(later.dtype)
-            old_logp[~first] = later
     ref_logp = reference.logprobs(groups) if reference is not None else None
+    old_logp, trainer_logp = _old_logprobs(cfg, learner, groups, parts, rollout_logp, correction, kl_ctrl)
+    is_weights, kept_tokens, mismatch = None, None, {}
+    if correction is not None and cfg.mode != "async":
+        is_weights, kept_tokens, mismatch = _rollout_correction(kept, cfg, trainer_logp, rollout_logp, correction)
     kl = None
-    if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's, else one pass before any step
-        behaviour = rollout_logp if rollout_logp is not None else trainer_logp if engine_logp is not None else None
-        kl = (behaviour if behaviour is not None else learner.logprobs(groups), ref_logp, kl_ctrl)
+    if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's where they are the old ones, else ours
+        kl = (trainer_logp if trainer_logp is not None else rollout_logp, ref_logp, kl_ctrl)
     if critic is not None:
         old_values, ppo_adv, returns, kl_metrics = _ppo_targets(cfg, kept, groups, critic, kl)
     else:
@@ -281,6 +281,35 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
                 "explained_variance": _finite(explained_variance(old_values, returns)),
                 "policy_updated": train_policy}
     return row | kl_metrics | mismatch | ({"skipped": skipped} if skipped else {})
+
+
+def _old_logprobs(cfg: RunConfig, learner, groups, parts, rollout_logp: torch.Tensor | None,
+                  correction: dict | None, kl_ctrl) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where the update's old log-probs [K] come from, decided here alone. Async: the behaviour log-probs the
+    samples carry. Sync: the first mini-batch is updated by the weights that sampled it, so its old log-probs are
+    its own update forward's (Learner.update with None); the later mini-batches, updated after the policy has
+    moved, take the samples' log-probs where they are the trainer's own (Engine.rollout_logprobs), else one
+    no-grad pass computes them. That pass covers every group when the whole batch needs the trainer's log-probs
+    (another engine's samples: the mismatch and its correction; use_kl_in_reward without the samples' own: the
+    KL in the reward), once. -> (old log-probs [K], the trainer's log-probs of every token [K] or None)."""
+    if cfg.mode == "async":
+        assert rollout_logp is not None, "async samples carry their behaviour policy's log-probs"
+        return rollout_logp, None
+    first = _token_slice(groups, parts[0])
+    if correction is not None:
+        assert rollout_logp is not None, "the loop asks another engine's samples for their log-probs"
+    own = rollout_logp if correction is None else None   # another engine's are never taken as old log-probs
+    if correction is not None or (kl_ctrl is not None and own is None):
+        trainer_logp = learner.logprobs(groups)
+        return trainer_logp, trainer_logp
+    old_logp = torch.zeros(len(first))
+    if len(parts) > 1 and own is not None:
+        old_logp = own
+    elif len(parts) > 1:
+        later = learner.logprobs([groups[i] for p in parts[1:] for i in p])
+        old_logp = old_logp.to(later.dtype)
+        old_logp[~first] = later
+    return old_logp, None
 
 
 def _rollout_correction(kept: list[Rollout], cfg: RunConfig, trainer_logp: torch.Tensor, engine_logp: torch.Tensor,

@@ -105,8 +105,8 @@ def tracker(kind: str, run_dir: pathlib.Path, config: dict) -> Tracker | None:
 
 def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None:
     """Train reward and accuracy per step (`rows`), held-out accuracy where evaluated (`evals`), and in a second
-    panel for PPO the critic's value loss and explained variance, for a run with tools its calls per episode, as a
-    PNG."""
+    panel for PPO the critic's value loss and explained variance, for a run with tools its calls per episode, for a
+    run rolled out by another engine (vLLM) the mismatch between its log-probs and the trainer's, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,7 +115,8 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
     train = [r for r in rows if r.get("reward_mean") is not None]     # null: a non-finite mean (guards)
     critic = [r for r in rows if r.get("value_loss") is not None]
     tools = [r for r in rows if r.get("tool_calls_per_episode") is not None]
-    if critic or tools:
+    mismatch = [r for r in rows if r.get("mismatch/abs_diff_mean") is not None]
+    if critic or tools or mismatch:
         fig, (ax, cax) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
     else:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -145,6 +146,25 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
         cax.set_xlabel("step")
         cax.grid(alpha=0.3)
         cax.legend(loc="upper left")
+    elif mismatch:  # the rollout engine's log-probs against the trainer's (vLLM; never with tools)
+        steps = [r["step"] for r in mismatch]
+        for key, style, label in (("mismatch/abs_diff_mean", ".-", "mean |dlogp|"),
+                                  ("mismatch/abs_diff_p99", "s--", "p99 |dlogp|"),
+                                  ("mismatch/abs_diff_max", "^:", "max |dlogp|"),
+                                  ("mismatch/kl_k3", "x-", "KL (k3)")):
+            cax.plot(steps, [max(r.get(key) or 0.0, 1e-12) for r in mismatch], style, label=label)
+        cax.set_yscale("log")
+        cax.set_ylabel("rollout vs trainer")
+        cax.set_xlabel("step")
+        cax.grid(alpha=0.3)
+        cax.legend(loc="upper left", fontsize=8)
+        out = [(r["step"], r["mismatch/ratio_out_of_range_frac"]) for r in mismatch
+               if r.get("mismatch/ratio_out_of_range_frac")]
+        if out:
+            twin = cax.twinx()
+            twin.plot(*zip(*out), "o", color="C5", label="ratio outside [0.5, 2]")
+            twin.set_ylabel("token share")
+            twin.legend(loc="upper right", fontsize=8)
     if train:
         steps = [r["step"] for r in train]
         ax.plot(steps, [r["reward_mean"] for r in train], "--", lw=2.5, alpha=0.6, label="train reward (mean)")

@@ -2,12 +2,12 @@
 each one asks Ray for. Pure Python over the planner's types (no Ray, no torch), so it is tested alone.
 
 Roles: `rollout` runs actor_gen; `learner` runs actor_train and its bound actor_infer (old log-probs);
-`reference` runs ref_infer; `critic` (PPO) runs critic_train and its bound critic_infer (old values). One actor per data-parallel replica; replica r of a task with degrees
-(tp, pp, dp) owns the group's GPUs [r*tp*pp, (r+1)*tp*pp) (the plan's shard order). A GPU is a Ray
-custom resource named after its cluster node (`hetrl-node:<node>`, one unit per GPU), so the same
-request works on a real cluster (each node started with its resource) and on one CPU machine that
-declares all of them (`emulate_cluster=`). Roles in one task group time-share its GPUs, as in the
-plan, so each asks for an equal fraction of them.
+`reference` runs ref_infer; `critic` (PPO) runs critic_train and its bound critic_infer (old values). One actor
+per data-parallel replica; replica r of a task with degrees (tp, pp, dp) owns the group's GPUs
+[r*tp*pp, (r+1)*tp*pp) (the plan's shard order). A GPU is a Ray custom resource named after its cluster node
+(`hetrl-node:<node>`, one unit per GPU), so the same request works on a real cluster (each node started with its
+resource) and on one CPU machine that declares all of them (`emulate_cluster=`). Roles in one task group time-share
+its GPUs, as in the plan, so each asks for an equal fraction of them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from hetrl.planner import ClusterSpec, Plan, WorkloadSpec, load_cluster, load_plan, plan as plan_search
+from hetrl.planner import ClusterSpec, Plan, WorkloadSpec, load_cluster, load_plan
+from hetrl.planner import plan as plan_search
 from hetrl.planner.spec import ModelSpec, TokenLengths
 from hetrl.trainer.config import logits_give_old_logprobs
+
 
 class ExecutorFailure(RuntimeError):
     """The Ray executor lost what it cannot replace (a learner, or every rollout actor): the run stops with its
@@ -139,12 +141,14 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
     # optimizer step (its per-step gradient sync and Adam step then counted once)
     steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
     return WorkloadSpec(**_episode_shape(cfg),
-        algorithm=cfg.algorithm if cfg.algorithm in ("grpo", "dapo", "ppo") else "grpo", mode=cfg.mode, actor=actor, reference=actor if cfg.kl_coef > 0 else None,
+        algorithm=cfg.algorithm if cfg.algorithm in ("grpo", "dapo", "ppo") else "grpo", mode=cfg.mode, actor=actor,
+        reference=actor if cfg.kl_coef > 0 else None,
         reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         dualkv=True, precision=precision,
         optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision),
-        rollout_logprob_pass=cfg.mode == "async" and not logits_give_old_logprobs(cfg.old_logprobs, precision != "fp32"))
+        rollout_logprob_pass=cfg.mode == "async" and not logits_give_old_logprobs(cfg.old_logprobs,
+                                                                                  precision != "fp32"))
 
 
 def _episode_shape(cfg) -> dict:

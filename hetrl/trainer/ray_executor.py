@@ -39,20 +39,28 @@ from tqdm import tqdm
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files, guards, vllm_engine
 from hetrl.trainer.build import DTYPES
+from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.episodes import Agent, EpisodeWorker, group_prompt
 from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.placement import (
+    ROLES,
+    ExecutorFailure,
+    Replica,
+    actor_threads,
+    node_resources,
+    plan_for_run,
+    replicas,
+)
 from hetrl.trainer.precision import RunPrecision, samples_in_bf16
-from hetrl.trainer.checkpoint import resume_command
-from hetrl.trainer.placement import (ROLES, ExecutorFailure, Replica, actor_threads, node_resources, plan_for_run,
-                                     replicas)
 
 log = logging.getLogger(__name__)
 ROLLOUT_RESTARTS = 3
 
 
 class LearnerFailed(ExecutorFailure):
-    """A learner (or critic) actor died: the run stops; the message says where the last checkpoint is and how to resume."""
+    """A learner (or critic) actor died: the run stops; the message says where the last checkpoint is and how to
+    resume."""
 
 
 # ------------------------------------------------------------------------------------------ weights over Ray
@@ -141,7 +149,7 @@ class RolloutActor:
         self.policy, tokenizer = _setup(cfg, precision, threads)
         self.vllm = vllm is not None
         if self.vllm:
-            self.worker = build.vllm_worker(cfg, self.policy.module, tokenizer, precision, tp=vllm[1],
+            self.worker = build.vllm_worker(cfg, self.policy, tokenizer, precision, tp=vllm[1],
                                             model_dir=pathlib.Path(vllm[0]))
         else:
             if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
@@ -161,7 +169,7 @@ class RolloutActor:
         t0 = time.perf_counter()
         load_numpy_weights(self.policy, ray.get(boxed_ref[0]))
         if self.vllm:     # the policy here is the arrivals' holder; vLLM's engine samples
-            self.worker.load_weights(self.policy.module.state_dict())
+            self.worker.load_weights(self.policy.merged_weights())
         self.version = version
         return time.perf_counter() - t0
 

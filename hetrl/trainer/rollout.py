@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                   TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hetrl.dualkv.api import _token_logprobs as token_logprobs
 from hetrl.dualkv.decode import SharedPrefixCache, Unsupported, decoding
@@ -51,8 +55,9 @@ class Sample:
 
 
 class RolloutWorker:
-    def __init__(self, model, tokenizer, batch_size: int = 64, precision: RunPrecision = FP32):
+    def __init__(self, model, tokenizer, batch_size: int = 64, precision: RunPrecision = FP32, top_k: int = 0):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.top_k = top_k           # the run's (0: off), beside each call's temperature and top-p
         self.precision = precision   # the run's (precision.decide): prefill and decoding under bf16 autocast or not
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
@@ -112,7 +117,7 @@ class RolloutWorker:
         ids, mask = left_padded(prompts, self.pad)
         width = ids.shape[1]
         ids, mask = ids.to(device), mask.to(device)
-        warp = None if greedy else warpers(temperature, top_p)
+        warp = None if greedy else warpers(temperature, top_p, self.top_k)
         scored = temperature if logprobs else None
         last, full_mask = ids[:, -1].repeat_interleave(n), mask.repeat_interleave(n, 0)
         with torch.no_grad(), self.precision.amp(self.model):
@@ -230,13 +235,16 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def warpers(temperature: float, top_p: float) -> "Warp":
-    """transformers' own temperature and top-p warpers, as `generate(do_sample=True, top_k=0)` applies them."""
+def warpers(temperature: float, top_p: float, top_k: int = 0) -> "Warp":
+    """transformers' own temperature, top-k and top-p warpers, in the order `generate(do_sample=True)` applies them
+    (top_k 0: off)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling (got {temperature}); use greedy decoding instead")
     out = LogitsProcessorList()
     if temperature != 1.0:
         out.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        out.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         out.append(TopPLogitsWarper(top_p))
     return Warp(out)

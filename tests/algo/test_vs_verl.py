@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from hetrl.algo import (ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, advantage, entropy_loss,
-                        kl_penalty, policy_loss)
+from hetrl.algo import (
+    ADVANTAGE_ESTIMATORS,
+    KL_PENALTIES,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    advantage,
+    entropy_loss,
+    kl_penalty,
+    policy_loss,
+)
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl (and ray, tensordict, omegaconf) needed")
 from verl.trainer.config import AlgoConfig  # noqa: E402

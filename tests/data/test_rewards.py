@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from hetrl.schema import InputError
 from hetrl.data.rewards import RewardSet, convention, load_reward
+from hetrl.schema import InputError
 
 ROWS = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "level": 1},
         {"prompt": [{"role": "user", "content": "3+3?"}], "answer": "6", "level": 2}]

@@ -10,9 +10,21 @@ import time
 import pytest
 
 from hetrl.cli import main
-from hetrl.data.tools import (HERMES_TEMPLATE, ToolCall, ToolTokenizer, check_environment, environment_tools,
-                              load_environment, load_tools, parse_tool_calls, renders_tools, run_calls, tool_schema,
-                              tool_suffix_ids, tool_template)
+from hetrl.data.tools import (
+    HERMES_TEMPLATE,
+    ToolCall,
+    ToolTokenizer,
+    check_environment,
+    environment_tools,
+    load_environment,
+    load_tools,
+    parse_tool_calls,
+    renders_tools,
+    run_calls,
+    tool_schema,
+    tool_suffix_ids,
+    tool_template,
+)
 from hetrl.models import tiny_tokenizer
 from hetrl.schema import InputError
 

@@ -152,7 +152,8 @@ def test_fp64_chunked_lm_head_equals_standard(family, monkeypatch):
     assert entropy.requires_grad and bool((entropy > 0).all())    # its gradient: test_entropy_gradient_equals_...
     _assert_grads_close(_param_grads(model, got, weights), want_grads, rel=1e-8)
     with torch.no_grad():
-        assert (shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7) - want).abs().max() <= 1e-9
+        assert (shared_prompt_logprobs(model, pack_groups(groups), impl="sdpa", temperature=0.7)
+                - want).abs().max() <= 1e-9
 
 
 def _create_block_mask_reference(batch):

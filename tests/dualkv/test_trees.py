@@ -105,7 +105,8 @@ def test_layout_is_the_trie_and_the_mask_is_ancestry(seed):
         for i, r in enumerate(rows.tolist()):
             assert prefix.setdefault(r, tuple(ids[: i + 1].tolist())) == tuple(ids[: i + 1].tolist())
     assert sorted(prefix) == list(range(batch.num_tokens))
-    assert [batch.input_ids[r].item() for r in range(batch.num_tokens)] == [prefix[r][-1] for r in range(batch.num_tokens)]
+    assert ([batch.input_ids[r].item() for r in range(batch.num_tokens)]
+            == [prefix[r][-1] for r in range(batch.num_tokens)])
     assert batch.position_ids.tolist() == [len(prefix[r]) - 1 for r in range(batch.num_tokens)]
     t = torch.arange(batch.num_tokens)
     mask = (t[None] <= t[:, None]) & (t[:, None] < batch.visible_until[None])
@@ -170,7 +171,8 @@ def test_sdpa_strategies_equal_the_dense_ancestry_mask(strategy):
     k = torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True)
     t = torch.arange(n)
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=(t[None] <= t[:, None]) & (t[:, None] < batch.visible_until[None]),
+    dense = F.scaled_dot_product_attention(q, k, v,
+                                           attn_mask=(t[None] <= t[:, None]) & (t[:, None] < batch.visible_until[None]),
                                            scale=0.35, enable_gqa=True)
     plans = sdpa.build_masks(batch, strategy)
     out = sdpa.attend(q, k, v, plans, batch.tree_bounds, 0.35)
@@ -193,7 +195,8 @@ def test_tree_strategy_works_in_bf16():
     out = sdpa.attend(q, k, v, sdpa.build_masks(batch, "tree"), batch.tree_bounds, 0.25)
     t = torch.arange(n)
     mask = (t[None] <= t[:, None]) & (t[:, None] < batch.visible_until[None])
-    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.25, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.25,
+                                          enable_gqa=True)
     assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() < 2e-2
     out.sum().backward()
     assert all(bool(x.grad.isfinite().all()) for x in (q, k, v))
@@ -390,7 +393,8 @@ def test_short_sliding_window_is_refused_on_trees():
     seqs = forest(5)
     longest = max(map(len, seqs))
     model = tiny_model("mistral", sliding_window=longest - 1)
-    with pytest.raises(ValueError, match=rf"sliding window of {longest - 1} tokens, shorter than .* \({longest} tokens"):
+    with pytest.raises(ValueError,
+                       match=rf"sliding window of {longest - 1} tokens, shorter than .* \({longest} tokens"):
         sequence_logprobs(model, pack_sequences(seqs), impl="sdpa")
     assert model.config._attn_implementation == "sdpa"
     model = tiny_model("mistral", sliding_window=longest)
@@ -414,7 +418,8 @@ def test_token_budget_micro_batches_are_exact_and_within_budget(budget):
     got = [None] * len(seqs)
     with torch.no_grad():
         for mb in micro:
-            for i, lp in zip(mb, sequence_logprobs(model, pack_sequences([seqs[i] for i in mb], [masks[i] for i in mb]))):
+            for i, lp in zip(mb, sequence_logprobs(model,
+                                                   pack_sequences([seqs[i] for i in mb], [masks[i] for i in mb]))):
                 got[i] = lp
         want = alone_logprobs(model, seqs, masks)
     assert (torch.cat(got) - torch.cat(want)).abs().max().item() <= LOGP_TOL

@@ -68,7 +68,8 @@ def test_bench_train_runs_both_systems_on_the_same_prompts(tmp_path):
     assert [r["system"] for r in records] == ["hetrl", "trl-dualkv", "trl", "hetrl"]
     assert all(r["revision"] for r in records)          # the git commit each ran from
     newer = train_vs_trl.summarise(records)["default"]["hetrl"]
-    assert newer["seeds"] == [0] and newer["step_s"] == train_vs_trl.summarise(records[1:])["default"]["hetrl"]["step_s"]
+    assert (newer["seeds"] == [0]
+            and newer["step_s"] == train_vs_trl.summarise(records[1:])["default"]["hetrl"]["step_s"])
     assert "1 earlier run(s) of this case were made again" in (out / "train_vs_trl.md").read_text()
 
 

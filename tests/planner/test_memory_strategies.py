@@ -9,9 +9,23 @@ import pathlib
 import pytest
 
 from hetrl.planner import estimate, load_cluster, load_workload, plan, plan_from_dict
-from hetrl.planner.cost import (CPU_ADAM_BYTES_PER_PARAM, HOST_BYTES_PER_S_PER_GPU, MEM_UTIL, MFU_DECODE,
-                                MFU_INFER, MFU_TRAIN, _dense_pass, _generation, allreduce_s, group_memory,
-                                slowest_link, task_costs, task_memory, timeshare_efficiency, weight_sync_s)
+from hetrl.planner.cost import (
+    CPU_ADAM_BYTES_PER_PARAM,
+    HOST_BYTES_PER_S_PER_GPU,
+    MEM_UTIL,
+    MFU_DECODE,
+    MFU_INFER,
+    MFU_TRAIN,
+    _dense_pass,
+    _generation,
+    allreduce_s,
+    group_memory,
+    slowest_link,
+    task_costs,
+    task_memory,
+    timeshare_efficiency,
+    weight_sync_s,
+)
 from hetrl.planner.plan import Group, Parallelism
 from hetrl.planner.spec import PCIE_BYTES_PER_S, cluster_from_dict, workload_from_dict
 
@@ -177,13 +191,15 @@ def test_committed_benchmark_plans_score_as_committed_and_written_out_defaults_c
             got = estimate(c, w, plan_from_dict(data, c, w)).iteration_time_s
             assert math.isclose(got, row[m]["iteration_time_s"], rel_tol=1e-15, abs_tol=0), (row["scenario"], m)
             p = plan_from_dict(data, c, w)
-            if all(par.default_memory for g in p.groups for _, par in g.parallelism) and not any(g.swap for g in p.groups):
+            if (all(par.default_memory for g in p.groups for _, par in g.parallelism)
+                    and not any(g.swap for g in p.groups)):
                 explicit = json.loads(json.dumps(data))
                 for g in explicit["groups"]:
                     g["swap"] = False
                     for t, par in g["parallelism"].items():
                         if t != "actor_gen":
-                            par.update({"zero": 1, "offload": "none"}, **({"recompute": True} if t.endswith("_train") else {}))
+                            par.update({"zero": 1, "offload": "none"},
+                                       **({"recompute": True} if t.endswith("_train") else {}))
                 assert estimate(c, w, plan_from_dict(explicit, c, w)).iteration_time_s == got
             n += 1
     assert n == 240

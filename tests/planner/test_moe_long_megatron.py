@@ -9,10 +9,18 @@ import random
 import pytest
 
 from hetrl.planner import estimate, plan
-from hetrl.planner.catalog import (ATTENTION_EFFICIENCY_BY_SEQLEN, GEMM_TILE_M, attention_efficiency,
-                                   gemm_efficiency)
-from hetrl.planner.cost import (GATHERED_LAYERS, HBM_EFF, LOGIT_CHUNK_TOKENS, MFU_TRAIN, MOE_LOAD_IMBALANCE,
-                                alltoall_s, param_split, task_costs, task_memory)
+from hetrl.planner.catalog import ATTENTION_EFFICIENCY_BY_SEQLEN, GEMM_TILE_M, attention_efficiency, gemm_efficiency
+from hetrl.planner.cost import (
+    GATHERED_LAYERS,
+    HBM_EFF,
+    LOGIT_CHUNK_TOKENS,
+    MFU_TRAIN,
+    MOE_LOAD_IMBALANCE,
+    alltoall_s,
+    param_split,
+    task_costs,
+    task_memory,
+)
 from hetrl.planner.plan import Group, Parallelism, plan_from_dict
 from hetrl.planner.space import expert_degrees, parallelisms
 from hetrl.planner.spec import GBIT, PRESETS, cluster_from_dict, model_spec, workload_from_dict

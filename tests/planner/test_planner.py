@@ -84,7 +84,8 @@ def test_hybrid_within_5_percent_of_exhaustive(solved):
 def test_returned_plans_fit_every_gpu_and_match_the_cost_model(solved):
     for c, w, ex in solved:
         for method in ("exhaustive", "hybrid", "ilp"):
-            r = ex if method == "exhaustive" else plan(c, w, method, budget=500) if method == "hybrid" else plan(c, w, method)
+            r = (ex if method == "exhaustive" else plan(c, w, method, budget=500) if method == "hybrid"
+                 else plan(c, w, method))
             e = estimate(c, w, r.plan)
             assert e.feasible and e.iteration_time_s == pytest.approx(r.iteration_time_s, rel=1e-9)
             for gid, used in e.memory_bytes.items():
@@ -92,7 +93,8 @@ def test_returned_plans_fit_every_gpu_and_match_the_cost_model(solved):
 
 
 def test_same_seed_same_plan():
-    c, w = load_cluster("examples/clusters/paper-multi-country.yaml"), load_workload("examples/workloads/qwen3-4b-grpo-async.yaml")
+    c, w = (load_cluster("examples/clusters/paper-multi-country.yaml"),
+            load_workload("examples/workloads/qwen3-4b-grpo-async.yaml"))
     a = plan(c, w, "hybrid", seed=7, budget=800)
     b = plan(c, w, "hybrid", seed=7, budget=800)
     assert a.plan == b.plan and a.iteration_time_s == b.iteration_time_s
@@ -147,14 +149,16 @@ def test_errors_say_what_to_change(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_cluster(str(bad))
-    tiny = cluster_from_dict(dict(name="tiny", nodes=[dict(name="a", region="r", gpu="T4", count=1, intra_node="pcie")]))
+    tiny = cluster_from_dict(dict(name="tiny",
+                                  nodes=[dict(name="a", region="r", gpu="T4", count=1, intra_node="pcie")]))
     big = load_workload("examples/workloads/qwen3-14b-ppo-sync.yaml")
     with pytest.raises(ValueError, match="no plan fits in memory.*Add GPUs, use a smaller model"):
         plan(tiny, big, "hybrid", budget=50)
 
 
 def test_bad_plans_are_refused():
-    c, w = load_cluster("examples/clusters/paper-single-region.yaml"), load_workload("examples/workloads/qwen3-4b-grpo-sync.yaml")
+    c, w = (load_cluster("examples/clusters/paper-single-region.yaml"),
+            load_workload("examples/workloads/qwen3-4b-grpo-sync.yaml"))
     good = plan(c, w, "verl").plan.to_dict(c)
     assert plan_from_dict(good, c, w) == plan(c, w, "verl").plan
     with pytest.raises(ValueError, match="GPU 'zz:0' is not in cluster"):

@@ -11,8 +11,15 @@ import copy
 import pytest
 import torch
 
-from hetrl.algo import (loss_aggregation, packed_policy_loss, policy_loss, to_packed, to_padded, token_weights,
-                        weighted_sum)
+from hetrl.algo import (
+    loss_aggregation,
+    packed_policy_loss,
+    policy_loss,
+    to_packed,
+    to_padded,
+    token_weights,
+    weighted_sum,
+)
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.models import load_model
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import pathlib
+import re
 
 import pytest
 import torch

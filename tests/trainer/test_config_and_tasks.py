@@ -1,8 +1,8 @@
 import pytest
 
-from hetrl.trainer.config import RunConfig, load_config, parse_overrides
 from hetrl.data import RewardSet, TaskSource, extract_answer, prompt_ids
 from hetrl.models import tiny_tokenizer
+from hetrl.trainer.config import RunConfig, load_config, parse_overrides
 
 ARITH = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=["+", "-"], allow_negation=False,
              allow_parentheses=False)
@@ -13,7 +13,8 @@ def test_unknown_key_lists_valid_keys(tmp_path):
     path.write_text("steps: 3\nlearning_rate: 0.1\n")
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['learning_rate'\].*valid keys: model, dtype"):
         load_config(str(path))
-    with pytest.raises(ValueError, match=r"the command line: unknown config key\(s\) \['stpes'\] \(did you mean 'steps'\?\)"):
+    with pytest.raises(ValueError,
+                       match=r"the command line: unknown config key\(s\) \['stpes'\] \(did you mean 'steps'\?\)"):
         load_config(None, ["stpes=3"])
 
 
@@ -26,14 +27,16 @@ def test_overrides_parse_numbers_and_nested_task_options():
 
 def test_algorithm_presets_fill_unset_knobs():
     grpo, dapo = RunConfig(algorithm="grpo"), RunConfig(algorithm="dapo")
-    assert (grpo.clip_high, grpo.kl_coef, grpo.loss_agg, grpo.dynamic_sampling) == (0.2, 0.001, "seq-mean-token-mean", False)
+    assert (grpo.clip_high, grpo.kl_coef, grpo.loss_agg, grpo.dynamic_sampling) == \
+        (0.2, 0.001, "seq-mean-token-mean", False)
     assert (dapo.clip_high, dapo.kl_coef, dapo.loss_agg, dapo.dynamic_sampling, dapo.overlong_filter) == \
         (0.28, 0.0, "token-mean", True, True)
     assert RunConfig(algorithm="grpo", kl_coef=0.0).kl_coef == 0.0
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(algorithm="reinforce"), r"algorithm must be one of grpo, dapo, ppo, gspo, dr_grpo, rloo, reinforce_pp, cispo, got 'reinforce'"),
+    (dict(algorithm="reinforce"),
+     r"algorithm must be one of grpo, dapo, ppo, gspo, dr_grpo, rloo, reinforce_pp, cispo, got 'reinforce'"),
     (dict(data="x.jsonl"), "reward 'verifier' is a reasoning-gym task's own check"),
     (dict(reward="exactmatch"), "reward 'exactmatch' is not a built-in"),
     (dict(reward=("verifier", "format"), reward_weights=(1.0,)), "reward_weights has 1 weights for 2 rewards"),
@@ -135,7 +138,8 @@ def test_config_models_are_the_real_architectures_with_random_weights(tmp_path):
 
     tok = tiny_tokenizer()
     with torch.device("meta"):
-        counts = {n: sum(p.numel() for p in config_model(n, tok).parameters()) for n in ("smollm2-135m", "qwen2.5-0.5b")}
+        counts = {n: sum(p.numel() for p in config_model(n, tok).parameters())
+                  for n in ("smollm2-135m", "qwen2.5-0.5b")}
         qwen = config_model("qwen2.5-0.5b", tok)
     assert counts == {"smollm2-135m": 134_515_008, "qwen2.5-0.5b": 494_032_768}
     assert type(qwen).__name__ == "Qwen2ForCausalLM" and qwen.config.eos_token_id == tok.eos_token_id

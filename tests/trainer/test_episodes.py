@@ -291,7 +291,7 @@ def test_a_prompt_that_opens_the_call_is_continued_and_its_call_parsed():
     """response_prefix / a last assistant message (TRL's continue_final_message): the prompt ends inside the
     assistant turn, after "<tool_call>"; the model's first turn writes the rest of the call, and the call is parsed
     with the opening the prompt gave it, run, and answered."""
-    from hetrl.data.sources import shaped_prompt, prompt_ids
+    from hetrl.data.sources import prompt_ids, shaped_prompt
 
     model, tok = load_model("tiny", dtype=torch.float64, seed=2)
     _use_float64_norms(model)

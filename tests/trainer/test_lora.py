@@ -14,8 +14,8 @@ from hetrl.cli import main
 from hetrl.dualkv import pack_groups, shared_prompt_logprobs
 from hetrl.models import load_model
 from hetrl.trainer import build
-from hetrl.trainer.engine import LocalEngine
 from hetrl.trainer.config import load_config
+from hetrl.trainer.engine import LocalEngine
 from hetrl.trainer.precision import decide
 
 TINY = str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml")

@@ -76,7 +76,8 @@ def test_a_jsonl_chat_dataset_with_a_trl_reward_that_receives_each_rows_columns(
 
 
 def test_a_verl_parquet_with_compute_score_receiving_ground_truth_from_reward_model(tmp_path):
-    rows = [{"prompt": r["prompt"], "data_source": "toy", "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+    rows = [{"prompt": r["prompt"], "data_source": "toy",
+             "reward_model": {"style": "rule", "ground_truth": r["answer"]},
              "extra_info": {"index": i}} for i, r in enumerate(_chat_rows())]
     data = tmp_path / "train.parquet"
     datasets.Dataset.from_list(rows).to_parquet(str(data))

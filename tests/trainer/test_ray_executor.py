@@ -22,25 +22,36 @@ from hetrl.algo import token_weights  # noqa: E402
 from hetrl.models import load_model  # noqa: E402
 from hetrl.planner import load_cluster, plan_from_dict  # noqa: E402
 from hetrl.planner.spec import TokenLengths  # noqa: E402
-from hetrl.trainer.run import train  # noqa: E402
+from hetrl.schema import InputError  # noqa: E402
 from hetrl.trainer import build  # noqa: E402
 from hetrl.trainer.build import Policy  # noqa: E402
-from hetrl.schema import InputError  # noqa: E402
 from hetrl.trainer.config import load_config  # noqa: E402
-from hetrl.trainer.placement import (actor_threads, model_spec_from_hf, node_resources, replicas,  # noqa: E402
-                                     run_workload)
 from hetrl.trainer.metrics import TIMING_KEYS  # noqa: E402
+from hetrl.trainer.placement import actor_threads, model_spec_from_hf, node_resources, replicas, run_workload  # noqa: E402
 from hetrl.trainer.precision import decide  # noqa: E402
-from hetrl.trainer.ray_executor import (CriticActor, CriticGroup, LearnerActor, LearnerFailed,  # noqa: E402
-                                        LearnerGroup, RayEngine, RolloutActor, RolloutPool, assign_groups,
-                                        load_numpy_weights, state_to_numpy, weights_to_numpy)
+from hetrl.trainer.ray_executor import (  # noqa: E402
+    CriticActor,
+    CriticGroup,
+    LearnerActor,
+    LearnerFailed,
+    LearnerGroup,
+    RayEngine,
+    RolloutActor,
+    RolloutPool,
+    assign_groups,
+    load_numpy_weights,
+    state_to_numpy,
+    weights_to_numpy,
+)
+from hetrl.trainer.run import train  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = str(ROOT / "examples" / "runs" / "tiny.yaml")
 CLUSTER = str(ROOT / "examples" / "clusters" / "cpu-2x2.yaml")
 # Generation on node-a (2 replicas), the learners (2-way data parallel) and the reference on node-b.
 PLAN = {"groups": [
-    {"tasks": ["actor_gen"], "gpus": ["node-a:0", "node-a:1"], "parallelism": {"actor_gen": {"tp": 1, "pp": 1, "dp": 2}}},
+    {"tasks": ["actor_gen"], "gpus": ["node-a:0", "node-a:1"],
+     "parallelism": {"actor_gen": {"tp": 1, "pp": 1, "dp": 2}}},
     {"tasks": ["actor_infer", "ref_infer", "actor_train"], "gpus": ["node-b:0", "node-b:1"],
      "parallelism": {"actor_infer": {"tp": 1, "pp": 1, "dp": 2}, "ref_infer": {"tp": 2, "pp": 1, "dp": 1},
                      "actor_train": {"tp": 1, "pp": 1, "dp": 2}}}]}

@@ -108,7 +108,8 @@ def test_sampled_tokens_are_drawn_from_the_full_forward_logits(monkeypatch, shar
     n, new = 3, 10
     worker.eos = _frequent_token(worker, PROMPTS, n, new, seed=5, temperature=0.8)
     recorders = []
-    monkeypatch.setattr(rollout, "warpers", lambda t, p: recorders.append(_Recorder(warpers(t, p))) or recorders[-1])
+    monkeypatch.setattr(rollout, "warpers",
+                        lambda t, p, k=0: recorders.append(_Recorder(warpers(t, p, k))) or recorders[-1])
     torch.manual_seed(5)
     groups = worker.generate(PROMPTS, n, new, temperature=0.8)
     (rec,) = recorders

@@ -46,7 +46,6 @@ def test_auto_takes_vllm_only_on_cuda_where_it_is_installed(monkeypatch):
 
 @pytest.mark.parametrize("overrides, says", [
     ([f"tools={ROOT / 'examples' / 'tools' / 'calculator.py'}:multiply"], "tools or an environment"),
-    (["lora_rank=4"], "lora_rank"),
 ])
 def test_what_vllm_does_not_run_yet_is_refused_in_one_line(overrides, says):
     cfg = load_config(TINY, ["rollout_engine=vllm", *overrides])
@@ -155,3 +154,20 @@ def test_a_plan_with_actor_gen_tp_above_1_is_refused_on_cpus():
     with pytest.raises(ValueError, match="actor_gen tp 2"):
         check_vllm_tp(reps, ray_has_gpus=False)
     check_vllm_tp(reps, ray_has_gpus=True)
+
+
+def test_top_k_1_samples_the_greedy_tokens():
+    """top_k (a run-wide knob): with k = 1 only the most likely token can be drawn, so sampling is greedy decoding."""
+    from hetrl.models import tiny_model, tiny_tokenizer
+    from hetrl.trainer.rollout import RolloutWorker
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer, seed=2).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "hello there", "9-4 is")]
+    greedy = [g[0].tokens for g in RolloutWorker(model, tokenizer).generate(prompts, 1, 8, greedy=True)]
+    torch.manual_seed(0)
+    sampled = RolloutWorker(model, tokenizer, top_k=1).generate(prompts, 3, 8, temperature=1.3)
+    assert all(s.tokens == want for g, want in zip(sampled, greedy) for s in g)
+    assert load_config(TINY, ["top_k=5"]).top_k == 5
+    with pytest.raises(ValueError, match="top_k"):
+        load_config(TINY, ["top_k=-1"])

@@ -253,3 +253,30 @@ def test_old_logprobs_from_the_rollout_give_the_recomputed_run(tmp_path, monkeyp
         assert torch.allclose(wa[k], wb[k], rtol=0, atol=1e-9), k
     assert main(["train", "--config", TINY, "old_logprobs=rollout", "executor=ray",
                  "emulate_cluster=examples/clusters/cpu-2x2.yaml", f"out_dir={tmp_path / 'x'}"]) == 2
+
+
+def test_the_kl_in_the_reward_costs_one_old_log_prob_pass():
+    """use_kl_in_reward with recomputed old log-probs: one no-grad pass over every group gives both the KL's
+    behaviour log-probs and the later mini-batches' old log-probs (it was two: the later groups, then all)."""
+    from hetrl.data import Example
+    from hetrl.trainer.config import load_config
+    from hetrl.trainer.loop import Rollout, update_policy
+    from hetrl.trainer.rollout import Sample
+
+    model, groups, _, _ = _fp64_batch([(20, [5, 9]), (7, [12, 3]), (9, [4, 6])])
+    asked = []
+
+    class Counting(Learner):
+        def logprobs(self, gs):
+            asked.append([len(rs) for _, rs in gs])
+            return super().logprobs(gs)
+
+    class Reference:
+        def logprobs(self, gs):
+            return torch.zeros(sum(len(r) for _, rs in gs for r in rs), dtype=torch.float64)
+
+    kept = [Rollout(Example({"prompt": "p"}, p), [Sample(r, "", False) for r in rs], [1.0, 0.0]) for p, rs in groups]
+    cfg = load_config(TINY, ["mini_batches=2", "use_kl_in_reward=true", "kl_coef=0.01"])
+    learner = Counting(copy.deepcopy(model), torch.optim.AdamW(model.parameters(), lr=0.0), impl="reference")
+    row = update_policy(cfg, learner, kept, Reference(), kl_ctrl=loop.KLController(0.01, "fixed", 0.1, 10000))
+    assert asked == [[2, 2, 2]] and "reward_kl_penalty" in row

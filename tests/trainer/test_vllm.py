@@ -2,7 +2,8 @@
 samples' vLLM log-probs equal the trainer's DualKV log-probs of the same tokens at the same temperature (fp32), greedy
 decoding equals hetrl's own, a weight sync makes vLLM sample from the new weights, and `hetrl train
 rollout_engine=vllm` trains with the mismatch measured and corrected. One engine for the module (start-up is
-20-130 s on 2 cores); the end-to-end run starts its own."""
+20-130 s on 2 cores), used by the tests that come first: closing another engine in the same process tears down
+vLLM's process-wide parallel state, so the tests that start and close their own come last."""
 
 from __future__ import annotations
 
@@ -86,15 +87,36 @@ def test_greedy_decoding_equals_hetrls_own(engine):
     assert got == want
 
 
-def test_after_a_weight_sync_vllm_samples_from_the_new_weights(engine):
+def test_vllm_top_k_1_samples_the_greedy_tokens(engine):
+    model, tokenizer, worker = engine
+    prompts = _prompts(tokenizer)
+    greedy = [g[0].tokens for g in worker.generate(prompts, 1, 8, greedy=True)]
+    worker.top_k = 1
+    try:
+        sampled = worker.generate(prompts, 3, 8, temperature=1.3)
+    finally:
+        worker.top_k = 0
+    assert all(s.tokens == want for g, want in zip(sampled, greedy) for s in g)
+
+
+def test_after_a_weight_sync_vllm_samples_from_the_new_weights(engine, monkeypatch):
+    """In buckets far smaller than a layer (many reload_weights calls): a bucket never splits a layer, which vLLM
+    would load half (a layer's q_proj in one call and v_proj in the next came out NaN)."""
+    from hetrl.trainer import vllm_engine
+
     model, tokenizer, worker = engine
     prompts = _prompts(tokenizer)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    monkeypatch.setattr(vllm_engine, "SYNC_BUCKET_BYTES", 20_000)
+    monkeypatch.setattr(worker.llm, "collective_rpc", lambda fn, args: calls.append(args) or
+                        type(worker.llm).collective_rpc(worker.llm, fn, args=args))
     try:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         sync = worker.load_weights(model.state_dict())
+        assert len(calls) >= 4          # embeddings, layer 0, layer 1, the final norm and head
         assert sync["weight_sync_bytes"] == sum(v.numel() * v.element_size() for v in model.state_dict().values())
         torch.manual_seed(1)
         groups = worker.generate(prompts, 2, 8, temperature=1.0, logprobs=True)
@@ -145,4 +167,32 @@ def test_train_with_vllm_in_ray_rollout_actors(tmp_path):
         assert r["mismatch/abs_diff_max"] < 1e-3 and "rollout_corr/rollout_is_mean" in r and r["loss"] == r["loss"]
     placed = json.loads((out / "placement.json").read_text())["actors"]
     assert any(a["role"] == "rollout" for a in placed)
+
+
+def test_a_lora_policy_syncs_its_merged_weights(tmp_path):
+    """LoRA: vLLM gets W + the adapter's delta (Policy.merged_weights), at start-up and at every sync; its log-probs
+    then equal the peft model's (adapter on), and the trained base weights are left bit-identical."""
+    from hetrl.trainer import build
+    from hetrl.trainer.config import load_config
+
+    cfg = load_config(TINY, ["lora_rank=4", f"out_dir={tmp_path}", "precision=fp32"])
+    tokenizer = tiny_tokenizer()
+    policy = build.policy(cfg, tiny_model(tokenizer, seed=4))
+    base = {k: v.clone() for k, v in policy.module.state_dict().items() if ".lora_" not in k}
+    worker = build.vllm_worker(cfg, policy, tokenizer, FP32)
+    try:
+        with torch.no_grad():
+            for name, p in policy.module.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)      # a trained adapter (peft starts B at 0: no delta to see)
+        worker.load_weights(policy.merged_weights())
+        prompts = _prompts(tokenizer)
+        torch.manual_seed(2)
+        groups = worker.generate(prompts, 2, 8, temperature=1.0, logprobs=True)
+        want = _trainer_logprobs(policy.module.eval(), prompts, groups, 1.0)
+        worst = max((s.logprobs - w).abs().max().item() for s, w in zip([s for g in groups for s in g], want))
+        assert worst < 1e-4, worst
+        assert all(torch.equal(v, base[k]) for k, v in policy.module.state_dict().items() if k in base)
+    finally:
+        worker.close()
 

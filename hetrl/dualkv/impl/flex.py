@@ -22,7 +22,6 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..packing import TreeBatch
 
-
 BLOCK = 128                         # flex's default tile (create_block_mask's BLOCK_SIZE)
 _CHUNK_PAIRS = 1 << 26              # (query, key) pairs evaluated at once while classifying tiles
 
@@ -62,9 +61,10 @@ def block_mask_from_visibility(visible_until: torch.Tensor) -> BlockMask:
     Classified tile by tile in row chunks of bounded memory.
 
     `create_block_mask` evaluates the mask over all T x T pairs at once, which at long prompts costs more memory
-    than the attention it serves (measured: benchmarks/README.md, "Numbers behind constants in the code"). Here each chunk of query rows is compared against every key in booleans only,
-    reduced to its tiles (empty, partial or full, as create_block_mask classifies them), and the tiles are
-    handed to the public `BlockMask.from_kv_blocks`. The mask is the same; tests compare both on CPU."""
+    than the attention it serves (measured: benchmarks/README.md, "Numbers behind constants in the code"). Here
+    each chunk of query rows is compared against every key in booleans only, reduced to its tiles (empty, partial
+    or full, as create_block_mask classifies them), and the tiles are handed to the public
+    `BlockMask.from_kv_blocks`. The mask is the same; tests compare both on CPU."""
     n, device = visible_until.numel(), visible_until.device
     blocks = -(-n // BLOCK)
     padded = blocks * BLOCK

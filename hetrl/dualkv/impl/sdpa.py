@@ -198,11 +198,11 @@ class _TreeAttention(torch.autograd.Function):
         out = torch.zeros(q.shape[0], q.shape[1], n_q, q.shape[3], dtype=work, device=q.device)
         lse = torch.full(out.shape[:3], float("-inf"), dtype=work, device=q.device)
         for q0, q1, k0, k1, causal in blocks:
-            o, l = _flash_fwd(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, scale=scale)
+            o, block_lse = _flash_fwd(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, scale=scale)
             r0, r1 = q0 - root, q1 - root
-            new = torch.logaddexp(lse[:, :, r0:r1], l)
+            new = torch.logaddexp(lse[:, :, r0:r1], block_lse)
             acc = out[:, :, r0:r1]
-            acc.mul_((lse[:, :, r0:r1] - new).exp_()[..., None]).add_(o * (l - new).exp()[..., None])
+            acc.mul_((lse[:, :, r0:r1] - new).exp_()[..., None]).add_(o * (block_lse - new).exp()[..., None])
             lse[:, :, r0:r1] = new
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
