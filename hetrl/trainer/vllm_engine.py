@@ -6,8 +6,8 @@ What is written here is glue no library has for hetrl's contract, as TRL's `vllm
 workers each write their own: the policy saved once to a directory vLLM loads; prompts in as token ids (vLLM's
 tokenizer is off: hetrl's tokenizer decodes); weight sync through `collective_rpc` into each worker's
 `reload_weights`, in buckets of about `SYNC_BUCKET_BYTES` that never split a layer (`_layer_of`), so no second
-full copy of the weights is held;
-the prefix cache reset after a sync (its entries were computed by the old weights). Log-probs are vLLM's
+full copy of the weights is held; the prefix cache reset after a sync (its entries were computed by the old
+weights). Log-probs are vLLM's
 "processed" ones: after temperature (and top-p / top-k where set), the distribution the token was drawn from,
 which is what the trainer's log-probs at the same temperature are of when top_p = 1 (docs/vllm.md).
 """
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 SYNC_BUCKET_BYTES = 256 << 20    # one collective_rpc call's share of a weight sync
 INSTALL = "bash scripts/install.sh --vllm"
-ENGINES = ("auto", "hf", "vllm")
 
 
 def installed() -> bool:
