@@ -143,19 +143,35 @@ class Float64RMSNorm(torch.nn.Module):
 
 
 def float64_norms(model):
-    """Every RMSNorm of `model` replaced (in place) by Float64RMSNorm over the same weight: the fp64 oracles'
-    model (tests; `hetrl diagnose mismatch`'s exact forward). -> model."""
+    """Every RMSNorm of `model` replaced (in place) by Float64RMSNorm over the same weight, so that an fp64 model is
+    fp64 throughout: what load_model does for dtype=float64 (an exact run, the fp64 oracles of the tests,
+    `hetrl diagnose mismatch`'s reference). A norm of another form (Gemma's 1 + weight) is left as it is: each
+    replacement is checked against the norm it replaces on one input first. -> model."""
     for _, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
+            if isinstance(child, Float64RMSNorm) or getattr(child, "weight", None) is None:
+                continue
             if type(child).__name__.endswith("RMSNorm"):
-                setattr(module, child_name, Float64RMSNorm(child))
+                exact = Float64RMSNorm(child)
+                probe = torch.randn(2, child.weight.shape[-1], dtype=torch.float64, device=child.weight.device)
+                with torch.no_grad():
+                    same = torch.allclose(exact(probe), child(probe).to(torch.float64), rtol=1e-5, atol=1e-6)
+                if same:
+                    setattr(module, child_name, exact)
     return model
 
 
 def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32, seed: int = 0):
     """-> (model, tokenizer). `name`: "smollm2-135m" (embedded, offline), "tiny" (config-built), "config:NAME" (a real
-    architecture of SHAPES with random weights), or a local HF dir."""
+    architecture of SHAPES with random weights), or a local HF dir. dtype=float64: fp64 throughout, norms included."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model, tokenizer = _load(name, dtype, seed)
+    if dtype == torch.float64:   # transformers' RMSNorms compute in fp32 even on fp64 (Float64RMSNorm)
+        float64_norms(model)
+    return model, tokenizer
+
+
+def _load(name: str, dtype: torch.dtype, seed: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == TINY:
