@@ -270,12 +270,13 @@ class RunConfig:
         from hetrl.algo import rollout_correction
 
         one = torch.zeros(1, 1, dtype=torch.float64)   # the function's own checks, on one token
-        rollout_correction(one, one, torch.ones(1, 1), **self.rollout_correction_options(
-            "token" if self.rollout_is == "auto" else self.rollout_is))
+        rollout_correction(one, one, torch.ones(1, 1), **self.rollout_correction_options())
 
-    def rollout_correction_options(self, rollout_is: str | None) -> dict:
-        """hetrl.algo.rollout_correction's keyword arguments, with `rollout_is` resolved (auto: the engine's)."""
-        return dict(rollout_is=rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+    def rollout_correction_options(self) -> dict:
+        """hetrl.algo.rollout_correction's keyword arguments for a rollout by another engine (vLLM), with
+        rollout_is=auto resolved to its default there, token-level."""
+        return dict(rollout_is="token" if self.rollout_is == "auto" else self.rollout_is,
+                    rollout_is_threshold=self.rollout_is_threshold,
                     rollout_is_batch_normalize=self.rollout_is_batch_normalize, rollout_rs=self.rollout_rs,
                     rollout_rs_threshold=self.rollout_rs_threshold)
 

@@ -161,8 +161,7 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None)
 def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, kl: tuple | None):
     """Padded [M, T] token rewards (each response's reward on its last token, less the KL penalty per token with
     `kl`) and the mask of the model's tokens [M, T] (tool tokens 0). -> (rewards, mask, metrics)."""
-    flat = episodes.loss_mask([s for r in rollouts for s in r.samples])   # tool tokens: context, not the model's
-    mask = to_padded((torch.ones(int(lens.sum()), dtype=torch.bool) if flat is None else flat).double(), lens)
+    mask = _model_tokens(rollouts, lens)
     scores = torch.tensor([x for r in rollouts for x in r.rewards], dtype=torch.float64)
     rewards = torch.zeros(mask.shape, dtype=torch.float64)
     ends = lens > 0
@@ -174,6 +173,12 @@ def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, 
     rewards, current = kl_in_reward(rewards, to_padded(behaviour.double(), lens), to_padded(ref.double(), lens), mask,
                                     ctrl, cfg.kl_loss_type)
     return rewards, mask, {"reward_kl_penalty": current, "reward_kl_penalty_coeff": coef}
+
+
+def _model_tokens(rollouts: list[Rollout], lens: torch.Tensor) -> torch.Tensor:
+    """Padded [M, T] float64 mask of the model's own tokens (tool tokens are context: 0)."""
+    flat = episodes.loss_mask([s for r in rollouts for s in r.samples])
+    return to_padded((torch.ones(int(lens.sum()), dtype=torch.bool) if flat is None else flat).double(), lens)
 
 
 def _weights(rollouts: list[Rollout], cfg: RunConfig, kept_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,13 +300,13 @@ def _old_logprobs(cfg: RunConfig, learner, groups, parts, rollout_logp: torch.Te
     if cfg.mode == "async":
         assert rollout_logp is not None, "async samples carry their behaviour policy's log-probs"
         return rollout_logp, None
-    first = _token_slice(groups, parts[0])
     if correction is not None:
         assert rollout_logp is not None, "the loop asks another engine's samples for their log-probs"
     own = rollout_logp if correction is None else None   # another engine's are never taken as old log-probs
     if correction is not None or (kl_ctrl is not None and own is None):
         trainer_logp = learner.logprobs(groups)
         return trainer_logp, trainer_logp
+    first = _token_slice(groups, parts[0])
     old_logp = torch.zeros(len(first))
     if len(parts) > 1 and own is not None:
         old_logp = own
@@ -317,8 +322,7 @@ def _rollout_correction(kept: list[Rollout], cfg: RunConfig, trainer_logp: torch
     """The rollout engine's log-probs [K] against the trainer's [K] on the model's tokens: mismatch metrics, and
     the correction (importance weights [K] or None, the tokens rejection keeps [K] bool, its metrics)."""
     lens, _ = _responses(kept, cfg)
-    flat = episodes.loss_mask([s for r in kept for s in r.samples])
-    mask = to_padded((torch.ones(int(lens.sum()), dtype=torch.bool) if flat is None else flat).double(), lens)
+    mask = _model_tokens(kept, lens)
     old, rollout = to_padded(trainer_logp.double(), lens), to_padded(engine_logp.double(), lens)
     metrics = mismatch_metrics(old, rollout, mask)
     weights, kept_mask, corr_metrics = rollout_correction(old, rollout, mask, **options)

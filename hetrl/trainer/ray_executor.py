@@ -173,6 +173,11 @@ class RolloutActor:
         self.version = version
         return time.perf_counter() - t0
 
+    def close(self) -> None:
+        """Frees a vLLM engine and removes the weights it loaded from (nothing to do for hf)."""
+        if self.vllm:
+            self.worker.close()
+
     def generate(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seed):
         torch.manual_seed(seed)
         given = self.logits_logprobs and not greedy   # each sample's log-probs from the logits it was drawn from
@@ -730,13 +735,12 @@ class RayEngine:
         tp, and the loop corrects the mismatch (`correction`)."""
         self.cfg, self.tokenizer, self.precision, self.agent = cfg, tokenizer, precision, agent
         self.rollout_engine = rollout_engine
-        if rollout_engine == "vllm":
-            self.correction = vllm_engine.correction(cfg)
         emulated = cfg.emulate_cluster is not None
         self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len, precision.planner)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
         if rollout_engine == "vllm":
             check_vllm_tp(self.replicas, ray_has_gpus=not emulated)
+            self.correction = vllm_engine.correction(cfg)
         if cfg.lora_rank and any(r.role == "learner" and r.zero == 3 for r in self.replicas):
             raise InputError("the plan gives actor_train zero: 3 (FSDP2 learners), which hetrl does not run with LoRA "
                              "yet: the adapter's states are small; use zero: 1 in the plan, or full fine-tuning")
@@ -912,6 +916,8 @@ class RayEngine:
     def close(self) -> None:
         if not ray.is_initialized():
             return
+        if self.rollout_engine == "vllm":   # each actor's exported weights (about a model's fp32 size each)
+            ray.wait([a.close.remote() for a in self.actors.get("rollout", [])], timeout=60)
         if self._started:
             ray.shutdown()
         else:  # a Ray session the caller owns: leave it, free the names

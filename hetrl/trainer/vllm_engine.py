@@ -96,7 +96,6 @@ class VllmWorker:
         self.model_dir = pathlib.Path(model_dir)
         self.phase_seconds = {"generate_s": 0.0}
         self.start_s = 0.0
-        self._queued = None
         t0 = time.perf_counter()
         self.model_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(self.model_dir, safe_serialization=True, state_dict=weights)
@@ -130,7 +129,6 @@ class VllmWorker:
             raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
         if not greedy and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling (got {temperature}); use greedy decoding instead")
-        self.apply_queued()
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         params = [SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                  top_k=0 if greedy else self.top_k,
@@ -176,15 +174,6 @@ class VllmWorker:
         self.llm.reset_prefix_cache()
         return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": sent}
 
-    def queue_weights(self, state_dict: dict) -> None:
-        """Weights applied at the start of the next generate call (RolloutWorker's contract)."""
-        self._queued = state_dict
-
-    def apply_queued(self) -> None:
-        state, self._queued = self._queued, None
-        if state is not None:
-            self.load_weights(state)
-
     def close(self) -> None:
         """Frees the engine and removes the exported weights."""
         llm, self.llm = getattr(self, "llm", None), None
@@ -216,7 +205,7 @@ def correction(cfg) -> dict | None:
     options (rollout_is auto: token-level), or None under bypass_mode (vLLM's log-probs are the old ones)."""
     if cfg.old_logprobs == "rollout":
         return None
-    return cfg.rollout_correction_options("token" if cfg.rollout_is == "auto" else cfg.rollout_is)
+    return cfg.rollout_correction_options()
 
 
 def describe(cfg, engine: str) -> str:
@@ -225,7 +214,7 @@ def describe(cfg, engine: str) -> str:
         return "hf (hetrl's decoding loop)"
     if cfg.old_logprobs == "rollout":
         return "vllm; old log-probs: vLLM's own (bypass_mode: no recompute, no correction)"
-    rollout_is = "token" if cfg.rollout_is == "auto" else cfg.rollout_is
+    rollout_is = cfg.rollout_correction_options()["rollout_is"]
     parts = []
     if rollout_is is not None:
         threshold = cfg.rollout_is_threshold

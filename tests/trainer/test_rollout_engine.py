@@ -109,7 +109,7 @@ def test_another_engines_logprobs_are_measured_and_corrected_never_taken_as_old(
             for p, rs in groups]
     cfg = load_config(TINY, ["mini_batches=2", "kl_coef=0", "rollout_is=token", "rollout_is_threshold=1.05",
                              "rollout_rs=token_k1", "rollout_rs_threshold=1.3"])
-    options = cfg.rollout_correction_options("token")
+    options = cfg.rollout_correction_options()
     asked = []
     learner, seen = _counting_learner(copy.deepcopy(model), asked)
     row = update_policy(cfg, learner, kept, None, correction=options)

@@ -167,6 +167,7 @@ def test_train_with_vllm_in_ray_rollout_actors(tmp_path):
         assert r["mismatch/abs_diff_max"] < 1e-3 and "rollout_corr/rollout_is_mean" in r and r["loss"] == r["loss"]
     placed = json.loads((out / "placement.json").read_text())["actors"]
     assert any(a["role"] == "rollout" for a in placed)
+    assert not list((out / ".vllm_model").glob("*/*.safetensors"))    # each actor removed its exported weights
 
 
 def test_a_lora_policy_syncs_its_merged_weights(tmp_path):
