@@ -454,6 +454,25 @@ class ShardedScorer:
             if self.on_failure is None:
                 raise
             raise self.on_failure(e) from e
+        except ray.exceptions.RayTaskError:
+            # a rank whose collective peer died fails with gloo's "Connection closed by peer" before (or without)
+            # Ray reporting the dead peer: the dead actor is the failure to report, so the actors are asked
+            dead = None if self.on_failure is None else self._dead_actor()
+            if dead is None:
+                raise
+            raise self.on_failure(dead) from dead
+
+    def _dead_actor(self) -> Exception | None:
+        """The error of the first actor that does not answer (dead, or silent for ALIVE_PROBE_S), else None."""
+        for a in self.actors:
+            try:
+                ray.get(a.__ray_ready__.remote(), timeout=ALIVE_PROBE_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                return e
+        return None
+
+
+ALIVE_PROBE_S = 60.0   # Ray marks a lost node's actors dead within its health checks (about 30 s by default)
 
 
 RAY_SOCKET_SUFFIX_CHARS = 62   # session_<date>_<time>_<us>_<pid>/sockets/plasma_store under Ray's temp dir
