@@ -74,6 +74,7 @@ class Estimate:
     task_times_s: dict[str, float] = field(default_factory=dict)
     memory_bytes: dict[int, float] = field(default_factory=dict)   # GPU id -> peak bytes
     task_terms: dict[str, dict[str, float]] = field(default_factory=dict)   # task -> its named terms
+    timeline: list[dict] = field(default_factory=list)   # one iteration's bars (cost.timeline)
 
     def throughput(self, workload: WorkloadSpec) -> tuple[float, float]:
         """(samples/s, tokens/s); tokens are prompt + response of every sample."""
@@ -983,6 +984,38 @@ def aggregate(mode: str, groups: list[dict[str, float]], transfer: float, sync: 
     return max(sum(busiest.values()), transfer, sync), list(busiest)
 
 
+def timeline(mode: str, groups: list[dict[str, float]], transfer: float, sync: float) -> list[dict]:
+    """One iteration as bars, by the rule `aggregate` prices it: {"group" (index; None for the links), "task",
+    "start_s", "end_s", "kind" (compute | communication)}. sync: generation on its group, the samples' transfer,
+    then each group's inference tasks one after another from the phase's start (groups side by side), the same
+    for training, then the weight sync; the last bar ends at `aggregate`'s total. async: each group runs its tasks
+    back to back from 0 (generation overlapping the rest); the transfer and weight sync run beside them."""
+    bars = []
+
+    def lay(start: float, kind) -> float:
+        end = start
+        for k, g in enumerate(groups):
+            t0 = start
+            for task in [t for t in g if t in kind]:
+                bars.append({"group": k, "task": task, "start_s": t0, "end_s": t0 + g[task], "kind": "compute"})
+                t0 += g[task]
+            end = max(end, t0)
+        return end
+
+    if mode == "sync":
+        gen = lay(0.0, ("actor_gen",))
+        bars.append({"group": None, "task": "transfer", "start_s": gen, "end_s": gen + transfer,
+                     "kind": "communication"})
+        train = lay(lay(gen + transfer, INFER_TASKS), TRAIN_TASKS)
+        bars.append({"group": None, "task": "weight_sync", "start_s": train, "end_s": train + sync,
+                     "kind": "communication"})
+        return bars
+    lay(0.0, tuple(t for g in groups for t in g))
+    bars += [{"group": None, "task": name, "start_s": 0.0, "end_s": s, "kind": "communication"}
+             for name, s in (("transfer", transfer), ("weight_sync", sync))]
+    return bars
+
+
 def _swap_task(group: Group) -> str:
     """The task whose phase change pays the group's swap: training if the group trains, else inference."""
     for phase in reversed(PHASES):
@@ -1048,7 +1081,9 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     transfer = max([group_transfer_s(cluster, gen_group, g, sample_bytes(w))
                     for g in plan.groups if g is not gen_group], default=0.0)
     sync = weight_sync_s(cluster, w, train_group, gen_group, gen_group is train_group)
-    total, critical = aggregate(w.mode, [{t: costs[t].seconds for t in g.tasks} for g in plan.groups], transfer, sync)
+    seconds = [{t: costs[t].seconds for t in g.tasks} for g in plan.groups]
+    total, critical = aggregate(w.mode, seconds, transfer, sync)
+    bars = timeline(w.mode, seconds, transfer, sync)
     breakdown: dict[str, float] = {}
     for t in critical:
         for k, v in costs[t].terms.items():
@@ -1059,9 +1094,9 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
     breakdown["transfer"] = transfer
     breakdown["weight_sync"] = sync
     return Estimate(True, "", total, breakdown, {t: c.seconds for t, c in costs.items()}, peak,
-                    {t: dict(c.terms) for t, c in costs.items()})
+                    {t: dict(c.terms) for t, c in costs.items()}, bars)
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
            "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link",
-           "task_costs", "task_memory", "timeshare_efficiency", "weight_sync_s"]
+           "task_costs", "task_memory", "timeline", "timeshare_efficiency", "weight_sync_s"]

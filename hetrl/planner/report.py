@@ -24,7 +24,18 @@ def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: floa
     samples_s, tokens_s = e.throughput(w)
     return {"method": method, "iteration_time_s": e.iteration_time_s, "samples_per_s": samples_s,
             "tokens_per_s": tokens_s, "search_time_s": search_s, "optimality_gap": gap, "stopped": stopped,
-            "breakdown": e.breakdown, "task_times_s": e.task_times_s, "plan": p.to_dict(cluster)}
+            "breakdown": e.breakdown, "task_times_s": e.task_times_s, "timeline": e.timeline,
+            "hardware": [_hardware(cluster, g) for g in p.groups], "mode": w.mode, "plan": p.to_dict(cluster)}
+
+
+def _hardware(cluster: ClusterSpec, group) -> list[dict]:
+    """A group's GPUs by (type, region): [{"gpu", "region", "count"}], in the order first met."""
+    out: dict[tuple[str, str], int] = {}
+    for i in group.gpus:
+        g = cluster.gpus[i]
+        key = (g.type.name, g.region)
+        out[key] = out.get(key, 0) + 1
+    return [{"gpu": gpu, "region": region, "count": n} for (gpu, region), n in out.items()]
 
 
 def _methods_for(cluster, w, method: str) -> list[str]:
