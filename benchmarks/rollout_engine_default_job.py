@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,13 +30,18 @@ VARIANTS = {   # name -> overrides
 }
 
 
+def out_dir(name: str, seed: int, runs: pathlib.Path) -> pathlib.Path:
+    return runs / f"{name.split()[0]}{'_nocorr' if 'no correction' in name else ''}_seed{seed}"
+
+
 def run(name: str, seed: int, runs: pathlib.Path) -> pathlib.Path:
-    out = runs / f"{name.split()[0]}{'_nocorr' if 'no correction' in name else ''}_seed{seed}"
+    out = out_dir(name, seed, runs)
     if not (out / "summary.json").exists():
         cmd = [sys.executable, "-m", "hetrl.cli", "train", "--config", "examples/runs/default.yaml",
                *VARIANTS[name], f"seed={seed}", f"out_dir={out}"]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)   # about 3 GB a run; the page needs none of it
     return out
 
 
@@ -80,17 +86,29 @@ def page(res: dict) -> str:
              "mean abs dlogp | max abs dlogp | KL k3 | ratio outside [0.5, 2] | IS weights truncated |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, runs in res["variants"].items():
-        for seed, r in zip(res["seeds"], runs):
+        for seed, r in zip(res["seeds_of"][name], runs):
             lines.append(f"| {name} | {seed} | {r['before']:.2f} | {r['after']:.2f} | {r['gained']} / {r['lost']} | "
                          f"{r['p']:.1e} | {f(r['step_s'], '.2f')} | {f(r['gen_s'], '.2f')} | "
                          f"{f(r['weight_sync_s'], '.3f')} | {f(r['mismatch_abs_mean'], '.2e')} | "
                          f"{f(r['mismatch_abs_max'], '.2e')} | {f(r['mismatch_kl_k3'], '.1e')} | "
                          f"{f(r['ratio_out_frac'], '.1e')} | {f(r['is_clipped_frac'], '.1e')} |")
-    lines += ["", "| variant | held-out after: mean (min-max) | step s (mean) |", "|---|---|---:|"]
+    lines += ["", "| variant | seeds | held-out after: mean (min-max) | gained: mean (min-max) | step s (mean) |",
+              "|---|---|---|---|---:|"]
     for name, runs in res["variants"].items():
         after = [r["after"] for r in runs]
-        lines.append(f"| {name} | {statistics.mean(after):.3f} ({min(after):.2f}-{max(after):.2f}) | "
-                     f"{statistics.mean(r['step_s'] for r in runs):.2f} |")
+        gain = [r["after"] - r["before"] for r in runs]
+        lines.append(f"| {name} | {', '.join(map(str, res['seeds_of'][name]))} | {statistics.mean(after):.3f} "
+                     f"({min(after):.2f}-{max(after):.2f}) | {statistics.mean(gain):+.3f} ({min(gain):+.2f}-"
+                     f"{max(gain):+.2f}) | {statistics.mean(r['step_s'] for r in runs):.2f} |")
+    base = dict(zip(res["seeds_of"].get("hf", []), res["variants"].get("hf", [])))
+    for name, runs in res["variants"].items():
+        pairs = [(r["after"] - r["before"]) - (base[seed]["after"] - base[seed]["before"])
+                 for seed, r in zip(res["seeds_of"][name], runs) if name != "hf" and seed in base]
+        if len(pairs) >= 2:
+            se = statistics.stdev(pairs) / len(pairs) ** 0.5
+            lines.append(f"\n{name} against hf, seed by seed: held-out gain {statistics.mean(pairs):+.3f} "
+                         f"(standard error {se:.3f}, {len(pairs)} seeds; per seed "
+                         f"{', '.join(f'{d:+.2f}' for d in pairs)}).")
     return "\n".join(lines) + "\n"
 
 
@@ -102,8 +120,16 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     runs = pathlib.Path(args.runs)
+    for name in args.variants:
+        for seed in args.seeds:
+            run(name, seed, runs)
+    # every variant's runs that exist for these seeds (a variant not asked for keeps the seeds it was run with)
+    done = {name: [seed for seed in args.seeds if (out_dir(name, seed, runs) / "summary.json").exists()]
+            for name in VARIANTS}
     res = {"machine": machine(), "revision": revision(), "when": utc_now(), "seeds": args.seeds,
-           "variants": {name: [summarize(run(name, seed, runs)) for seed in args.seeds] for name in args.variants}}
+           "seeds_of": {name: seeds for name, seeds in done.items() if seeds},
+           "variants": {name: [summarize(out_dir(name, seed, runs)) for seed in seeds]
+                        for name, seeds in done.items() if seeds}}
     path = write_results(args.out, "rollout_engine_default_job", res, page(res))
     print(open(path + ".md").read())
 

@@ -26,23 +26,7 @@ from hetrl.trainer.learner import Critic, Learner, Scorer
 from hetrl.trainer.precision import RunPrecision
 from hetrl.trainer.rollout import RolloutWorker
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 log = logging.getLogger(__name__)
-
-
-def device(name: str) -> torch.device:
-    """`auto`: CUDA when torch sees a GPU, else the CPU (logged); an explicit device that is not there is an error."""
-    if name == "auto":
-        chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        log.info("device=auto chose %s", chosen)
-        return chosen
-    if name.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(name.partition(":")[2] or 0)
-        if index >= count:
-            raise InputError(f"device={name}: torch {torch.__version__} sees {count} CUDA device(s) here"
-                             + ("" if count else " (a CPU-only build, or no GPU)") + "; use device=cpu or device=auto")
-    return torch.device(name)
 
 
 class Policy:
@@ -75,9 +59,13 @@ class Policy:
 
         return get_peft_model_state_dict(self.peft)
 
-    def load_sync_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_sync_state(self, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+        """Load what weight sync sent (each tensor copied into this policy's, in this policy's dtype); `partial`:
+        some of the tensors (a bucket), the others left as they are."""
         if self.peft is None:
-            self.module.load_state_dict(state)
+            result = self.module.load_state_dict(state, strict=not partial)
+            if result.unexpected_keys:
+                raise ValueError(f"weight sync: tensors this model does not have: {result.unexpected_keys[:4]}")
             return
         from peft import set_peft_model_state_dict
 
@@ -245,7 +233,7 @@ def reference(cfg: RunConfig, pol: Policy, load_base, precision: RunPrecision) -
     frozen copy of the initial model, from `load_base()`, held in bf16 where the run is bf16-mixed (it is never
     trained, so it needs no fp32 master copy: half the memory, as verl's and the planner's reference). None when
     kl_coef is 0."""
-    if cfg.kl_coef == 0:
+    if not cfg.has_reference:
         return None
     if pol.lora:
         return scorer(cfg, pol.module, precision, pol.base_off)
@@ -278,7 +266,7 @@ def critic_model(cfg: RunConfig, policy_model=None):
     critic_model_problem(cfg)
     if cfg.critic_model is None and policy_model is not None:
         return copy.deepcopy(policy_model)
-    dtype = policy_model.get_input_embeddings().weight.dtype if policy_model is not None else DTYPES[cfg.dtype]
+    dtype = policy_model.get_input_embeddings().weight.dtype if policy_model is not None else cfg.torch_dtype
     model, _ = load_model(cfg.critic_model or cfg.model, dtype, seed=cfg.seed)
     return model if policy_model is None else model.to(policy_model.get_input_embeddings().weight.device)
 
@@ -286,7 +274,7 @@ def critic_model(cfg: RunConfig, policy_model=None):
 def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None) -> Critic | None:
     """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
     own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). None unless algorithm=ppo."""
-    if cfg.algorithm != "ppo":
+    if not cfg.has_critic:
         return None
     if cfg.gradient_checkpointing:
         recompute(model)

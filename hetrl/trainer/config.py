@@ -200,13 +200,24 @@ class RunConfig:
     emulate_cluster: str | None = None    # ray: start a local Ray that declares this cluster's GPUs
     ray_address: str = "auto"             # ray with cluster=: the Ray cluster to join
     ray_temp_dir: str | None = None       # ray with emulate_cluster=: Ray's session files (default: out_dir/ray)
+    # ray: how each update's weights reach the rollout actors: collective (a torch.distributed broadcast from learner
+    # rank 0, NCCL on GPUs / gloo on CPU), object_store (Ray's); auto: collective on GPUs in sync mode, else
+    # object_store (faster than gloo on CPU actors: benchmarks/results/weight_sync.md)
+    weight_sync: str = rule("auto", choices=("auto", "collective", "object_store"))
 
     def __post_init__(self):
         fixed = POLICY_LOSSES[self.loss_mode].aggregation if self.loss_mode in POLICY_LOSSES else None
         if fixed is not None and self.loss_agg is None:   # sapo, geo_mean: their own, not the preset's
             object.__setattr__(self, "loss_agg", fixed)
         if self.algorithm in _PRESETS:
-            for name, value in _PRESETS[self.algorithm].items():
+            preset = _PRESETS[self.algorithm]
+            if (self.loss_mode not in (None, preset["loss_mode"]) and self.clip_low is None and self.clip_high is None
+                    and (preset["clip_low"], preset["clip_high"]) != (_PLAIN["clip_low"], _PLAIN["clip_high"])):
+                raise ValueError(f"loss_mode={self.loss_mode} with algorithm={self.algorithm} would take "
+                                 f"{self.algorithm}'s clip range ({preset['clip_low']:g}, {preset['clip_high']:g}), "
+                                 f"made for loss_mode={preset['loss_mode']}; set clip_low and clip_high, or use "
+                                 f"algorithm=grpo loss_mode={self.loss_mode}")
+            for name, value in preset.items():
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, value)
         check(self)
@@ -219,10 +230,10 @@ class RunConfig:
         if self.precision == "bf16-mixed" and self.dtype != "float32":
             raise ValueError(f"precision=bf16-mixed keeps fp32 master weights and autocasts to bf16; it needs "
                              f"dtype=float32, got dtype={self.dtype} (dtype=bfloat16 alone is pure bf16)")
-        if self.algorithm not in CRITIC_ALGORITHMS and (self.critic_model is not None or self.critic_warmup_steps):
+        if not self.has_critic and (self.critic_model is not None or self.critic_warmup_steps):
             raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no "
                              "critic")
-        if self.responses_per_prompt < 2 and self.algorithm != "ppo":
+        if self.responses_per_prompt < 2 and not self.has_critic:
             raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
                              "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
         if self.multi_turn:
@@ -242,10 +253,17 @@ class RunConfig:
             given = [k for k in ("plan", "cluster", "emulate_cluster") if getattr(self, k) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} place roles on Ray and need executor=ray")
+            if self.weight_sync != "auto":
+                raise ValueError(f"weight_sync={self.weight_sync} is how Ray's rollout actors get the weights; the "
+                                 "local executor loads them in-process: leave weight_sync=auto or use executor=ray")
             if self.mode == "async":
                 raise ValueError("mode=async overlaps generation and the update in separate processes; "
                                  "it needs executor=ray (e.g. executor=ray "
                                  "emulate_cluster=examples/clusters/cpu-2x2.yaml)")
+        elif self.weight_sync == "collective" and self.mode == "async":
+            raise ValueError("weight_sync=collective holds the learner in a broadcast until every rollout actor's "
+                             "generation chunk ends, which mode=async exists to avoid: use weight_sync=auto "
+                             "(object_store in async mode) or mode=sync")
         elif self.old_logprobs == "rollout":
             raise ValueError("old_logprobs=rollout reads the log-probs off the local rollout's logits; on Ray the "
                              "rollout runs in other processes and the learner recomputes them: use old_logprobs=auto "
@@ -282,7 +300,7 @@ class RunConfig:
 
     def _check_algorithm(self) -> None:
         """The estimator, loss and their options fit together (each refusal names the valid choices)."""
-        critic = self.algorithm in CRITIC_ALGORITHMS
+        critic = self.has_critic
         if (self.adv_estimator == "gae") != critic:
             raise ValueError(f"adv_estimator={self.adv_estimator} with algorithm={self.algorithm}: gae needs the "
                              "critic of algorithm=ppo, and algorithm=ppo takes gae; the critic-free estimators: "
@@ -297,6 +315,18 @@ class RunConfig:
             raise ValueError(f"clip_ratio_c (dual-clip) is loss_mode=vanilla's; loss_mode={self.loss_mode} has none")
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("give warmup_steps or warmup_ratio, not both")
+        if self.warmup_steps > self.steps * self.mini_batches:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds the run's {self.steps * self.mini_batches} "
+                             f"optimizer steps (steps x mini_batches): the learning rate would never reach lr; use "
+                             f"at most {self.steps * self.mini_batches}, or warmup_ratio")
+        for name in ("tau_pos", "tau_neg"):   # SAPO's temperatures divide the ratio's log
+            if name in self.loss_options and not self.loss_options[name] > 0:
+                raise ValueError(f"loss_options {name} must be > 0 (SAPO's gate temperature), got "
+                                 f"{self.loss_options[name]!r}")
+        if not self.use_kl_in_reward and (self.kl_ctrl != "fixed"):
+            raise ValueError(f"kl_ctrl={self.kl_ctrl} adapts the KL coefficient in the reward (verl's "
+                             "algorithm.kl_ctrl); it needs use_kl_in_reward=true (the KL loss term's coefficient is "
+                             "fixed)")
 
     @property
     def clip_options(self) -> dict:
@@ -342,7 +372,11 @@ class RunConfig:
                              f"({', '.join(rewards)}); give one weight per reward")
 
     def _check_tools(self) -> None:
-        if self.algorithm == "ppo":
+        if self.max_tool_calls > self.max_new_tokens:
+            raise ValueError(f"max_tool_calls ({self.max_tool_calls}) exceeds max_new_tokens ({self.max_new_tokens}), "
+                             "an episode's budget of model tokens: every call takes tokens of its own; use at most "
+                             f"{self.max_new_tokens}")
+        if self.has_critic:
             raise ValueError("tools with algorithm=ppo: the critic would value tool tokens the loss leaves out; use "
                              "algorithm=grpo or dapo")
         if self.environment is not None and self.reward_workers:
@@ -365,6 +399,23 @@ class RunConfig:
         if self.branches == 1 and unused:
             raise ValueError(f"{', '.join(unused)} shape the trees of branches >= 2, and branches is 1 (no forks); "
                              "set branches=2 (or more), or leave them out")
+
+    @property
+    def torch_dtype(self):
+        """The weights' torch dtype (`dtype`)."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the run scores a frozen reference: the KL to it, as a loss term or a reward penalty (kl_coef > 0)."""
+        return self.kl_coef > 0
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run trains a critic (PPO's GAE needs values)."""
+        return self.algorithm in CRITIC_ALGORITHMS
 
     @property
     def multi_turn(self) -> bool:
@@ -424,7 +475,7 @@ def resolve_aliases(data: dict[str, Any]) -> dict[str, Any]:
         if level not in ("token", "sequence"):
             raise InputError(f"importance_sampling_level must be token or sequence, got {level!r}")
         if level == "sequence":
-            if out.get("loss_mode") not in (None, "vanilla", "gspo"):
+            if out.get("loss_mode") not in (None, "gspo"):
                 raise InputError(f"importance_sampling_level=sequence is GSPO, the clipped loss with the sequence's "
                                  f"ratio; it does not apply to loss_mode={out['loss_mode']}")
             out["loss_mode"] = "gspo"
@@ -510,14 +561,19 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     """Read a run YAML (optional) and apply `key=value` overrides; unknown keys and bad values are errors that
     name the file (or the command line) and the key."""
     data = config_data(path, overrides)
-    given = {item.partition("=")[0].partition(".")[0] for item in overrides}   # the keys the command line set
+    typed = {item.partition("=")[0].partition(".")[0] for item in overrides}   # the keys the command line set
+    as_typed = {ALIASES[k]: k for k in typed if k in ALIASES}    # a field the user set by verl's or TRL's name
+    given = typed | set(as_typed)
     try:
         return RunConfig(**data)
     except InputError as e:
         if e.located:
             raise
         from_cli = path is None or (e.field is not None and e.field in given)
-        raise InputError(f"{'the command line' if from_cli else path}: {e}", located=True) from None
+        said = str(e)
+        if from_cli and e.field in as_typed and said.startswith(e.field):   # said under the name the user typed
+            said = f"{as_typed[e.field]} ({e.field}){said[len(e.field):]}"
+        raise InputError(f"{'the command line' if from_cli else path}: {said}", located=True) from None
     except ValueError as e:   # a rule between fields
         raise InputError(f"{path + ' with the command line' if path and given else path or 'the command line'}: {e}",
                          located=True) from None

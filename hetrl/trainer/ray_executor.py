@@ -7,8 +7,10 @@ below are thin wrappers made at placement time, and the driver-side pools give t
 - data-parallel learners and critics (PPO): each role's ranks form a torch.distributed group of their own
   (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping, groups assigned whole to ranks,
   balanced by packed tokens; the critic's state goes into the learner's checkpoint (checkpoint.stage);
-- weight sync: learner rank 0 returns its weights into the object store once per version; every
-  rollout actor reads that object (Ray moves one copy per node) between generation calls;
+- weight sync (weight_transport): learner rank 0 broadcasts each version to the rollout actors over a
+  torch.distributed group of their own (NCCL on GPUs, gloo on CPU), in buckets; or puts it into the object store
+  once and every rollout actor reads it (Ray moves one copy per node) between generation calls (auto's choice on
+  CPU actors and in async mode); an actor that missed a broadcast catches up from the object store;
 - faults: a rollout actor that dies is restarted by Ray and its chunk of prompts re-queued
   (chunks are seeded by position, so the re-run draws the same samples); a learner or critic that
   dies stops the run with the last checkpoint intact and says how to resume.
@@ -38,7 +40,6 @@ from tqdm import tqdm
 
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files, guards, vllm_engine
-from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.episodes import Agent, EpisodeWorker, group_prompt
@@ -96,6 +97,113 @@ def load_numpy_weights(pol: build.Policy, weights: dict[str, np.ndarray]) -> Non
                              else torch.from_numpy(a) for k, a in weights.items()})
 
 
+# ------------------------------------------------------------------------------------------ weights over a group
+
+
+def weight_transport(cfg: RunConfig, gpus: bool) -> str:
+    """How each update's weights reach the Ray rollout actors (`weight_sync`, decided here once). `collective`: a
+    torch.distributed group of learner rank 0 (its rank 0) and the rollout actors, NCCL on GPUs and gloo on CPU,
+    one broadcast per bucket (as verl and OpenRLHF feed vLLM). `object_store`: rank 0's arrays put once into Ray's
+    object store, each actor reading them between its generation calls. auto: collective where the actors have
+    GPUs (NCCL moves GPU memory directly) in sync mode; else the object store, which on CPU actors beats a gloo
+    broadcast (benchmarks/results/weight_sync.md: 0.18 s against 0.97 s for SmolLM2-135M to two actors on one
+    machine) and which async mode needs (a broadcast would hold the learner until every actor's generation chunk
+    ended). Actors that missed a broadcast (restarted, or out of the group when it ran) load the object store's
+    copy before their next chunk."""
+    if cfg.weight_sync != "auto":
+        return cfg.weight_sync
+    return "collective" if cfg.mode == "sync" and gpus else "object_store"
+
+
+def weight_buckets(meta: list[tuple[str, tuple, str]], limit: int | None = None) -> list[list[int]]:
+    """Indices into `meta` ((name, shape, dtype) per tensor, in send order) cut into buckets of one dtype and at
+    most `limit` bytes (default: vllm_engine.SYNC_BUCKET_BYTES; a larger tensor alone): the sender and every
+    receiver cut the same buckets."""
+    limit = limit or vllm_engine.SYNC_BUCKET_BYTES
+    out, size, dtype = [], 0, None
+    for i, (_, shape, dt) in enumerate(meta):
+        nbytes = math.prod(shape) * getattr(torch, dt).itemsize
+        if not out or dt != dtype or size + nbytes > limit:
+            out.append([])
+            size, dtype = 0, dt
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
+def _loopback() -> str:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+
+
+def _process_group(address: str, rank: int, size: int, backend: str):
+    """A process group of its own (not torch.distributed's default one, which a learner's data-parallel ranks may
+    hold) at `address` (`_DataParallel.rendezvous`): every member must make it at the same time."""
+    timeout = timedelta(minutes=10)
+    if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
+        os.environ["GLOO_SOCKET_IFNAME"] = _loopback()
+        store = torch.distributed.FileStore(address.removeprefix("file://"), size)
+    else:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        store = torch.distributed.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
+    if backend == "nccl":
+        return torch.distributed.ProcessGroupNCCL(store, rank, size)
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class SyncGroup:
+    """One member's side of the weight-sync group (rank 0: learner rank 0; ranks 1..: the rollout actors), made
+    again whenever the driver's key for it changes (an actor died or came back, so the members changed)."""
+
+    def __init__(self):
+        self.key, self.pg, self.backend = None, None, "gloo"
+
+    def join(self, key, address: str, rank: int, size: int, backend: str):
+        if key != self.key:
+            self.drop()
+            self.pg, self.key, self.backend = _process_group(address, rank, size, backend), key, backend
+        return self.pg
+
+    def drop(self) -> None:
+        """Forget the group (a broadcast failed: a member died); its sockets close with it."""
+        self.key, self.pg = None, None
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    def send(self, state: dict[str, torch.Tensor]) -> int:
+        """Rank 0: the tensors' names, shapes and dtypes (pickled), then the tensors in `weight_buckets`; -> bytes."""
+        import pickle
+
+        meta = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+        head = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self.device)
+        self.pg.broadcast(torch.tensor([head.numel()], device=self.device), 0).wait()
+        self.pg.broadcast(head, 0).wait()
+        tensors, sent = list(state.values()), 0
+        for bucket in weight_buckets(meta):
+            flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device) for i in bucket])
+            self.pg.broadcast(flat, 0).wait()
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def receive(self):
+        """Ranks 1..: yields {name: tensor} per bucket as it arrives (views into that bucket's buffer)."""
+        import pickle
+
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.pg.broadcast(length, 0).wait()
+        head = torch.empty(int(length), dtype=torch.uint8, device=self.device)
+        self.pg.broadcast(head, 0).wait()
+        meta = pickle.loads(head.cpu().numpy().tobytes())
+        for bucket in weight_buckets(meta):
+            shapes = [meta[i][1] for i in bucket]
+            flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=getattr(torch, meta[bucket[0]][2]),
+                               device=self.device)
+            self.pg.broadcast(flat, 0).wait()
+            parts = torch.split(flat, [math.prod(s) for s in shapes])
+            yield {meta[i][0]: part.view(shape) for i, part, shape in zip(bucket, parts, shapes)}
+
+
 def _start(threads: int) -> None:
     """Every actor's start-up: its torch thread count, and no loading bars (one per actor would bury the
     driver's training bar)."""
@@ -121,7 +229,7 @@ def _setup(cfg: RunConfig, precision: RunPrecision, threads: int, lora: bool = T
     from hetrl.models import load_model
 
     _start(threads)
-    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    model, tokenizer = load_model(cfg.model, cfg.torch_dtype, seed=cfg.seed)
     model = _on_device(precision, model)
     return build.policy(cfg, model) if lora else build.Policy(model), tokenizer
 
@@ -155,19 +263,43 @@ class RolloutActor:
             if samples_in_bf16(precision, self.policy.module, self.policy.lora):   # it samples from bf16 weights
                 self.policy.module.to(torch.bfloat16)
             self.worker = build.rollout_worker(cfg, self.policy.module, tokenizer, precision)
-        self.tool_worker = EpisodeWorker(self.worker, agent) if agent is not None else None
+        self.episode_worker = EpisodeWorker(self.worker, agent) if agent is not None else None
         self.logits_logprobs = self.vllm or self.worker.gives_logprobs(cfg.old_logprobs)
         self.scorer = build.scorer(cfg, self.policy.module, precision) \
             if behaviour_logprobs and not self.logits_logprobs else None
         self.version = 0
+        self.sync_group = SyncGroup()
 
     def whereabouts(self) -> dict:
         return _whereabouts()
 
     def load_weights(self, boxed_ref: list, version: int) -> float:
-        """Fetch version `version` (boxed so that the fetch is timed here) and load it; -> seconds."""
+        """Fetch version `version` from the object store (boxed so that the fetch is timed here) and load it;
+        -> seconds."""
         t0 = time.perf_counter()
         load_numpy_weights(self.policy, ray.get(boxed_ref[0]))
+        return self._loaded(version, t0)
+
+    def receive_weights(self, key, address: str, rank: int, size: int, backend: str, version: int) -> float:
+        """Version `version` from learner rank 0's broadcast in the weight-sync group (`key`: the driver's name
+        for its members), loaded bucket by bucket as it arrives; -> seconds."""
+        t0 = time.perf_counter()
+        group = self.sync_group
+        group.join(key, address, rank, size, backend)
+        expected, arrived = set(self.policy.sync_state()), set()
+        try:
+            for part in group.receive():
+                arrived |= set(part)
+                self.policy.load_sync_state(part, partial=True)
+        except BaseException:
+            group.drop()
+            raise
+        if arrived != expected:
+            raise ValueError(f"weight sync: {len(arrived)} tensors arrived for {len(expected)} (LoRA on one side "
+                             "only?)")
+        return self._loaded(version, t0)
+
+    def _loaded(self, version: int, t0: float) -> float:
         if self.vllm:     # the policy here is the arrivals' holder; vLLM's engine samples
             self.worker.load_weights(self.policy.merged_weights())
         self.version = version
@@ -188,7 +320,7 @@ class RolloutActor:
         """Multi-turn tool-use episodes of `examples` (hetrl.data Examples), their tools run in this actor."""
         torch.manual_seed(seed)
         given = self.logits_logprobs and not greedy
-        out = self.tool_worker.generate(examples, n, max_new_tokens, temperature, top_p, greedy, logprobs=given)
+        out = self.episode_worker.generate(examples, n, max_new_tokens, temperature, top_p, greedy, logprobs=given)
         prompts = [group_prompt(e, g).prompt_ids for e, g in zip(examples, out)]
         return self._stamped(prompts, out, given or greedy)
 
@@ -236,8 +368,7 @@ class _DataParallel:
         so that every rank starts identical even if a rank's initialisation differed."""
         backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
         if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
-            os.environ["GLOO_SOCKET_IFNAME"] = next(
-                (name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+            os.environ["GLOO_SOCKET_IFNAME"] = _loopback()
         torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
                                              timeout=timedelta(minutes=10))
         for p in params:
@@ -256,9 +387,6 @@ class LearnerActor(_DataParallel):
         if offload not in ("none", "optimizer", "params"):
             raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
         self.offload = zero == 3 and offload != "none"
-        if zero == 3 and cfg.lora_rank:
-            raise InputError("zero: 3 (FSDP2) learners with LoRA are not supported yet: the adapter's states are "
-                             "small, use zero: 1 in the plan, or full fine-tuning")
         self.policy, self.tokenizer = _setup(cfg, precision, threads)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in _setup)
             build.recompute(self.policy.module)
@@ -270,6 +398,7 @@ class LearnerActor(_DataParallel):
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer, precision,
                                      grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
+        self.sync_group = SyncGroup()
 
     def whereabouts(self) -> dict:
         return _whereabouts()
@@ -294,14 +423,37 @@ class LearnerActor(_DataParallel):
         return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step, is_weights)
 
     def weights(self) -> dict[str, np.ndarray] | None:
-        """What weight sync sends. Sharded learners gather the full weights on rank 0 (every rank must be called;
-        the others return None)."""
+        """What weight sync sends, as arrays for the object store. Sharded learners gather the full weights on
+        rank 0 (every rank must be called; the others return None)."""
+        state = self._sync_state()
+        return None if state is None else state_to_numpy(state)
+
+    def send_weights(self, key, address: str, size: int, backend: str) -> int | None:
+        """Rank 0: broadcast what weight sync sends to the weight-sync group's other members (the rollout
+        actors, `RolloutActor.receive_weights`); -> bytes sent. Sharded ranks all gather first; the others
+        return None."""
+        state = self._sync_state()
+        if state is None:
+            return None
+        self.sync_group.join(key, address, 0, size, backend)
+        try:
+            return self.sync_group.send(state)
+        except BaseException:
+            self.sync_group.drop()
+            raise
+
+    def _sync_state(self) -> dict[str, torch.Tensor] | None:
+        """The tensors weight sync sends (the whole model, or the LoRA adapter), in bf16 where the rollouts
+        sample from bf16 weights (half the bytes); None on sharded ranks other than 0 (after joining the gather)."""
         if self.sharded:
             from hetrl.trainer import sharding
 
             state = sharding.full_state(self.policy.module)
-            return state_to_numpy(state, self.bf16_rollouts) if self.rank == 0 else None
-        return weights_to_numpy(self.policy, self.bf16_rollouts)
+            if self.rank != 0:
+                return None
+        else:
+            state = self.policy.sync_state()
+        return build.bf16_weights_of(state) if self.bf16_rollouts else state
 
     def save(self, run_dir: str, step: int, extra: dict, config: dict, staged: dict | None = None) -> str | None:
         """Rank 0 writes the checkpoint, with the files other actors `staged` (the critic's). Sharded learners
@@ -342,9 +494,6 @@ class CriticActor(_DataParallel):
 
     def whereabouts(self) -> dict:
         return _whereabouts()
-
-    def checkpointing(self) -> bool:
-        return bool(getattr(self.critic.model, "is_activation_checkpointing", False))
 
     def init_process_group(self, address: str) -> None:
         self._join(address, self.critic.parameters())
@@ -411,7 +560,7 @@ def _call(handles, method: str, *args_per_handle):
     return [getattr(h, method).remote(*args) for h, args in zip(handles, zip(*args_per_handle))]
 
 
-class ShardedScorer:
+class DataParallelScorer:
     """Log-probs of groups spread over data-parallel actors (learners or references), reassembled in order."""
 
     def __init__(self, actors, on_failure=None):
@@ -502,7 +651,7 @@ def ray_temp_dir(cfg: RunConfig) -> str:
     return short
 
 
-class LearnerGroup(ShardedScorer):
+class LearnerGroup(DataParallelScorer):
     """Data-parallel learners behind the Learner interface: one optimizer step = every rank's update on its
     share of the groups, gradients summed across ranks (the loss weights are global, so the sum is the
     single-learner gradient)."""
@@ -515,6 +664,19 @@ class LearnerGroup(ShardedScorer):
         """Object ref of the full weights (what weight sync sends): rank 0's; sharded ranks all gather."""
         refs = [a.weights.remote() for a in (self.actors if self.sharded else self.actors[:1])]
         return refs[0]
+
+    def send_refs(self, key, address: str, size: int, backend: str) -> list:
+        """Rank 0's broadcast to the weight-sync group (`LearnerActor.send_weights`); sharded ranks all gather."""
+        return [a.send_weights.remote(key, address, size, backend)
+                for a in (self.actors if self.sharded else self.actors[:1])]
+
+    def sent(self, refs) -> int:
+        """Bytes rank 0 broadcast (`send_refs`), with the learners' failure handling."""
+        return self._get(refs)[0]
+
+    def rendezvous(self, local: bool, run_dir: str) -> str:
+        """A fresh address for a group rooted at rank 0 (`_DataParallel.rendezvous`)."""
+        return self.call_first("rendezvous", local, run_dir)
 
     def call_rank0(self, method: str, *args):
         """`method(*args)` answered by rank 0 (checkpoints); sharded ranks all take part in gathering."""
@@ -534,7 +696,7 @@ class LearnerGroup(ShardedScorer):
                            standard_tokens=sum(s.standard_tokens for s in stats))
 
 
-class CriticGroup(ShardedScorer):
+class CriticGroup(DataParallelScorer):
     """Data-parallel critics behind the Critic interface (values, update), as LearnerGroup for the policy: each
     rank on its share of the groups, gradients summed across ranks, so one step equals one critic's."""
 
@@ -564,6 +726,13 @@ class RolloutPool:
         self.failures_of = collections.Counter()
         self.latest: tuple[list, int] | None = None    # ([weights ref], version), kept alive here
         self.stale: set[int] = set()
+        # the collective transport (weight_transport): the learner side (LearnerGroup) and a fresh rendezvous
+        # address per group, set by the engine; the group's key changes whenever an actor dies (`epoch`)
+        self.learner = None
+        self.new_address = None
+        self.backend = "gloo"
+        self.epoch = 0
+        self.group: tuple | None = None          # (key, address) of the current weight-sync group
         self.gone: set[int] = set()             # will not come back
         self.recovering: dict = {}              # ping ref -> actor that died and is being restarted by Ray
         self.lock = threading.Lock()
@@ -579,6 +748,81 @@ class RolloutPool:
         self.latest = ([ref], version)
         self.stale = set(list(self.recovering.values()))   # list(): generate may change it from its thread
         return [self.actors[a].load_weights.remote([ref], version) for a in self._usable()]
+
+    def broadcast_weights(self, version: int) -> tuple[list[float], int]:
+        """Version `version` from learner rank 0 to every usable actor over the weight-sync group (one broadcast
+        per bucket); -> (seconds each actor took, bytes sent). An actor that dies meanwhile is handled as in
+        `generate`; every actor that missed the version (dead, restarting, or cut off by a dead peer) loads it from
+        the object store before its next chunk, and the next sync makes a new group of those alive."""
+        with self.lock:
+            self._forget_homeless()
+            members = self._usable()
+            self.latest = ([None], version)       # put into the object store only if an actor misses it
+            self.stale = set(list(self.recovering.values()))
+            if not members:
+                return [], 0
+            # a member that died before joining would hold the others at the rendezvous until its timeout: only
+            # actors that answer now make the group, and a new group is made when the members or their processes
+            # changed (an actor Ray restarted unseen has a new pid); one that dies later breaks a broadcast, which
+            # fails at once on the others (gloo sees the closed connection)
+            pids = self._answering(members)
+            members = list(pids)
+            self.stale |= {a for a in self._usable() if a not in pids}
+            if not members:
+                return [], 0
+            key = (self.epoch, tuple(pids.items()))
+            if self.group is None or self.group[0] != key:
+                self.group = (key, self.new_address())
+            address, size = self.group[1], len(members) + 1
+            sends = self.learner.send_refs(key, address, size, self.backend)
+            owner = {self.actors[a].receive_weights.remote(key, address, rank, size, self.backend, version): a
+                     for rank, a in enumerate(members, start=1)}
+            seconds, missed = [], []
+            for ref, a in owner.items():
+                try:
+                    seconds.append(ray.get(ref))
+                except ray.exceptions.RayActorError as e:
+                    log.warning("rollout actor %d died during a weight sync (%s)", a, type(e).__name__)
+                    missed.append(a)
+                    self._failed(a, e)
+                except ray.exceptions.RayTaskError as e:
+                    if not isinstance(e.cause, RuntimeError):   # not a broken group: a bug, said as it is
+                        raise
+                    missed.append(a)
+            if not missed:
+                sent = self.learner.sent(sends)
+                return seconds, sent
+            self.epoch += 1
+            self.stale |= {a for a in missed if a not in self.gone}
+            try:
+                self.learner.sent(sends)
+            except ray.exceptions.RayTaskError:   # rank 0's broadcast broke with its peer; rank 0 itself is alive
+                pass
+            return seconds, 0
+
+    def _answering(self, members: list[int]) -> dict[int, int]:
+        """{actor: its process id} of the `members` that answer a ping (a dead one is handled as in `generate`; one
+        whose node left the cluster is not asked: Ray would hold the ping until a node it cannot have came back)."""
+        for a in [a for a in members if self._home_gone(a)]:
+            self._failed(a, "its node left the Ray cluster")
+        pings = {self.actors[a].whereabouts.remote(): a for a in members if a not in self.gone}
+        out = {}
+        for ref, a in pings.items():
+            try:
+                out[a] = ray.get(ref, timeout=ALIVE_PROBE_S)["pid"]
+            except ray.exceptions.RayActorError as e:
+                self._failed(a, e)
+            except ray.exceptions.GetTimeoutError:
+                log.warning("rollout actor %d did not answer in %.0f s; it loads this weight version later", a,
+                            ALIVE_PROBE_S)
+        return out
+
+    def _latest(self) -> tuple[list, int]:
+        """The latest version's ([object ref], version); a version that went out over the weight-sync group is put
+        into the object store the first time an actor that missed it needs it."""
+        if self.latest[0][0] is None:
+            self.latest = ([self.learner.weights_ref()], self.latest[1])
+        return self.latest
 
     def wait_loads(self, futures) -> list[float]:
         """Seconds each weight load took, for the actors that did not die meanwhile (those are handled as in
@@ -607,6 +851,7 @@ class RolloutPool:
         """Actor `a` died (seen by a chunk, a weight load or a ping): counted in `failures`."""
         self.failures += 1
         self.failures_of[a] += 1
+        self.epoch += 1     # a restarted actor is a new process: the weight-sync group is made again
         self.stale.add(a)
         if self.failures_of[a] > ROLLOUT_RESTARTS or self._home_gone(a):   # Ray will not restart it
             self._lose(a, error)
@@ -652,7 +897,7 @@ class RolloutPool:
                 while queue and idle:
                     a, start = idle.popleft(), queue.popleft()
                     if a in self.stale and self.latest is not None:
-                        self.actors[a].load_weights.remote(*self.latest)
+                        self.actors[a].load_weights.remote(*self._latest())
                         self.stale.discard(a)
                     seed = hash((self.seed, self.calls, start)) % 2**31
                     ref = getattr(self.actors[a], method).remote(items[start:start + per_chunk], n, *args, seed)
@@ -718,6 +963,24 @@ def shipped_by_value(agent: Agent) -> list[str]:
     return names
 
 
+def check_picklable(agent: Agent) -> None:
+    """The tools and the environment factory go to every rollout actor pickled (by value where shipped_by_value
+    says); what cannot be is said here in one line, not as a RayTaskError from inside an actor."""
+    import ray.cloudpickle as cloudpickle
+
+    for obj in (*agent.tools, agent.environment_factory):
+        if obj is None:
+            continue
+        try:
+            cloudpickle.dumps(obj)
+        except Exception as e:   # noqa: BLE001 - whatever pickling a user's object raises
+            what = getattr(obj, "__name__", type(obj).__name__)
+            raise InputError(f"{what} cannot be sent to Ray's rollout actors ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); keep what it holds picklable (open files, "
+                             "locks and sockets made inside its methods or reset(), not at import), or use "
+                             "executor=local") from None
+
+
 # ------------------------------------------------------------------------------------------ the engine
 
 
@@ -774,19 +1037,30 @@ class RayEngine:
                 log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run them as replicas "
                             "without offload (zero: 2 has no FSDP2 form; offload runs with zero: 3)", r.zero, r.offload)
         self._started = not ray.is_initialized()
+        self._temp_made: str | None = None
+        self._token: str | None = None   # the local Ray's auth token this run made (dropped at close)
         try:
             self._start(cfg, emulated)
         except BaseException:
             if self._started and ray.is_initialized():
-                ray.shutdown()
+                self._end_own_ray()
             raise
         self._report(emulated)
 
     def _start(self, cfg: RunConfig, emulated: bool) -> None:
         if self._started:
             if emulated:   # one machine: advertise loopback only, no dashboard
+                temp = ray_temp_dir(cfg)
+                if cfg.ray_temp_dir is None and not temp.startswith(str(pathlib.Path(cfg.out_dir).resolve())):
+                    self._temp_made = temp     # a short directory of its own: removed at close
+                if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
+                    # the local Ray's token lives in its processes' environment: Ray would otherwise write one to
+                    # ~/.ray/auth_token, outside out_dir
+                    import secrets
+
+                    os.environ["RAY_AUTH_TOKEN"] = self._token = secrets.token_hex(32)
                 ray.init(resources=node_resources(self.cluster), include_dashboard=False, _node_ip_address="127.0.0.1",
-                         object_store_memory=1 << 30, configure_logging=False, _temp_dir=ray_temp_dir(cfg))
+                         object_store_memory=1 << 30, configure_logging=False, _temp_dir=temp)
             else:
                 try:
                     ray.init(address=cfg.ray_address, configure_logging=False)
@@ -809,6 +1083,7 @@ class RayEngine:
         p = self.precision   # every actor computes in the run's precision, decided once on the driver
         if self.agent is not None:
             shipped_by_value(self.agent)
+            check_picklable(self.agent)
         vllm_dir = pathlib.Path(cfg.out_dir).resolve() / ".vllm_model"
         rollouts = [_remote(RolloutActor, r, real, max_restarts=ROLLOUT_RESTARTS, max_task_retries=0).remote(
             cfg, p, threads[r.name], cfg.mode == "async", self.agent,
@@ -816,7 +1091,7 @@ class RayEngine:
         learners = [_remote(LearnerActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["learner"]),
                                                           r.zero, r.offload, r.recompute) for r in by_role["learner"]]
         references = [_remote(ReferenceActor, r, real).remote(cfg, p, threads[r.name])
-                      for r in by_role["reference"]] if cfg.kl_coef > 0 else []
+                      for r in by_role["reference"]] if cfg.has_reference else []
         critics = [_remote(CriticActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["critic"]),
                                                         r.recompute) for r in by_role["critic"]]
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references, "critic": critics}
@@ -829,8 +1104,12 @@ class RayEngine:
                                   homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
         self.learner = LearnerGroup(learners, on_failure=lambda e: self._failed("learner", e),
                                     sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
+        self.transport = weight_transport(cfg, gpus=real)
+        self.worker.learner = self.learner
+        self.worker.new_address = lambda: self.learner.rendezvous(emulated, cfg.out_dir)
+        self.worker.backend = "nccl" if real else "gloo"
         self.episodes = RayEpisodes(self.worker) if self.agent is not None else None
-        self.reference = ShardedScorer(references) if references else None
+        self.reference = DataParallelScorer(references) if references else None
         self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e)) if critics else None
         self.last_checkpoint = None
         self.weight_bytes = None
@@ -846,8 +1125,10 @@ class RayEngine:
         source = self.cfg.plan or "planned now (hybrid)"
         shards = ("; the learners are FSDP2 shards (zero: 3: parameters, gradients and optimizer states split over "
                   f"{sum(p['role'] == 'learner' for p in placed)} ranks)" if self.learner.sharded else "")
+        sync = (f"{self.worker.backend} broadcast from learner rank 0 to the rollout actors"
+                if self.transport == "collective" else "through Ray's object store")
         tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})"
-                   + shards)
+                   + shards + f"; weight sync: {sync} (weight_sync={self.cfg.weight_sync})")
         out = pathlib.Path(self.cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         files.write_text(out / "placement.json", json.dumps(
@@ -877,9 +1158,16 @@ class RayEngine:
                  "requested": dict(r.resources), **w} for r, w in zip(reps, where)]
 
     def sync_weights(self, version: int) -> dict:
-        """Learner rank 0 -> object store -> every rollout actor. Sync mode waits and reports the seconds;
-        async mode does not wait (the actors load between generation calls) and reports the last finished."""
+        """Learner rank 0 -> every rollout actor, over the weight-sync group or the object store
+        (weight_transport). Sync mode waits and reports the seconds; async mode does not wait (the actors load
+        between generation calls) and reports the last finished."""
         t0 = time.perf_counter()
+        if self.transport == "collective":
+            load_s, sent = self.worker.broadcast_weights(version)
+            self.weight_bytes = self.weight_bytes or sent or None
+            return {"weight_version": version, "weight_sync_bytes": self.weight_bytes,
+                    "weight_sync_s": time.perf_counter() - t0, "weight_load_s": max(load_s, default=0.0),
+                    "rollout_failures": self.worker.failures}
         ref = self.learner.weights_ref()
         if self.weight_bytes is None:
             self.weight_bytes = sum(a.nbytes for a in ray.get(ref).values())
@@ -932,13 +1220,23 @@ class RayEngine:
         return LearnerFailed(f"a {role} actor died ({type(error).__name__}: {str(error).splitlines()[0]}); "
                              f"the run stops: {where}")
 
+    def _end_own_ray(self) -> None:
+        """Shut down the Ray this run started, and remove what it left outside out_dir."""
+        ray.shutdown()
+        if self._temp_made is not None:
+            import shutil
+
+            shutil.rmtree(self._temp_made, ignore_errors=True)
+        if self._token is not None and os.environ.get("RAY_AUTH_TOKEN") == self._token:
+            del os.environ["RAY_AUTH_TOKEN"]
+
     def close(self) -> None:
         if not ray.is_initialized():
             return
         if self.rollout_engine == "vllm":   # each actor's exported weights (about a model's fp32 size each)
             ray.wait([a.close.remote() for a in self.actors.get("rollout", [])], timeout=60)
         if self._started:
-            ray.shutdown()
+            self._end_own_ray()
         else:  # a Ray session the caller owns: leave it, free the names
             for actors in self.actors.values():
                 for a in actors:

@@ -84,7 +84,9 @@ def test_actors_on_their_raylets_and_a_lost_node_costs_no_sample(raylets, tmp_pa
     assert all(r["weight_sync_bytes"] > 0 for r in clean)
 
     killer = _remove_when_written(cluster, nodes["gen-a"], tmp_path / "lost" / "metrics.jsonl")
-    code, lost, _ = _run(cluster, tmp_path, "lost")
+    # the lost run syncs over the weight-sync group (the clean one through the object store): a broadcast broken by
+    # the lost node's actor, the survivor catching up from the object store, the same samples as the clean run
+    code, lost, _ = _run(cluster, tmp_path, "lost", "weight_sync=collective")
     killer.join()
     assert code == 0 and [r["step"] for r in lost] == [1, 2, 3]
     assert lost[-1]["rollout_failures"] >= 1

@@ -722,3 +722,119 @@ def test_forks_on_a_rollout_actor_equal_the_local_ones(local_ray):
     for a, b in zip([s for g in got for s in g], [s for g in want for s in g]):
         assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.episode.fork_at == b.episode.fork_at
         assert (a.logprobs - b.logprobs).abs().max().item() < 1e-10
+
+
+def test_weight_sync_group_broadcasts_every_tensor_bit_exact_in_buckets(tmp_path, monkeypatch):
+    """The collective transport's two ends (SyncGroup.send / receive) in one process, a thread per member, over
+    gloo on the loopback: buckets far smaller than the model (many broadcasts, one dtype each), an fp32 receiver
+    of fp32 weights bit-exact, a bf16 receiver of the learner's bf16 copy bit-exact, and a LoRA adapter alone."""
+    from hetrl.trainer import vllm_engine
+    from hetrl.trainer.ray_executor import SyncGroup, weight_buckets
+
+    monkeypatch.setattr(vllm_engine, "SYNC_BUCKET_BYTES", 20_000)
+    cfg = load_config(TINY, [])
+    source = Policy(load_model("tiny", seed=0)[0])
+    with torch.no_grad():
+        for p in source.module.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    meta = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in source.sync_state().items()]
+    buckets = weight_buckets(meta)
+    assert len(buckets) > 5 and sorted(i for b in buckets for i in b) == list(range(len(meta)))
+    assert all(len({meta[i][2] for i in b}) == 1 for b in buckets)
+
+    def broadcast(state, receivers, key):
+        address = f"file://{tmp_path}/store-{key}"
+        errors = []
+
+        def member(rank, pol):
+            try:
+                group = SyncGroup()
+                group.join(key, address, rank, len(receivers) + 1, "gloo")
+                if rank == 0:
+                    group.send(state)
+                else:
+                    for part in group.receive():
+                        pol.load_sync_state(part, partial=True)
+            except BaseException as e:   # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=member, args=(r, p)) for r, p in enumerate([None, *receivers])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+
+    fp32, bf16 = Policy(load_model("tiny", seed=1)[0]), Policy(load_model("tiny", seed=2)[0].to(torch.bfloat16))
+    broadcast(source.module.state_dict(), [fp32], "fp32")
+    assert all(torch.equal(v, source.module.state_dict()[k]) for k, v in fp32.module.state_dict().items())
+    sent = build.bf16_weights_of(source.module.state_dict())
+    broadcast(sent, [bf16, Policy(load_model("tiny", seed=3)[0])], "bf16")
+    assert all(torch.equal(v, sent[k]) for k, v in bf16.module.state_dict().items())
+
+    lora_src = build.policy(load_config(TINY, ["lora_rank=4"]), load_model("tiny", seed=0)[0])
+    with torch.no_grad():
+        for name, p in lora_src.module.named_parameters():
+            if "lora_" in name:
+                p.add_(0.1)
+    lora_dst = build.policy(load_config(TINY, ["lora_rank=4"]), load_model("tiny", seed=0)[0])
+    broadcast(lora_src.sync_state(), [lora_dst], "lora")
+    assert all(torch.equal(v, lora_src.sync_state()[k]) for k, v in lora_dst.sync_state().items())
+    del cfg
+
+
+def _state_of(actor, attr="policy"):
+    return ray.get(actor.__ray_call__.remote(
+        lambda a: {k: v.clone() for k, v in getattr(a, attr).module.state_dict().items()}))
+
+
+def test_collective_weight_sync_lands_and_a_restarted_actor_catches_up_from_the_object_store(local_ray, tmp_path):
+    """Learner rank 0 broadcasts to two rollout actors (the pool's weight-sync group): both hold the learner's
+    weights bit-exact. One is killed and restarted between syncs: before its next chunk it loads the version it
+    missed from the object store (put there only then), and the next sync makes a new group with it."""
+    from hetrl.trainer.ray_executor import weight_transport
+
+    cfg = _cfg(tmp_path, "max_new_tokens=4", "weight_sync=collective")
+    assert weight_transport(cfg, gpus=False) == "collective"
+    auto = _cfg(tmp_path)
+    assert weight_transport(auto, gpus=True) == "collective" and weight_transport(auto, gpus=False) == "object_store"
+    assert weight_transport(_cfg(tmp_path, "mode=async"), gpus=True) == "object_store"
+    learner = ray.remote(LearnerActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, 0, 1)
+    actors = [ray.remote(RolloutActor).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(
+        cfg, decide(cfg), 1, False) for _ in range(2)]
+    pool = RolloutPool(actors, batch_size=8, seed=0)
+    pool.learner = LearnerGroup([learner])
+    pool.new_address = lambda: pool.learner.rendezvous(True, str(tmp_path))
+
+    def step():   # the learner's weights move, as an update moves them
+        ray.get(learner.__ray_call__.remote(lambda a: [p.data.add_(0.01 * torch.randn_like(p))
+                                                       for p in a.policy.module.parameters()]))
+        return _state_of(learner)
+
+    try:
+        want = step()
+        seconds, sent = pool.broadcast_weights(1)
+        assert len(seconds) == 2 and sent == sum(v.numel() * v.element_size() for v in want.values())
+        for a in actors:
+            assert all(torch.equal(v, want[k]) for k, v in _state_of(a).items())
+        assert pool.latest[0] == [None]    # nothing went into the object store
+        first = pool.group
+
+        ray.kill(actors[0], no_restart=False)
+        got = pool.generate([[5, 6, 7], [8, 9]], 2, 4)    # the dead actor's chunk is re-queued; it comes back
+        assert len(got) == 2 and pool.failures >= 1
+        while pool.recovering:
+            pool.generate([[5, 6, 7]] * 4, 2, 4)
+        pool.generate([[5, 6, 7]] * 4, 2, 4)
+        assert all(torch.equal(v, want[k]) for k, v in _state_of(actors[0]).items())   # from the object store
+        assert pool.latest[0][0] is not None
+
+        want = step()
+        seconds, _ = pool.broadcast_weights(2)
+        assert len(seconds) == 2 and pool.group[0] != first[0]
+        for a in actors:
+            assert all(torch.equal(v, want[k]) for k, v in _state_of(a).items())
+            assert ray.get(a.__ray_call__.remote(lambda x: x.version)) == 2
+    finally:
+        for a in [learner, *actors]:
+            ray.kill(a)
