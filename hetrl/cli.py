@@ -158,13 +158,20 @@ def _plan(args) -> int:
         print(json.dumps(result | {"export": done}, indent=2) if args.json
               else report.format_report(result) + "\n\n" + done["summary"])
         return 0
-    if args.out:
-        report.check_output_path(args.out)   # before the search, not after it
+    for path in (args.out, args.png):
+        if path:
+            report.check_output_path(path)   # before the search, not after it
     result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
                                 time_limit_s=args.time_limit, evaluate_path=args.evaluate)
     print(json.dumps(result, indent=2) if args.json else report.format_report(result))
     if args.out:
         report.write_json(result, args.out)
+    if args.png:
+        from hetrl.planner.picture import draw
+
+        draw(result, args.png)
+        if not args.json:
+            print(f"picture: {args.png}")
     return 0
 
 
@@ -189,7 +196,28 @@ def _one_line(e: BaseException) -> str:
         text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
     else:
         text = str(e) or type(e).__name__
+        where = _user_frame(e)
+        if where is not None:   # raised by the user's own code (a data loader, a tool module): say what and where
+            text = f"{type(e).__name__}: {text} ({where})"
     return " ".join(text.split())
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """file:line of the innermost frame of `e`'s traceback when it is in the user's code (not hetrl, the standard
+    library or an installed package); None otherwise (hetrl's own one-line errors stay as they are)."""
+    import sysconfig
+    import traceback
+
+    if isinstance(e, InputError):
+        return None
+    tb = traceback.extract_tb(e.__traceback__)
+    if not tb:
+        return None
+    ours = (os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["stdlib"],
+            sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+    if tb[-1].filename.startswith("<") or os.path.abspath(tb[-1].filename).startswith(ours):
+        return None
+    return f"{tb[-1].filename}:{tb[-1].lineno}"
 
 
 DEFAULT_RUN = "examples/runs/default.yaml"
@@ -218,9 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "it cannot express, and predict the plan as the engine runs it")
     pl.add_argument("--import", dest="import_", nargs=2, metavar=("ENGINE", "DIR"),
                     help="read a `--export verl` folder back as a hetrl plan and score it")
+    pl.add_argument("--png", metavar="FILE.png", help="also draw the plan: its placement (GPU groups by type and "
+                    "region, the tasks on each) and one iteration's timeline as the cost model prices it")
     pl.set_defaults(func=_plan)
 
-    tr = sub.add_parser("train", help="RL post-training (GRPO/DAPO) with the DualKV update")
+    tr = sub.add_parser("train", help="RL post-training (GRPO, DAPO, PPO and their kin) with the DualKV update")
     tr.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
     tr.add_argument("--resume", action="store_true",
                     help="continue the run in out_dir from its latest intact checkpoint; without --config the run's "

@@ -169,6 +169,21 @@ TRAIN_CASES = [
     ("reward-errors", ["reward_errors=retry"], ["reward_errors must be one of stop, skip"]),
     ("timeout-in-process", ["reward_timeout_s=5"], ["reward_timeout_s=5 needs reward_workers >= 1"]),
     ("strict-text", ["strict=maybe"], ["strict must be true or false"]),
+    # cross-field siblings: each silent conflict refused in one line
+    ("sequence-level-vanilla", ["importance_sampling_level=sequence", "loss_mode=vanilla"],
+     ["importance_sampling_level=sequence is GSPO", "loss_mode=vanilla"]),
+    ("gspo-preset-vanilla", ["algorithm=gspo", "loss_mode=vanilla"],
+     ["loss_mode=vanilla with algorithm=gspo would take gspo's clip range (0.0003, 0.0004)"]),
+    ("warmup-past-the-run", ["warmup_steps=1000000000", "steps=2"],
+     ["warmup_steps (1000000000) exceeds the run's 4 optimizer steps"]),
+    ("sapo-tau", ["loss_mode=sapo", "loss_options={tau_pos: -1}"], ["tau_pos must be > 0"]),
+    ("adaptive-kl-in-loss", ["kl_ctrl=adaptive"], ["kl_ctrl=adaptive", "needs use_kl_in_reward=true"]),
+    ("alias-as-typed", ["beta=.nan"], ["the command line: beta (kl_coef) must be a finite number >= 0"]),
+    ("tool-calls-unbounded", ["tools=examples/tools/calculator.py:multiply", "max_tool_calls=1000000000000"],
+     ["max_tool_calls (1000000000000) exceeds max_new_tokens"]),
+    ("weight-sync-local", ["weight_sync=collective"], ["weight_sync=collective is how Ray's rollout actors"]),
+    ("weight-sync-async", ["executor=ray", "emulate_cluster=examples/clusters/cpu-2x2.yaml", "mode=async",
+                           "weight_sync=collective"], ["weight_sync=collective holds the learner"]),
 ]
 
 
@@ -177,6 +192,15 @@ def test_bad_train_config_values(tmp_path, capsys, overrides, needles):
     rc = main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", *overrides])
     one_line_error(capsys, rc, *needles)
     assert not (tmp_path / "run").exists()       # refused before anything is written
+
+
+def test_special_tokens_in_the_text_put_in_every_prompt_are_refused(tmp_path, capsys):
+    """response_prefix / prompt_suffix holding the chat template's control tokens would be tokenized into real
+    ones (a turn ended or opened); plain text with tool-call tags stays allowed (tools.yaml's suffix)."""
+    rc = main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", "response_prefix=<|im_end|>"])
+    one_line_error(capsys, rc, "response_prefix='<|im_end|>' holds the tokenizer's special token(s) <|im_end|>")
+    rc = main(["train", "--config", TINY, f"out_dir={tmp_path / 'run2'}", "prompt_suffix=<|im_start|>user"])
+    one_line_error(capsys, rc, "prompt_suffix='<|im_start|>user' holds")
 
 
 def test_bad_value_in_a_run_file_names_the_file(tmp_path, capsys):
@@ -261,3 +285,21 @@ def test_rays_session_files_go_under_out_dir(tmp_path, capsys):
     with pytest.raises(ValueError, match="too long for Ray's unix sockets"):
         ray_temp_dir(load_config(TINY, ["executor=ray", "emulate_cluster=examples/clusters/cpu-2x2.yaml",
                                         f"ray_temp_dir={deep}"]))
+
+
+def test_a_users_own_error_is_said_with_its_class_file_and_line(tmp_path, monkeypatch):
+    """An error raised in the user's own code that reaches the CLI is one line with the exception's class and the
+    file and line it came from; hetrl's own one-line errors stay as they are."""
+    import importlib
+
+    from hetrl.cli import _one_line
+    from hetrl.schema import InputError
+
+    (tmp_path / "my_env.py").write_text("def make():\n    raise ValueError('init boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("my_env").make()
+    except ValueError as e:
+        said = _one_line(e)
+    assert said.startswith("ValueError: init boom (") and said.endswith("my_env.py:2)"), said
+    assert _one_line(InputError("steps must be an int")) == "steps must be an int"

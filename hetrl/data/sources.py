@@ -70,6 +70,20 @@ def _check_prompt(prompt, where: str):
                      f"[{{'role': ..., 'content': ...}}], got {show(prompt)}")
 
 
+def check_plain_text(tokenizer, **texts: str) -> None:
+    """Text the run inserts into every prompt (prompt_suffix, response_prefix) must not hold the tokenizer's
+    special tokens (<|im_end|>, a role marker): tokenized, they would become real control tokens, ending a turn or
+    opening another, not text the model reads."""
+    specials = set(getattr(tokenizer, "all_special_tokens", []))
+    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    for name, text in texts.items():
+        found = sorted(t for t in specials if t and t in text)
+        if found:
+            raise InputError(f"{name}={text!r} holds the tokenizer's special token(s) {', '.join(found)}, which would "
+                             "become real control tokens (ending or opening a turn); give plain text (the chat "
+                             "template adds the turn markers)")
+
+
 def shaped_prompt(prompt, suffix: str, response_prefix: str = ""):
     """`suffix` appended to the prompt (chat: its last user message), then `response_prefix` as the start of the
     reply (chat: an assistant message the reply continues, TRL's convention; a string prompt: appended)."""

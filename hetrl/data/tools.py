@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import re
 import threading
 import time
@@ -29,7 +30,10 @@ from typing import Any, Callable
 
 from hetrl.schema import InputError
 
+from .containment import Failure, contained
 from .specs import load_module, lookup
+
+log = logging.getLogger(__name__)
 
 # Qwen2.5's template (trl/chat_templates/qwen2_5.jinja) less its "You are Qwen" default system line: ChatML, the
 # tools listed in the system message, calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as
@@ -128,7 +132,10 @@ def environment_tools(instance) -> list[Callable]:
 def check_environment(factory: Callable) -> tuple[list[dict], bool]:
     """Make one instance of `factory` and check it as TRL does: a callable `reset`, tool methods with schemas.
     -> (its tools' schemas, whether it defines get_reward)."""
-    instance = factory()
+    made = contained(factory)
+    if isinstance(made, Failure):
+        raise InputError(f"environment {getattr(factory, '__name__', type(factory).__name__)}() {made.why}")
+    instance = made
     name = type(instance).__name__
     if not callable(getattr(instance, "reset", None)):
         raise InputError(f"environment {name}: defines no reset(); TRL's contract is reset(**row) returning None or "
@@ -284,6 +291,19 @@ class ToolResult:
     seconds: float
 
 
+TOOL_RESULT_MAX_CHARS = 32_768   # a tool's answer beyond this is cut (about 2k-30k tokens: more than a context)
+
+
+def capped(name: str, text: str) -> str:
+    """`text` cut at TOOL_RESULT_MAX_CHARS, the cut said in the text the model reads and in the log, so a huge
+    result is neither tokenized in full nor dropped in silence."""
+    if len(text) <= TOOL_RESULT_MAX_CHARS:
+        return text
+    log.warning("tool %s returned %d characters; cut to %d (TOOL_RESULT_MAX_CHARS)", name, len(text),
+                TOOL_RESULT_MAX_CHARS)
+    return text[:TOOL_RESULT_MAX_CHARS] + f"... [cut: {len(text) - TOOL_RESULT_MAX_CHARS} more characters]"
+
+
 def _render(value) -> str | None:
     """A tool's return value as message text (TRL: str(result)); None for values that are not data."""
     if isinstance(value, str):
@@ -353,7 +373,7 @@ def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: floa
                 results[i] = ToolResult(name, str({"error": f"{name} returned {type(slot.get('value')).__name__}, "
                                                             "not text, a number or JSON"}), True, seconds)
             else:
-                results[i] = ToolResult(name, text, False, seconds)
+                results[i] = ToolResult(name, capped(name, text), False, seconds)
     return results  # type: ignore[return-value]
 
 

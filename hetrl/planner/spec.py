@@ -373,11 +373,22 @@ class TokenLengths:
             raise ValueError(f"mean ({self.mean:g}) must be <= max ({self.max})")
 
 
-def check_max_leaves(max_leaves: int | None, responses_per_prompt: int) -> None:
-    """A task's leaves include its responses_per_prompt rollouts (hetrl train's branches= and a workload's alike)."""
-    if max_leaves is not None and max_leaves < responses_per_prompt:
-        raise ValueError(f"max_leaves ({max_leaves}) counts a task's leaves, its responses_per_prompt "
+def check_max_leaves(max_leaves, responses_per_prompt: int | None = None) -> None:
+    """max_leaves: None (the default cap, `leaf_cap`) or an int >= 1 that leaves room for a task's
+    responses_per_prompt rollouts, which are leaves too (hetrl train's branches=, an agent's, a workload's alike)."""
+    if max_leaves is None:
+        return
+    if isinstance(max_leaves, bool) or not isinstance(max_leaves, int) or max_leaves < 1:
+        raise InputError(f"max_leaves must be None (responses_per_prompt x branches) or an int >= 1, got "
+                         f"{max_leaves!r}")
+    if responses_per_prompt is not None and max_leaves < responses_per_prompt:
+        raise InputError(f"max_leaves ({max_leaves}) counts a task's leaves, its responses_per_prompt "
                          f"({responses_per_prompt}) rollouts among them; use at least {responses_per_prompt}")
+
+
+def leaf_cap(max_leaves: int | None, responses_per_prompt: int, branches: int) -> int:
+    """The most leaves a task's tree grows to: max_leaves, by default responses_per_prompt x branches."""
+    return max_leaves or responses_per_prompt * branches
 
 
 @dataclass(frozen=True)
@@ -473,7 +484,7 @@ class WorkloadSpec:
         episode forks into `branches` while the task's leaves stay within max_leaves (in order, as hetrl train's
         rollout does when every episode calls a tool every turn)."""
         k, rows = self.branches, [self.responses_per_prompt]
-        cap = self.max_leaves or self.responses_per_prompt * k
+        cap = leaf_cap(self.max_leaves, self.responses_per_prompt, k)
         for _ in range(self.turns - 1):
             c = rows[-1]
             rows.append(c + (k - 1) * min(c, (cap - c) // (k - 1)) if k > 1 else c)

@@ -25,6 +25,7 @@ from hetrl.trainer import build, files, vllm_engine
 from hetrl.trainer.config import load_config
 from hetrl.trainer.engine import make_engine
 from hetrl.trainer.precision import FP32, RunPrecision, decide
+from hetrl.trainer.precision import device as precision_device
 
 BUCKETS = (0, 4, 16, 64, 256, 1024)
 FP64 = RunPrecision("fp64", autocast=False)
@@ -45,12 +46,12 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    device = build.device(cfg.device)
+    device = precision_device(cfg.device)
     precision = decide(cfg)
     engine_name = vllm_engine.choose(cfg, device)
     if engine_name == "vllm":
         vllm_engine.check_config(cfg, precision)
-    model, tokenizer = load_model(cfg.model, build.DTYPES[cfg.dtype], seed=cfg.seed)
+    model, tokenizer = load_model(cfg.model, cfg.torch_dtype, seed=cfg.seed)
     model = model.to(device)
     exact_model = float64_norms(copy.deepcopy(model).double().eval())
     source = build_source(cfg, tokenizer)

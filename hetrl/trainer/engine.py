@@ -17,11 +17,9 @@ import torch
 from hetrl.trainer import build, checkpoint, vllm_engine
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.episodes import Agent, EpisodeWorker
-from hetrl.trainer.learner import CriticStats, UpdateStats
+from hetrl.trainer.learner import CriticStats, Groups, UpdateStats
 from hetrl.trainer.precision import RunPrecision, samples_in_bf16
 from hetrl.trainer.rollout import Sample
-
-Groups = list[tuple[list[int], list[list[int]]]]
 
 
 class Generator(Protocol):
@@ -44,7 +42,9 @@ class Episodes(Protocol):
                  greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]: ...
 
 
-class Critic(Protocol):
+class ValueModel(Protocol):
+    """What the loop asks of a critic (hetrl.trainer.learner.Critic, or Ray's CriticGroup)."""
+
     def values(self, groups: Groups) -> torch.Tensor: ...
 
     def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
@@ -68,7 +68,7 @@ class Engine(Protocol):
     worker: Generator
     learner: Trainer
     reference: LogProbs | None
-    critic: Critic | None
+    critic: ValueModel | None
     episodes: Episodes | None
     rollout_logprobs: bool
     correction: dict | None
@@ -103,7 +103,7 @@ class LocalEngine:
         self.tokenizer, self.precision = tokenizer, precision
         self.rollout_engine = rollout_engine
         # before the policy: LoRA changes `model`
-        self.critic = build.critic(cfg, build.critic_model(cfg, model), precision) if cfg.algorithm == "ppo" else None
+        self.critic = build.critic(cfg, build.critic_model(cfg, model), precision) if cfg.has_critic else None
         self.policy = build.policy(cfg, model)
         self.reference = build.reference(cfg, self.policy, lambda: copy.deepcopy(model), precision)
         self.optimizer = build.optimizer(cfg, self.policy)

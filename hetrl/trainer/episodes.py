@@ -39,6 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from hetrl.algo import tree_advantages
+from hetrl.data.containment import Failure, contained
 from hetrl.data.sources import prompt_ids, reply_prefix
 from hetrl.data.tools import (
     ToolTokenizer,
@@ -51,6 +52,7 @@ from hetrl.data.tools import (
     tool_template,
 )
 from hetrl.dualkv import pack_sequences
+from hetrl.planner.spec import check_max_leaves, leaf_cap
 from hetrl.schema import InputError
 from hetrl.trainer.precision import FP32, RunPrecision
 from hetrl.trainer.rollout import Sample, left_padded, sample, token_logprobs, warpers
@@ -70,6 +72,7 @@ class Agent:
     env_reward: bool                # the environment defines get_reward()
     branches: int = 1               # continuations an episode forks into after a tool result (1: none)
     max_leaves: int | None = None   # leaves per task at most (None: n x branches for n rollouts per task)
+    max_prompt_tokens: int | None = None   # an episode's prompt at most (with its environment's reset() string)
 
     def render_tokenizer(self, tokenizer) -> ToolTokenizer:
         """The tokenizer a data source renders prompts with: the tools in the system message."""
@@ -81,8 +84,7 @@ def make_agent(tokenizer, tools=(), environment_factory=None, max_tool_calls: in
     """Check the tools and environment (one probe instance, as TRL does) and choose the template."""
     if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
         raise InputError(f"branches must be an int >= 1 (continuations per fork; 1: no forks), got {branches!r}")
-    if max_leaves is not None and (isinstance(max_leaves, bool) or not isinstance(max_leaves, int) or max_leaves < 1):
-        raise InputError(f"max_leaves must be None (n x branches) or an int >= 1, got {max_leaves!r}")
+    check_max_leaves(max_leaves)
     tools = tuple(tools)
     schemas = [tool_schema(t) for t in tools]
     env_reward = False
@@ -133,25 +135,49 @@ class Episode:
                 "model_tokens": model, "tool_tokens": len(self.tokens) - model, "prompt_tokens": len(self.prompt)}
 
 
+MAX_CHARS_PER_TOKEN = 16   # no tokenizer packs more characters into a token on text: a longer string cannot fit
+
+
+def _name(factory) -> str:
+    return getattr(factory, "__name__", type(factory).__name__)
+
+
+def user_call(call: Callable, what: str):
+    """call() of the user's environment code -> its value; whatever it raises is one line naming `what`, the
+    exception's class and the file and line in the user's code (hetrl.data.containment)."""
+    out = contained(call)
+    if isinstance(out, Failure):
+        raise InputError(f"{what} {out.why}")
+    return out
+
+
 def _start(agent: Agent, example, tokenizer) -> Episode:
     """A new environment instance per rollout; reset(**row)'s string goes at the end of the last user message."""
     env, tools = None, {t.__name__: t for t in agent.tools}
     prompt = list(example.prompt_ids)
     opening = reply_prefix(example.row.get("prompt")) or ""
     if agent.environment_factory is not None:
-        env = agent.environment_factory()
+        env = user_call(agent.environment_factory, f"environment {_name(agent.environment_factory)}()")
+        name = type(env).__name__
         tools |= {m.__name__: m for m in environment_tools(env)}
-        observation = env.reset(**example.row)
+        observation = user_call(lambda: env.reset(**example.row), f"environment {name}: reset()")
         if observation is not None:
             messages = example.row["prompt"]
             if not isinstance(messages, list) or not isinstance(observation, str):
-                raise InputError(f"environment {type(env).__name__}: reset() returned {type(observation).__name__} "
+                raise InputError(f"environment {name}: reset() returned {type(observation).__name__} "
                                  "for a prompt that is not chat messages; it may return None, or a string for chat "
                                  "prompts")
+            cap = agent.max_prompt_tokens
+            if cap is not None and len(observation) > MAX_CHARS_PER_TOKEN * cap:   # before tokenizing it whole
+                raise InputError(f"environment {name}: reset() returned {len(observation)} characters, more than "
+                                 f"max_prompt_tokens ({cap}) can hold; return less, or raise max_prompt_tokens")
             last = max(i for i, m in enumerate(messages) if m["role"] == "user")
             messages = [{**m, "content": m["content"] + observation} if i == last else m
                         for i, m in enumerate(messages)]
             prompt = prompt_ids(agent.render_tokenizer(tokenizer), messages)
+            if cap is not None and len(prompt) > cap:
+                raise InputError(f"environment {name}: with reset()'s string a prompt is {len(prompt)} tokens, over "
+                                 f"max_prompt_tokens ({cap}); return less, or raise max_prompt_tokens")
     return Episode(prompt=prompt, tools=tools, environment=env, pending=[prompt[-1]], opening=opening)
 
 
@@ -167,9 +193,7 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
         clock.setdefault(k, 0.0)
     if logprobs and greedy:
         raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
-    if agent.max_leaves is not None and agent.max_leaves < n:
-        raise InputError(f"max_leaves ({agent.max_leaves}) counts a task's leaves, its {n} rollouts among them; use "
-                         f"at least {n}")
+    check_max_leaves(agent.max_leaves, n)
     for e in examples:
         if not isinstance(e.row.get("prompt"), list):
             raise InputError("tools need chat prompts (a list of messages): the tools are described in the chat "
@@ -181,7 +205,7 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
             episodes.append(_start(agent, e, tokenizer))
             episodes[-1].task, episodes[-1].path = task, (j,)
     branches = 1 if greedy else agent.branches    # greedy continuations of one state would all be equal
-    cap = agent.max_leaves or n * agent.branches
+    cap = leaf_cap(agent.max_leaves, n, agent.branches)
     # forks grow a batch up to `cap` leaves per task: whole tasks per batch, as many as fit batch_size leaves
     per_batch = max(1, batch_size) if branches == 1 else max(1, batch_size // cap) * n
     warp = None if greedy else warpers(temperature, top_p, top_k)
@@ -488,8 +512,9 @@ def agent_from_config(cfg, tokenizer, tools, environment_factory) -> Agent | Non
     """The run's Agent (None without tools or an environment), from `resolve_tools`' result."""
     if not tools and environment_factory is None:
         return None
-    return make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s, cfg.branches,
-                      cfg.max_leaves)
+    agent = make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s, cfg.branches,
+                       cfg.max_leaves)
+    return dataclasses.replace(agent, max_prompt_tokens=cfg.max_prompt_tokens)
 
 __all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes",
            "group_prompt", "leaf_advantages", "loss_mask", "make_agent", "resolve_tools"]

@@ -22,12 +22,12 @@ from hetrl.trainer.engine import Episodes, Generator
 from hetrl.trainer.rollout import Sample
 
 
-def replies(worker: Generator, agent: Episodes | None, examples: list[Example], n: int,
+def replies(worker: Generator, episode_worker: Episodes | None, examples: list[Example], n: int,
             max_new_tokens: int, **sampling) -> list[list[Sample]]:
-    """`n` samples for each example: multi-turn episodes through `agent` in a run with tools or an environment,
+    """`n` samples for each example: multi-turn episodes through `episode_worker` in a run with tools or an environment,
     else `worker`'s replies to the prompt ids. `sampling`: temperature, top_p, greedy, logprobs (Generator's)."""
-    if agent is not None:
-        return agent.generate(examples, n, max_new_tokens, **sampling)
+    if episode_worker is not None:
+        return episode_worker.generate(examples, n, max_new_tokens, **sampling)
     return worker.generate([e.prompt_ids for e in examples], n, max_new_tokens, **sampling)
 
 
@@ -42,12 +42,12 @@ def score_groups(rewards: RewardSet, examples: list[Example], outputs: list[list
 
 
 def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generator,
-             path: pathlib.Path, agent: Episodes | None = None) -> tuple[list[float], dict]:
+             path: pathlib.Path, episode_worker: Episodes | None = None) -> tuple[list[float], dict]:
     """Greedy replies to every held-out prompt, scored by every reward function; each reply is written to `path`
     (JSONL). -> (each prompt's score for the paired test: correct or not where a built-in check defines
     correctness, else the weighted reward; the means for eval.jsonl)."""
     examples = source.eval_examples
-    outputs = replies(worker, agent, examples, 1, cfg.eval_max_new_tokens, greedy=True)
+    outputs = replies(worker, episode_worker, examples, 1, cfg.eval_max_new_tokens, greedy=True)
     scores = score_groups(rewards, examples, outputs)
     rows = []
     for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
@@ -70,9 +70,9 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
     return per_prompt, means
 
 
-def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, agent, examples: list[Example]) -> list[float]:
+def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, episode_worker, examples: list[Example]) -> list[float]:
     """ReMax's baselines: each prompt's greedy response (one more rollout), scored by the run's rewards."""
-    outputs = replies(worker, agent, examples, 1, cfg.max_new_tokens, greedy=True)
+    outputs = replies(worker, episode_worker, examples, 1, cfg.max_new_tokens, greedy=True)
     return list(score_groups(rewards, examples, outputs).total)
 
 

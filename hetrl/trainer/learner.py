@@ -132,8 +132,7 @@ class Learner:
     passes and before clipping: data-parallel learners all-reduce their gradients there."""
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, *, impl: str = "auto", temperature: float = 1.0,
-                 micro_batch_tokens: int = 4096, clip_low: float = 0.2, clip_high: float = 0.2,
-                 kl_coef: float = 0.0, max_grad_norm: float = 1.0,
+                 micro_batch_tokens: int = 4096, kl_coef: float = 0.0, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None, sharded: bool = False,
                  precision: RunPrecision = FP32, trie: bool = False, loss_mode: str = "vanilla",
                  loss_options: dict | None = None, kl_loss_type: str = "low_var_kl",
@@ -141,11 +140,11 @@ class Learner:
         self.model, self.optimizer, self.precision, self.trie = model, optimizer, precision, trie
         self.impl, self.temperature, self.micro_batch_tokens = impl, temperature, micro_batch_tokens
         self.kl_coef, self.max_grad_norm, self.kl_loss_type = kl_coef, max_grad_norm, kl_loss_type
-        # the policy loss (hetrl.algo.POLICY_LOSSES) and its options under verl's names; without options, the
-        # clipped surrogate without dual-clip
+        # the policy loss (hetrl.algo.POLICY_LOSSES) and its options under verl's names (a run's: RunConfig's
+        # clip_options and loss_options, build.learner); without options, the loss's own defaults (vanilla: the
+        # clipped surrogate at 0.2 without dual-clip)
         self.loss_mode = loss_mode
-        self.loss_options = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=None) \
-            if loss_options is None else dict(loss_options)
+        self.loss_options = dict(loss_options or {})
         self.lr_at = lr_at   # optimizer step -> learning rate (the run's schedule); None: the optimizer's own
         self.entropy_coeff = entropy_coeff   # loss -= entropy_coeff x entropy, aggregated as the policy loss (verl)
         self.grad_sync, self.sharded = grad_sync, sharded   # sharded: an FSDP2 rank (gradients summed by FSDP2)
@@ -213,24 +212,35 @@ class Learner:
                                               temperature=self.temperature)
             (0.0 * logp.sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.grad_sync is not None:
-            self.grad_sync(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
-        if self.sharded:
-            from hetrl.trainer.sharding import full_value
-            grad_norm = full_value(grad_norm)
-        # a non-finite step is never taken (hetrl/trainer/guards.py); data-parallel ranks decide on the synced
-        # gradient norm alone, which they share, so they all step or all skip
-        if _finite_step(float(grad_norm), totals["loss"], shared_only=self.grad_sync is not None or self.sharded):
-            if self.lr_at is not None and lr_step is not None:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.lr_at(lr_step)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = _optimizer_step(self.optimizer, [p for p in self.model.parameters() if p.requires_grad],
+                                    totals["loss"], self.max_grad_norm, self.grad_sync, self.sharded,
+                                    lr=self.lr_at(lr_step) if self.lr_at is not None and lr_step is not None else None)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
-                           clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=float(grad_norm),
+                           clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=grad_norm,
                            packed_tokens=packed, standard_tokens=standard)
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: float,
+                    max_grad_norm: float | None, grad_sync=None, sharded: bool = False,
+                    lr: float | None = None) -> float:
+    """The end of every update, the policy's and the critic's: the gradients summed over data-parallel ranks
+    (`grad_sync`; FSDP2 ranks `sharded` have them summed already), clipped, and the optimizer step taken (at `lr`
+    when given) only when the step is finite; -> the gradient norm. A non-finite step is never taken
+    (hetrl/trainer/guards.py); data-parallel ranks decide on the synced gradient norm alone, which they share, so
+    they all step or all skip."""
+    if grad_sync is not None:
+        grad_sync(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    if sharded:
+        from hetrl.trainer.sharding import full_value
+        grad_norm = full_value(grad_norm)
+    if _finite_step(float(grad_norm), loss, shared_only=grad_sync is not None or sharded):
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
 
 
 @dataclass(frozen=True)
@@ -289,14 +299,8 @@ class Critic:
             loss_total += loss.item()
             clip_total += (w * clipped).sum().item()
         assert offset == weights.numel(), "micro-batches must cover every response token"
-        params = self.parameters()
-        if self.grad_sync is not None:
-            self.grad_sync(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
-        if _finite_step(float(grad_norm), loss_total, shared_only=self.grad_sync is not None):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return CriticStats(loss_total, clip_total, float(grad_norm))
+        grad_norm = _optimizer_step(self.optimizer, self.parameters(), loss_total, self.max_grad_norm, self.grad_sync)
+        return CriticStats(loss_total, clip_total, grad_norm)
 
     def state(self) -> dict:
         """Everything a checkpoint keeps of the critic (tensors only: loaded back with weights_only=True)."""

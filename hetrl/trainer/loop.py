@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -81,7 +82,7 @@ class Rollout:
 
 
 def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine: Engine, start: int,
-                     agent: Episodes | None = None):
+                     episode_worker: Episodes | None = None):
     """Sample groups until `prompts_per_step` are kept. DAPO's dynamic sampling drops groups whose rewards
     are all equal (no learning signal) and samples more prompts, for at most `max_sampling_rounds` rounds.
     -> (kept, sampled, next stream index, reward statistics of everything sampled)."""
@@ -100,12 +101,12 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
             break
         examples, start, skipped = source.train_examples(start, cfg.prompts_per_step - len(kept))
         too_long += skipped
-        outputs = replies(engine.worker, agent, examples, cfg.responses_per_prompt, cfg.max_new_tokens,
+        outputs = replies(engine.worker, episode_worker, examples, cfg.responses_per_prompt, cfg.max_new_tokens,
                           temperature=cfg.temperature, top_p=cfg.top_p, logprobs=want_logprobs)
         scores = score_groups(rewards, examples, outputs, check=True)
         scored.append(scores)
-        baselines = (greedy_rewards(cfg, rewards, engine.worker, agent, examples) if cfg.adv_estimator == "remax"
-                     else None)
+        baselines = (greedy_rewards(cfg, rewards, engine.worker, episode_worker, examples)
+                     if cfg.adv_estimator == "remax" else None)
         episode_samples += [s for g in outputs for s in g]
         offset, failed = 0, set(scores.failed)
         for i, (example, samples) in enumerate(zip(examples, outputs)):
@@ -138,11 +139,19 @@ def _reward_stats(scored: list[Scores]) -> dict:
     return out | merged.means()
 
 
-def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None):
+@dataclasses.dataclass(frozen=True)
+class RewardKL:
+    """What the KL penalty in the token rewards is computed from (use_kl_in_reward): every token's behaviour
+    log-prob [K], its reference log-prob [K], and the controller that holds the coefficient."""
+    behaviour: torch.Tensor
+    reference: torch.Tensor
+    controller: KLController
+
+
+def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: RewardKL | None = None):
     """Per-token advantages [K] of the run's estimator (hetrl.algo.advantage on the padded responses, each
     response's reward on its last token, tool tokens outside the mask), in the order of the packed responses.
-    `kl`: (behaviour log-probs [K], reference log-probs [K], KLController) to take the KL out of the reward
-    (use_kl_in_reward). -> (advantages [K], metrics)."""
+    `kl`: to take the KL out of the reward (use_kl_in_reward). -> (advantages [K], metrics)."""
     lens, _ = _responses(rollouts, cfg)
     if cfg.branches > 1:   # a task's leaves (as many as its forks made), each one sample of the task (docs/agents.md)
         return torch.cat([episodes.leaf_advantages(r.samples, r.rewards, cfg.tree_advantage == "subtree",
@@ -158,7 +167,7 @@ def _per_token(rollouts: list[Rollout], cfg: RunConfig, kl: tuple | None = None)
     return to_packed(advantage(cfg.adv_estimator, rewards, mask, index, **options), lens), metrics
 
 
-def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, kl: tuple | None):
+def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, kl: RewardKL | None):
     """Padded [M, T] token rewards (each response's reward on its last token, less the KL penalty per token with
     `kl`) and the mask of the model's tokens [M, T] (tool tokens 0). -> (rewards, mask, metrics)."""
     mask = _model_tokens(rollouts, lens)
@@ -168,10 +177,9 @@ def _token_rewards(rollouts: list[Rollout], lens: torch.Tensor, cfg: RunConfig, 
     rewards[torch.arange(len(lens))[ends], lens[ends] - 1] = scores[ends]
     if kl is None:
         return rewards, mask, {}
-    behaviour, ref, ctrl = kl
-    coef = ctrl.value
-    rewards, current = kl_in_reward(rewards, to_padded(behaviour.double(), lens), to_padded(ref.double(), lens), mask,
-                                    ctrl, cfg.kl_loss_type)
+    coef = kl.controller.value
+    behaviour, reference = to_padded(kl.behaviour.double(), lens), to_padded(kl.reference.double(), lens)
+    rewards, current = kl_in_reward(rewards, behaviour, reference, mask, kl.controller, cfg.kl_loss_type)
     return rewards, mask, {"reward_kl_penalty": current, "reward_kl_penalty_coeff": coef}
 
 
@@ -199,7 +207,7 @@ def _responses(rollouts: list[Rollout], cfg: RunConfig) -> tuple[torch.Tensor, t
     return lens, keep
 
 
-def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic, kl: tuple | None = None):
+def _ppo_targets(cfg: RunConfig, kept: list[Rollout], groups, critic, kl: RewardKL | None = None):
     """Old values [K] from the critic, then GAE on the token rewards (each response's reward on its last token):
     (old values, advantages, returns, metrics), advantages whitened over the batch's kept tokens when asked."""
     old_values = critic.values(groups).to(torch.float64)
@@ -242,7 +250,7 @@ def update_policy(cfg: RunConfig, learner, kept: list[Rollout], reference, criti
         is_weights, kept_tokens, mismatch = _rollout_correction(kept, cfg, trainer_logp, rollout_logp, correction)
     kl = None
     if kl_ctrl is not None:   # every token's behaviour log-prob: the rollout's where they are the old ones, else ours
-        kl = (trainer_logp if trainer_logp is not None else rollout_logp, ref_logp, kl_ctrl)
+        kl = RewardKL(trainer_logp if trainer_logp is not None else rollout_logp, ref_logp, kl_ctrl)
     if critic is not None:
         old_values, ppo_adv, returns, kl_metrics = _ppo_targets(cfg, kept, groups, critic, kl)
     else:
@@ -335,7 +343,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
     """Held-out evaluation, `cfg.steps` training steps, held-out evaluation again; -> the run's summary. `resumed`:
     (the checkpoint the engine was restored from, its trainer state), the run continues at its step."""
     step, next_problem, before, version = 0, 0, None, 0
-    tool_worker = engine.episodes     # a run with tools or an environment: multi-turn episodes
+    episode_worker = engine.episodes     # a run with tools or an environment: multi-turn episodes
     last_saved: pathlib.Path | None = None
     kl_ctrl = KLController(cfg.kl_coef, cfg.kl_ctrl, cfg.kl_target, cfg.kl_horizon) if cfg.use_kl_in_reward else None
     if resumed is not None:
@@ -348,7 +356,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         version = step
     if before is None:
         before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
-                                        tool_worker)
+                                        episode_worker)
         evals.write({"step": 0, **before_means})
         tqdm.write(f"held-out {score_name(before_means)} before training: {headline(before_means):.3f} "
                    f"({len(before)} prompts, greedy)")
@@ -362,7 +370,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
             cfg.to_dict())
         return last_saved
 
-    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine, start, tool_worker),
+    stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine, start, episode_worker),
                             next_problem,
                             cfg.max_staleness if cfg.mode == "async" else 0, cfg.steps - step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
@@ -396,7 +404,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
                 tqdm.write(f"nonfinite=skip: {reason}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
-                                    tool_worker)
+                                    episode_worker)
                 evals.write({"step": step, **means})
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 save(step)
@@ -410,7 +418,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         return {"stopped_at_step": step, "interrupted": True}
 
     after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
-                                  tool_worker)
+                                  episode_worker)
     evals.write({"step": step, **after_means})
     final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
     merged = engine.save_merged(run_dir) if cfg.lora_rank else None   # the adapter is in the checkpoint

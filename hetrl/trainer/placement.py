@@ -142,8 +142,8 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
     steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
     return WorkloadSpec(**_episode_shape(cfg),
         algorithm=cfg.algorithm if cfg.algorithm in ("grpo", "dapo", "ppo") else "grpo", mode=cfg.mode, actor=actor,
-        reference=actor if cfg.kl_coef > 0 else None,
-        reward=None, critic=actor if cfg.algorithm == "ppo" else None, prompts_per_step=cfg.prompts_per_step,
+        reference=actor if cfg.has_reference else None,
+        reward=None, critic=actor if cfg.has_critic else None, prompts_per_step=cfg.prompts_per_step,
         responses_per_prompt=cfg.responses_per_prompt, prompt_tokens=prompt_tokens,
         dualkv=True, precision=precision,
         optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision),

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+from hetrl.schema import InputError
+
+log = logging.getLogger(__name__)
 
 CPU_BF16_ENV = "HETRL_CPU_BF16"   # 1 / 0: say whether the CPU has fast bf16 instead of asking it
 NAMES = ("bf16-mixed", "fp32", "fp64", "bf16")
@@ -53,11 +58,33 @@ class RunPrecision:
 FP32 = RunPrecision("fp32", autocast=False)   # roles made outside a run (tests, benchmarks) unless told
 
 
+def device(name: str, check: bool = True) -> torch.device:
+    """The device `name` names (RunConfig.device). `auto`: CUDA when torch sees a GPU, else the CPU (logged); an
+    explicit device that is not there is an error (`check` off: the device named, wherever this process is, as the
+    precision a run would have there is decided)."""
+    if name == "auto":
+        chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("device=auto chose %s", chosen)
+        return chosen
+    if name.startswith("cuda") and check:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        if index >= count:
+            raise InputError(f"device={name}: torch {torch.__version__} sees {count} CUDA device(s) here"
+                             + ("" if count else " (a CPU-only build, or no GPU)") + "; use device=cpu or device=auto")
+    return torch.device(name)
+
+
+def driver_device(cfg) -> torch.device:
+    """Where the driver computes: a local run's `device`; on Ray the driver only coordinates (the CPU), the actors
+    computing on their plan GPUs."""
+    return device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
+
+
 def decide(cfg) -> RunPrecision:
     """The precision of the run RunConfig `cfg` describes, on the device it computes on (`device`, auto: CUDA
     where torch sees a GPU; a Ray run's actors: the same)."""
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    kind = torch.device(device).type
+    kind = device(cfg.device, check=False).type
     if cfg.dtype == "float64":
         return RunPrecision("fp64", autocast=False, auto=cfg.precision == "auto")
     mixed = cfg.precision == "bf16-mixed" or (cfg.precision == "auto" and (

@@ -44,8 +44,9 @@ class Sample:
     tokens: list[int]
     text: str
     truncated: bool
-    # Set by the Ray executor: the policy version that sampled it and, in async mode, its tokens' log-probs
-    # under that (behaviour) policy, which the importance ratio is taken against.
+    # `version`: the policy version that sampled it (set by the Ray executor's rollout actors). `logprobs`: its
+    # tokens' log-probs under the weights that drew it, where the rollout gives them (fp32 sampling logits, vLLM,
+    # or a Ray actor's scoring pass in async mode): the loop's one rule (loop._old_logprobs) says what they are for.
     version: int | None = None
     logprobs: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # A multi-turn episode (hetrl.trainer.episodes): True on the model's own tokens, False on tool tokens (context,
@@ -79,8 +80,8 @@ class RolloutWorker:
         self.model.load_state_dict(state_dict)
 
     def queue_weights(self, state_dict: dict) -> None:
-        """Weight sync applied at the start of the next generate call, never during one: a learner in this process
-        may hand a new version while a background thread samples (local async). `state_dict` must be a copy."""
+        """Weight sync applied at the start of the next generate call (episodes' too), never during one. `state_dict`
+        must be a copy."""
         with self._queued_lock:
             self._queued = state_dict
 

@@ -22,17 +22,16 @@ from tqdm import tqdm
 
 from hetrl.data import RewardSet, RowSource, Source, TaskSource
 from hetrl.data.rewards import convention, load_reward
-from hetrl.data.sources import read_checked
+from hetrl.data.sources import check_plain_text, read_checked
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, memory, vllm_engine
-from hetrl.trainer.build import DTYPES
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.metrics import MetricsLog, tracker
-from hetrl.trainer.precision import decide
+from hetrl.trainer.precision import decide, driver_device
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
         metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
         try:
             # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
-            on_cpu = cfg.executor != "local" or build.device(cfg.device).type == "cpu"
+            on_cpu = driver_device(cfg).type == "cpu"
             with allocator.freed_memory_kept(on_cpu):
                 return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
                                         tools, environment_factory, allow_config_change)
@@ -83,7 +82,7 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
 def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
                      environment_factory=None, allow_config_change: bool = False) -> dict:
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    device = build.device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
+    device = driver_device(cfg)
     precision = decide(cfg)   # once for the run: every role, the plan, the log and summary.json carry it
     if device.type == "cuda":
         build.fast_fp32_matmuls(precision)
@@ -92,7 +91,7 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
         vllm_engine.check_config(cfg, precision)
     tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
-    model, tokenizer = load_model(cfg.model, DTYPES[cfg.dtype], seed=cfg.seed)
+    model, tokenizer = load_model(cfg.model, cfg.torch_dtype, seed=cfg.seed)
     model = model.to(device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
     source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset)
@@ -213,6 +212,7 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
     """The run's prompts: the user's rows (`data=` or a dataset from Python) or the reasoning-gym task."""
     if cfg.data is None and eval_dataset is not None:
         raise InputError("eval_dataset is the held-out part of train_dataset; pass train_dataset too")
+    check_plain_text(tokenizer, prompt_suffix=cfg.prompt_suffix, response_prefix=cfg.response_prefix)
     if cfg.data is None:
         return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cfg.max_prompt_tokens,
                           cfg.prompt_suffix, cfg.response_prefix)
@@ -236,7 +236,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
     if cfg.critic_model is not None:
         build.critic_model_problem(cfg)
-    for f in (reward_list(reward_funcs) if reward_funcs is not None else cfg.rewards):
+    for f in run_rewards(cfg, reward_funcs):
         if callable(f) or ":" in f:
             convention(f if callable(f) else load_reward(f))
     if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
@@ -249,7 +249,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
 def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:
     """The run's reward functions (the config's, or those passed from Python), plus the format bonus, plus an
     environment's get_reward() (weight 1, as TRL)."""
-    funcs = reward_list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
+    funcs = run_rewards(cfg, reward_funcs)
     weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(funcs)
     if agent is not None and agent.env_reward:
         funcs.append(environment_reward(agent.environment_factory))
@@ -259,6 +259,11 @@ def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: epis
         weights.append(cfg.format_reward)
     return RewardSet(funcs, weights, workers=cfg.reward_workers, builtins=source.builtin_rewards(cfg.answer_key),
                      errors=cfg.reward_errors, timeout_s=cfg.reward_timeout_s, strict=cfg.strict)
+
+
+def run_rewards(cfg: RunConfig, reward_funcs=None) -> list:
+    """The run's reward functions: those passed from Python (reward_list), else the config's names."""
+    return reward_list(reward_funcs) if reward_funcs is not None else list(cfg.rewards)
 
 
 def reward_list(reward_funcs) -> list:

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from hetrl.cli import main
-from hetrl.trainer import build
 from hetrl.trainer.metrics import TIMING_KEYS
+from hetrl.trainer.precision import device
 
 TINY = str(pathlib.Path(__file__).parents[2] / "examples" / "runs" / "tiny.yaml")
 
 
 def test_auto_is_cuda_when_present_else_cpu():
-    assert build.device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert build.device("cpu") == torch.device("cpu")
+    assert device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert device("cpu") == torch.device("cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

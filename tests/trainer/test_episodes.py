@@ -5,6 +5,7 @@ masked out of the loss, and the masked loss is the loss over the model's tokens 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -313,3 +314,88 @@ def test_a_prompt_that_opens_the_call_is_continued_and_its_call_parsed():
                               greedy=True)
     assert s.tokens == turn1 + suffix + turn2 and s.episode.calls == 1 and s.episode.errors == 0
     assert s.text == "42" and not s.truncated
+
+
+class InitBoom:
+    def __init__(self):
+        raise ValueError("init boom")
+
+    def reset(self, **row):
+        return None
+
+    def peek(self, k: int) -> str:
+        """Peek.
+
+        Args:
+            k: Which.
+        """
+        return str(k)
+
+
+class ResetBoom(Counter):
+    def reset(self, **row):
+        raise KeyError("no such row")
+
+
+class Flood(Counter):
+    def reset(self, **row):
+        return "x" * 100_000
+
+
+def test_an_environments_own_errors_are_one_line_with_class_file_and_line():
+    """__init__ and reset() raising, and a reset() string no prompt can hold: each one InputError naming the
+    environment, the exception's class and where in the user's file (never a raw traceback, never a hang)."""
+    from hetrl.data.sources import prompt_ids
+    from hetrl.schema import InputError
+
+    model, tok = load_model("tiny", seed=2)
+    with pytest.raises(InputError, match=r"environment InitBoom\(\) raised ValueError: init boom \(.*test_episodes"):
+        make_agent(tok, [], InitBoom, max_tool_calls=1, tool_timeout_s=5.0)
+    row = {"prompt": [{"role": "user", "content": "hello"}]}
+    for env, needle in ((ResetBoom, r"environment ResetBoom: reset\(\) raised KeyError: 'no such row' "
+                                    r"\(.*test_episodes"),
+                        (Flood, r"environment Flood: reset\(\) returned 100000 characters, more than "
+                                r"max_prompt_tokens \(64\)")):
+        agent = dataclasses.replace(make_agent(tok, [], env, max_tool_calls=1, tool_timeout_s=5.0),
+                                    max_prompt_tokens=64)
+        example = Example(row, prompt_ids(agent.render_tokenizer(tok), row["prompt"]))
+        with pytest.raises(InputError, match=needle):
+            generate_episodes(model, tok, agent, [example], 2, 4)
+
+
+def test_an_environment_ray_cannot_pickle_is_refused_up_front():
+    import threading as th
+
+    from hetrl.schema import InputError
+    from hetrl.trainer.ray_executor import check_picklable
+
+    model, tok = load_model("tiny", seed=2)
+    agent = make_agent(tok, [], Counter, max_tool_calls=1, tool_timeout_s=5.0)
+    check_picklable(agent)
+    lock = th.Lock()
+
+    def factory():   # a closure over a lock: fine in this process, not across it
+        with lock:
+            return Counter()
+
+    with pytest.raises(InputError, match="factory cannot be sent to Ray's rollout actors"):
+        check_picklable(dataclasses.replace(agent, environment_factory=factory))
+
+
+def test_a_huge_tool_result_is_cut_and_the_cut_said(caplog):
+    from hetrl.data.tools import TOOL_RESULT_MAX_CHARS
+
+    def flood(n: int) -> str:
+        """Flood.
+
+        Args:
+            n: How many.
+        """
+        return "y" * n
+
+    (small, big) = run_calls([({"flood": flood}, ToolCall("flood", {"n": 10})),
+                              ({"flood": flood}, ToolCall("flood", {"n": 10_000_000}))], 5.0)
+    assert small.content == "y" * 10 and not small.error
+    assert big.content.startswith("y" * TOOL_RESULT_MAX_CHARS) and big.content.endswith(
+        f"[cut: {10_000_000 - TOOL_RESULT_MAX_CHARS} more characters]")
+    assert any("returned 10000000 characters; cut to" in r.getMessage() for r in caplog.records)

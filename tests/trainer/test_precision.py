@@ -92,6 +92,22 @@ def test_a_mixed_precision_run_completes(tmp_path):
     assert all(r["weight_sync_s"] >= 0 for r in rows)         # the rollout's bf16 copy refreshed every step
 
 
+@pytest.mark.parametrize("path", [["algorithm=ppo", "critic_lr=1e-3"], ["lora_rank=4", "lr=1e-3"]],
+                         ids=["ppo", "lora"])
+def test_ppo_and_lora_runs_complete_under_forced_bf16(tmp_path, path):
+    """What precision=auto picks on a CPU with bf16 (the suite pins auto to fp32), forced on PPO's critic and a LoRA
+    policy (the agent and tree paths: tests/trainer/test_tools_train.py and tests/dualkv/test_trees.py)."""
+    from hetrl.cli import main
+
+    assert main(["train", "--config", TINY, "precision=bf16-mixed", "steps=2", "eval_size=4", "checkpoint_every=0",
+                 *path, f"out_dir={tmp_path / 'run'}"]) == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)
+    if path[0] == "algorithm=ppo":
+        assert all(math.isfinite(r["value_loss"]) for r in rows)
+
+
 def test_auto_precision_is_fp32_on_a_cpu_without_bf16(monkeypatch):
     """precision=auto (the default) runs a CPU without bf16 instructions in fp32 (conftest pins the suite there)."""
     monkeypatch.setenv("HETRL_CPU_BF16", "0")

@@ -87,8 +87,7 @@ def _counting_learner(model, asked):
             return super().update(*args, is_weights=is_weights, **kw)
 
     seen = []
-    learner = Counting(model, torch.optim.AdamW(model.parameters(), lr=0.0), impl="reference", clip_low=0.2,
-                       clip_high=0.2)
+    learner = Counting(model, torch.optim.AdamW(model.parameters(), lr=0.0), impl="reference")
     return learner, seen
 
 

@@ -159,7 +159,7 @@ def test_an_on_policy_update_needs_no_old_log_prob_pass():
     for how in ("separate pass", "on-policy"):
         m = copy.deepcopy(model)
         learner = Learner(m, torch.optim.AdamW(m.parameters(), lr=1e-2), impl="reference", micro_batch_tokens=40,
-                          kl_coef=0.1, clip_low=0.2, clip_high=0.2)
+                          kl_coef=0.1)
         old = learner.logprobs(groups)
         stats = learner.update(groups, advantages, weights, old if how == "separate pass" else None, old - 0.05)
         results[how] = (dict(m.named_parameters()), stats)
