@@ -50,13 +50,27 @@ def raylets(tmp_path):
     cluster.shutdown()
 
 
+# The tiny model runs 10 steps a second: a node removed after step 1 could be gone only after the run ended. A
+# reward that takes a second makes each step outlast the removal and Ray's noticing it (deterministic, so the
+# runs stay comparable sample for sample).
+SLOW_REWARD = """import time
+
+
+def slow(completions, **kwargs):
+    time.sleep(1.0)
+    return [(len(c) % 3) / 2 for c in completions]
+"""
+
+
 def _run(cluster, tmp_path, name, *extra, plan="plan.json"):
     from hetrl.cli import main
 
     out = tmp_path / name
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD)
     code = main(["train", "--config", TINY, "executor=ray", f"cluster={tmp_path / 'cluster.yaml'}",
-                 f"ray_address={cluster.address}", f"plan={tmp_path / plan}", f"out_dir={out}", "kl_coef=0",
-                 "eval_size=4", "steps=3", "checkpoint_every=0", *extra])
+                 f"reward={reward}:slow", f"ray_address={cluster.address}", f"plan={tmp_path / plan}",
+                 f"out_dir={out}", "kl_coef=0", "eval_size=4", "steps=3", "checkpoint_every=0", *extra])
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return code, rows, json.loads((out / "placement.json").read_text())
 
