@@ -88,13 +88,12 @@ def decode_floor(spec, cfg, precision: str, prompt_tokens: float, bandwidth: flo
 
 
 def phases(model: str, rows: list[dict], run: dict, peak: float, bandwidth: float) -> dict:
-    import torch
 
     from hetrl.models import load_model
     from hetrl.trainer.config import RunConfig
     from hetrl.trainer.placement import model_spec_from_hf, old_logprob_share
-    with torch.device("meta"):
-        spec = model_spec_from_hf(load_model(model)[0].config, model)
+    # the model's shape, from a model built on the CPU (transformers refuses from_pretrained under a meta device)
+    spec = model_spec_from_hf(load_model(model)[0].config, model)
     params = spec.active_params
     cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
     passes = (1.0 if cfg.kl_coef > 0 else 0.0) + old_logprob_share(cfg, "bf16" if run["precision"] == "bf16-mixed"

@@ -1,0 +1,140 @@
+"""Operator tables for the cost model, measured on this machine's device (the GPU issue's stage d).
+
+    python -m hetrl.bench.operators --device cuda --out DIR [--budget-s 90] [--models qwen3-8b ...] [--quick]
+
+One row per measurement, each naming its source (this device, the torch version, the date): dense GEMM seconds
+by (M, N, K) at the projection shapes of the planner's model presets (qkv, o, gate+up, down), M from 1 to 16K
+tokens; attention (SDPA) by batch x context for decode (one query token) and by length for prefill (causal);
+a device-to-device copy's bandwidth. Written as NAME.csv (the catalog's table form: op, dtype, m, n, k, batch,
+context, heads, kv_heads, head_dim, seconds, rate, source) and NAME.json. Rows are measured cheapest first and
+the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), warm-up calls first,
+CUDA events on a GPU (hetrl.bench.harness.seconds), the median of `repeats`.
+
+Hand-written because no library measures these tables in this form: Vidur's profiler (the cost model's published
+source) needs its own GPU setup and Sarathi's kernels; this is its minimal subset on plain torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+from hetrl.bench.harness import machine, seconds, utc_now
+from hetrl.planner.spec import PRESETS
+
+FIELDS = ("op", "dtype", "m", "n", "k", "batch", "context", "heads", "kv_heads", "head_dim", "seconds", "rate",
+          "source")
+TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+DECODE = ((1, 1024), (8, 1024), (32, 2048), (64, 4096), (128, 8192), (256, 8192))   # (batch, context)
+PREFILL = (512, 2048, 8192, 16384)
+QUICK = dict(tokens=(1, 8, 32), decode=((1, 64), (4, 128)), prefill=(64, 128))
+
+
+def gemm_shapes(models: list[str], tp: int = 1) -> list[tuple[str, int, int]]:
+    """(what, N, K) of every projection of `models` (planner presets) at tensor-parallel degree `tp`."""
+    out = []
+    for name in models:
+        m = PRESETS[name]
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        out += [(f"{name} qkv", (q + 2 * kv) // tp, m.hidden), (f"{name} o", m.hidden, q // tp),
+                (f"{name} gate_up", 2 * m.intermediate // tp, m.hidden), (f"{name} down", m.hidden,
+                                                                          m.intermediate // tp)]
+    return out
+
+
+def _median(fn, device, repeats: int) -> float:
+    fn()   # warm-up (and any lazy initialisation)
+    return statistics.median(seconds(fn, device) for _ in range(repeats))
+
+
+def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: float, repeats: int = 5,
+            dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> dict:
+    """Measure until `budget_s`; -> {"rows": [...], "stopped": bool, ...}, also written to out/operators_DEVICE.*"""
+    t_end = time.monotonic() + budget_s
+    dev = torch.device(device)
+    source = f"measured: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}, torch " \
+             f"{torch.__version__}, {utc_now()}"
+    name = str(dtype).removeprefix("torch.")
+    rows: list[dict] = []
+    tokens, decode, prefill = (QUICK["tokens"], QUICK["decode"], QUICK["prefill"]) if quick else (TOKENS, DECODE,
+                                                                                                 PREFILL)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=dtype, generator=g)
+
+    def row(**kw):
+        rows.append({k: kw.get(k) for k in FIELDS} | {"dtype": kw.get("dtype", name), "source": source})
+
+    jobs = []
+    a = torch.randn(1 << (16 if quick else 28), device=dev, generator=g)   # 256 KiB or 1 GiB of fp32
+    b = torch.empty_like(a)
+    jobs.append(lambda: row(op="copy", dtype="float32", seconds=(s := _median(lambda: b.copy_(a), dev, repeats)),
+                            rate=2 * a.numel() * 4 / s))
+    for what, n, k in gemm_shapes(models):
+        for m in tokens:
+            def gemm(m=m, n=n, k=k):
+                x, w = rand(m, k), rand(k, n)
+                s = _median(lambda: x @ w, dev, repeats)
+                row(op="gemm", m=m, n=n, k=k, seconds=s, rate=2 * m * n * k / s)
+            jobs.append(gemm)
+    for name_ in models:
+        p = PRESETS[name_]
+        for batch, ctx in decode:
+            def attn_decode(batch=batch, ctx=ctx, p=p):
+                q = rand(batch, p.heads, 1, p.head_dim)
+                k, v = rand(batch, p.kv_heads, ctx, p.head_dim), rand(batch, p.kv_heads, ctx, p.head_dim)
+                f = torch.nn.functional.scaled_dot_product_attention
+                s = _median(lambda: f(q, k, v, enable_gqa=True), dev, repeats)
+                row(op="attention_decode", batch=batch, context=ctx, heads=p.heads, kv_heads=p.kv_heads,
+                    head_dim=p.head_dim, seconds=s, rate=2 * batch * ctx * p.kv_heads * p.head_dim * 2 / s)
+            jobs.append(attn_decode)
+        for length in prefill:
+            def attn_prefill(length=length, p=p):
+                q = rand(1, p.heads, length, p.head_dim)
+                k, v = rand(1, p.kv_heads, length, p.head_dim), rand(1, p.kv_heads, length, p.head_dim)
+                f = torch.nn.functional.scaled_dot_product_attention
+                s = _median(lambda: f(q, k, v, is_causal=True, enable_gqa=True), dev, repeats)
+                row(op="attention_prefill", batch=1, context=length, heads=p.heads, kv_heads=p.kv_heads,
+                    head_dim=p.head_dim, seconds=s, rate=2 * 2 * p.heads * p.head_dim * length * length / 2 / s)
+            jobs.append(attn_prefill)
+    stopped = False
+    for job in jobs:
+        if time.monotonic() > t_end:
+            stopped = True
+            break
+        job()
+    res = {"device": device, "dtype": name, "models": models, "machine": machine(), "when": utc_now(),
+           "stopped_at_budget": stopped, "rows_done": len(rows), "rows_planned": len(jobs), "rows": rows}
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"operators_{dev.type}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    (out / f"operators_{dev.type}.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=90.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-4b"], choices=sorted(PRESETS))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
+    args = ap.parse_args()
+    res = measure(args.device, args.out, args.models, args.budget_s, args.repeats, quick=args.quick)
+    print(f"operators: {res['rows_done']} of {res['rows_planned']} rows on {args.device}"
+          + (" (stopped at the budget)" if res["stopped_at_budget"] else ""))
+
+
+if __name__ == "__main__":
+    main()

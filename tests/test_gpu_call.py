@@ -1,0 +1,28 @@
+"""The GPU issue's prepared call (`scripts/gpu_session.sh all`), smoke-tested on the CPU at tiny sizes so that it
+cannot rot between lent GPUs: every stage runs, each writes what it measured, and at most 8 files come back."""
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_the_prepared_gpu_call_runs_every_stage_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), GPU_SESSION_DEVICE="cpu", A_S="90", B_S="150", C_S="90", D_S="40")
+    done = subprocess.run(["bash", "scripts/gpu_session.sh", "all"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8, files
+    assert {"machine.txt", "summary.txt", "logs.tgz", "train_split_cpu.json", "dualkv_layer_tiny_cpu.json",
+            "operators_cpu.csv", "operators_cpu.json"} <= set(files), files
+    assert "gpu_session all:" in done.stdout     # the summary, printed last
+    assert json.loads((out / "train_split_cpu.json").read_text())["runs"]          # stage b: a run finished
+    assert json.loads((out / "dualkv_layer_tiny_cpu.json").read_text())["rows"]    # stage c: its cells
+    rows = list(csv.DictReader((out / "operators_cpu.csv").open()))               # stage d: the tables
+    assert {r["op"] for r in rows} == {"copy", "gemm", "attention_decode", "attention_prefill"}
+    assert all(float(r["seconds"]) > 0 and r["source"].startswith("measured: CPU") for r in rows)
