@@ -450,6 +450,7 @@ def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path):
         assert torch.equal(after2[0], after2[1]), "the critic ranks disagree after the step"
 
 
+@pytest.mark.slow   # 50 s: a PPO run, a kill, a resume; the slow tier keeps it (the default suite stays under 10 min)
 def test_ppo_on_ray_places_six_roles_and_a_killed_critic_resumes_exactly(local_ray, tmp_path, capsys):
     """algorithm=ppo with the plan `hetrl plan --out` wrote for the PPO workload on this cluster: rollout, learner
     (actor_train + actor_infer), reference and critic (critic_train + critic_infer) actors where the plan puts
