@@ -218,7 +218,7 @@ def _kill_and_resume(tmp_path, straight, at: int):
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
-@pytest.mark.slow   # 46 s: kill -9 at each point of the final checkpoint; the slow tier keeps it (the default suite stays under 10 min)
+@pytest.mark.slow   # 46 s: kill -9 at each point of the final checkpoint (the default suite stays under 10 min)
 def test_kill_9_during_the_final_checkpoint_leaves_a_resumable_run(tmp_path, straight):
     """The last renames of a run are the final checkpoint's (its directory, `latest`), the summary's and the
     plot's: a SIGKILL at each of them, then `--resume`, ends with the uninterrupted run's rows and weights. (The
