@@ -624,6 +624,16 @@ class DataParallelScorer:
 ALIVE_PROBE_S = 60.0   # Ray marks a lost node's actors dead within its health checks (about 30 s by default)
 
 
+def _forget_cached_ray_token() -> None:
+    """Ray keeps the auth token it first read in this process (an earlier Ray session's, from ~/.ray/auth_token); a
+    token this run puts in RAY_AUTH_TOKEN, or takes away, must replace it, or the driver's calls are refused."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:    # a Ray without token authentication
+        return
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 RAY_SOCKET_SUFFIX_CHARS = 62   # session_<date>_<time>_<us>_<pid>/sockets/plasma_store under Ray's temp dir
 UNIX_SOCKET_PATH_CHARS = 107   # the longest path of a unix socket (Linux)
 
@@ -1059,6 +1069,7 @@ class RayEngine:
                     import secrets
 
                     os.environ["RAY_AUTH_TOKEN"] = self._token = secrets.token_hex(32)
+                    _forget_cached_ray_token()
                 ray.init(resources=node_resources(self.cluster), include_dashboard=False, _node_ip_address="127.0.0.1",
                          object_store_memory=1 << 30, configure_logging=False, _temp_dir=temp)
             else:
@@ -1229,6 +1240,7 @@ class RayEngine:
             shutil.rmtree(self._temp_made, ignore_errors=True)
         if self._token is not None and os.environ.get("RAY_AUTH_TOKEN") == self._token:
             del os.environ["RAY_AUTH_TOKEN"]
+            _forget_cached_ray_token()
 
     def close(self) -> None:
         if not ray.is_initialized():
