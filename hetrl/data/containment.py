@@ -57,6 +57,20 @@ def contained(call: Callable[[], Any]) -> Any:
         return Failure(f"raised {detail} ({where(e)})")
 
 
+def user_call(call: Callable[[], Any], what: str) -> Any:
+    """call() of the user's code (an environment's constructor or reset()) -> its value; whatever it raises is one
+    InputError naming `what`, the exception's class and the file and line in the user's code (`contained`)."""
+    out = contained(call)
+    if isinstance(out, Failure):
+        raise InputError(f"{what} {out.why}")
+    return out
+
+
+def name_of(obj) -> str:
+    """A user's function, class or callable object by its name (its type's, for an object without one)."""
+    return getattr(obj, "__name__", type(obj).__name__)
+
+
 def _serve(conn, run: Callable) -> None:
     """A worker: answer (job id, args) with (job id, value or Failure) until told None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the trainer's to handle

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from hetrl.schema import InputError
 
-from .containment import Failure, contained
+from .containment import name_of, user_call
 from .specs import load_module, lookup
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def tool_schema(fn: Callable, where: str | None = None) -> dict:
     on an argument is refused in one line, as transformers would refuse it deeper down."""
     from transformers.utils import get_json_schema
 
-    name = getattr(fn, "__name__", type(fn).__name__)
+    name = name_of(fn)
     at = f"tool {name}" + (f" ({where})" if where else "")
     if not callable(fn):
         raise InputError(f"{at}: {type(fn).__name__} is not callable; a tool is a function")
@@ -132,10 +132,7 @@ def environment_tools(instance) -> list[Callable]:
 def check_environment(factory: Callable) -> tuple[list[dict], bool]:
     """Make one instance of `factory` and check it as TRL does: a callable `reset`, tool methods with schemas.
     -> (its tools' schemas, whether it defines get_reward)."""
-    made = contained(factory)
-    if isinstance(made, Failure):
-        raise InputError(f"environment {getattr(factory, '__name__', type(factory).__name__)}() {made.why}")
-    instance = made
+    instance = user_call(factory, f"environment {name_of(factory)}()")
     name = type(instance).__name__
     if not callable(getattr(instance, "reset", None)):
         raise InputError(f"environment {name}: defines no reset(); TRL's contract is reset(**row) returning None or "
@@ -147,7 +144,7 @@ def check_environment(factory: Callable) -> tuple[list[dict], bool]:
 def environment_reward(factory: Callable) -> Callable:
     """The environment's `get_reward()` as a reward function in TRL's convention (weight 1, named after the class):
     it reads each completion's own instance from the `environments` column the rollout adds."""
-    cls_name = getattr(factory, "__name__", type(factory).__name__)
+    cls_name = name_of(factory)
 
     def reward(completions, environments, **kwargs):
         out = []

@@ -39,7 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from hetrl.algo import tree_advantages
-from hetrl.data.containment import Failure, contained
+from hetrl.data.containment import name_of, user_call
 from hetrl.data.sources import prompt_ids, reply_prefix
 from hetrl.data.tools import (
     ToolTokenizer,
@@ -138,26 +138,13 @@ class Episode:
 MAX_CHARS_PER_TOKEN = 16   # no tokenizer packs more characters into a token on text: a longer string cannot fit
 
 
-def _name(factory) -> str:
-    return getattr(factory, "__name__", type(factory).__name__)
-
-
-def user_call(call: Callable, what: str):
-    """call() of the user's environment code -> its value; whatever it raises is one line naming `what`, the
-    exception's class and the file and line in the user's code (hetrl.data.containment)."""
-    out = contained(call)
-    if isinstance(out, Failure):
-        raise InputError(f"{what} {out.why}")
-    return out
-
-
 def _start(agent: Agent, example, tokenizer) -> Episode:
     """A new environment instance per rollout; reset(**row)'s string goes at the end of the last user message."""
     env, tools = None, {t.__name__: t for t in agent.tools}
     prompt = list(example.prompt_ids)
     opening = reply_prefix(example.row.get("prompt")) or ""
     if agent.environment_factory is not None:
-        env = user_call(agent.environment_factory, f"environment {_name(agent.environment_factory)}()")
+        env = user_call(agent.environment_factory, f"environment {name_of(agent.environment_factory)}()")
         name = type(env).__name__
         tools |= {m.__name__: m for m in environment_tools(env)}
         observation = user_call(lambda: env.reset(**example.row), f"environment {name}: reset()")

@@ -38,6 +38,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from hetrl.data.containment import name_of
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, files, guards, vllm_engine
 from hetrl.trainer.checkpoint import resume_command
@@ -984,8 +985,7 @@ def check_picklable(agent: Agent) -> None:
         try:
             cloudpickle.dumps(obj)
         except Exception as e:   # noqa: BLE001 - whatever pickling a user's object raises
-            what = getattr(obj, "__name__", type(obj).__name__)
-            raise InputError(f"{what} cannot be sent to Ray's rollout actors ({type(e).__name__}: "
+            raise InputError(f"{name_of(obj)} cannot be sent to Ray's rollout actors ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}); keep what it holds picklable (open files, "
                              "locks and sockets made inside its methods or reset(), not at import), or use "
                              "executor=local") from None
