@@ -39,6 +39,10 @@ class GPUType:
     # colocated in async mode time-share it), against the same work done one after the other; 1 = no loss.
     # Measured on CPU cores (caches and memory bandwidth shared, context switches); absent: 1
     timeshare_efficiency: float | None = rule(None, gt=0, le=1)
+    # The catalog GPU whose operator tables (hetrl/planner/optables.py) price this type, scaled by the ratio of
+    # peak FLOP/s or HBM bandwidth: a type described in a cluster YAML states it (e.g. "H100" for a Hopper part);
+    # absent, such a type is priced by the roofline constants. Catalog GPUs find their own (optables.nearest_measured)
+    operator_tables: str | None = None
 
     def __post_init__(self):
         check(self)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import optables
 from .catalog import NVLINK_BUS_EFFICIENCY, attention_efficiency, gemm_efficiency
 from .plan import ROLE_OF_TASK, Group, Parallelism, Plan, check_structure
 from .spec import GBIT, INTRA_REGION_LATENCY_S, PCIE_BYTES_PER_S, ClusterSpec, ModelSpec, WorkloadSpec
@@ -255,9 +256,32 @@ def _dp_groups_of(shards, replicas: int, pp: int, tp: int) -> tuple[tuple[int, .
 
 @functools.lru_cache(maxsize=20_000)
 def _replica_links(cluster, shards) -> tuple[tuple[tuple, tuple], ...]:
-    """Per replica: the slowest link of each stage's TP group, and of each pair of adjacent stages (a PP hop)."""
-    return tuple((tuple(slowest_link(cluster, ids) for ids in stages),
+    """Per replica: the slowest link of each stage's TP group (with, where the group is one node's GPUs over NVLink,
+    their type, whose collective tables then price its all-reduces), and of each pair of adjacent stages (a PP
+    hop)."""
+    return tuple((tuple(slowest_link(cluster, ids) + (_nvlink_type(cluster, ids),) for ids in stages),
                   tuple(slowest_link(cluster, a + b) for a, b in zip(stages, stages[1:]))) for stages in shards)
+
+
+def _nvlink_type(cluster, ids):
+    """The GPU type of `ids` when they are GPUs of one node joined by NVLink (the collective tables' setting)."""
+    nodes = {cluster.gpus[i].node for i in ids}
+    if len(nodes) != 1 or len(ids) < 2:
+        return None
+    node = cluster.node(next(iter(nodes)))
+    t = cluster.gpus[ids[0]].type
+    return t if node.intra_node == "nvlink" and node.intra_node_gbps is None and t.mfu is None else None
+
+
+def tp_allreduce_s(nbytes: float, k: int, link: tuple, messages: int) -> float:
+    """`messages` NCCL all-reduces moving `nbytes` in all over a TP group of k on `link` (latency, bytes/s[, GPU
+    type]): from the collective tables (optables.allreduce_s) where the link names a GPU type measured on NVLink,
+    else the ring formula (allreduce_s)."""
+    if k > 1 and messages >= 1 and len(link) > 2 and link[2] is not None:
+        one = optables.allreduce_s(link[2], nbytes / messages, k)
+        if one is not None:
+            return messages * one
+    return allreduce_s(nbytes, k, link[:2], messages)
 
 
 @functools.lru_cache(maxsize=20_000)   # pure in (cluster, groups)
@@ -343,7 +367,9 @@ def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple) ->
 
 
 def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int) -> float:
-    """Decode's TP all-reduces: `messages` calls moving `nbytes` in all. Inside one node a ring (allreduce_s). A TP
+    """Decode's TP all-reduces: `messages` calls moving `nbytes` in all. Inside one node a ring (allreduce_s): not the
+    NCCL collective tables, because vLLM and SGLang all-reduce decode's small messages inside an NVLink node with
+    their own one-shot kernel (vLLM's CustomAllreduce, up to 8 MiB), which those tables do not measure. A TP
     group that spans nodes sends messages of a few KB, for which NCCL picks its tree algorithm with the LL
     protocol (NCCL's tuning model; Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the
     node plus 2 ceil(log2 nodes) alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the
@@ -547,8 +573,8 @@ def _pass_cost(cluster, w: WorkloadSpec, model: ModelSpec, gpus: tuple[int, ...]
         act_bytes = share * model.hidden * vb
         per_layer = 4 if train else 2
         if par.tp > 1:
-            tp_comm = max(tp_comm, max(allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
-                                                   link, int(per_layer * layers_per_stage * micro_batches))
+            tp_comm = max(tp_comm, max(tp_allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
+                                                      link, int(per_layer * layers_per_stage * micro_batches))
                                        for link in stage_links))
         for lat, bw in hop_links:
             hop = (2 if train else 1) * (act_bytes / bw + micro_batches * lat)
@@ -656,6 +682,7 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
             steps = max(r_max, rows_j * r * (p / c + context + r / 2) / (free / kv_stage))
             rows = rows_j * r / steps   # sequences a decode step runs, on average
             decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
+            ops = _decode_ops_s(cluster, ids, model, par, rows, vb)
             if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
                 weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
                     * vb / par.tp / hbm
@@ -674,7 +701,13 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
                 terms["ep_comm"] += max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy,
                                                                                    round(steps))
                                         for g in ep_groups if mine.intersection(g))
-            if weights_read + kv_read >= decode_compute:
+            if ops is not None:   # the step's kernels from the operator tables; its KV reads at HBM bandwidth
+                kernels, engine = ops
+                terms["decode_ops"] = terms.get("decode_ops", 0.0) + steps * kernels
+                terms["engine_step"] = terms.get("engine_step", 0.0) + steps * engine
+                hbm_s += kv_read
+                memory_bound = True
+            elif weights_read + kv_read >= decode_compute:
                 hbm_s += weights_read + kv_read
                 memory_bound = True
             else:
@@ -687,6 +720,59 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         if total > worst:
             worst, worst_terms = total, terms
     return TaskCost(worst, worst_terms)
+
+
+def _decode_ops_s(cluster, ids, model: ModelSpec, par: Parallelism, rows: float, vb: int) -> tuple[float, float] | None:
+    """(kernel seconds, engine seconds) of one decode step of `rows` sequences on the slowest GPU type of `ids`,
+    from the operator tables; None where a GPU has none (a device type with its own measured `mfu`, as CPU cores:
+    those keep the roofline constants)."""
+    types = {cluster.gpus[i].type for i in ids}
+    if any(t.mfu is not None or t.decode_mfu_by_rows is not None for t in types):
+        return None
+    got = [_step_ops_s(t, model, par.tp, par.ep, round(rows, 3), vb) for t in types]
+    return None if any(g is None for g in got) else max(got, key=sum)
+
+
+@functools.lru_cache(maxsize=20_000)
+def _step_ops_s(g, model: ModelSpec, tp: int, ep: int, rows: float, vb: int) -> tuple[float, float] | None:
+    """One decode step on a TP shard of GPU type `g`, as the sum of its operators (Vidur's composition of a
+    block): per layer the attention projections (qkv or MLA's low-rank ones, output), the MLP (dense; or the
+    router, the local experts an average step touches at their tokens each, a grouped GEMM priced expert by
+    expert, and the shared expert), the per-token kernels (norms, rope, activation, add); then the LM head; each
+    GEMM at `rows` tokens. The attention over the KV cache is not here (the caller prices its reads at HBM
+    bandwidth: no decode-attention table is public). Plus the engine's CPU time per step (engine_step)."""
+    if optables.nearest_measured(g, "gemm") is None:
+        return None
+    h = model.hidden
+
+    def gemm(n, k, m=rows):
+        return optables.gemm_s(g, m, max(n, 1.0), max(k, 1.0), vb)
+    o = model.heads * model.head_dim * h
+    attn = gemm((model.attn_params_per_layer - o) / h / tp, h) + gemm(h, o / h / tp)
+    small = optables.small_ops_s(g, rows, h, (model.intermediate or model.moe_intermediate) / tp)
+    if small is None:
+        return None
+    total = model.dense_layers * (attn + small + (gemm(2 * model.intermediate / tp, h)
+                                                  + gemm(h, model.intermediate / tp) if model.intermediate else 0.0))
+    if model.moe_layers:
+        e, k = model.experts, model.experts_per_token
+        etp = 1 if ep > 1 else tp                      # experts over EP (whole), else each split over TP
+        tokens = rows * max(1.0, ep / tp)              # an EP group's experts see its ranks' tokens
+        local = e / ep
+        touched = 1 - (1 - k / e) ** tokens            # the share of experts an average step routes a token to
+        m_e = tokens * k / (e * touched)               # tokens per touched expert
+        experts = local * touched * (gemm(2 * model.moe_intermediate / etp, h, m_e)
+                                     + gemm(h, model.moe_intermediate / etp, m_e))
+        shared = (gemm(2 * model.shared_intermediate / tp, h) + gemm(h, model.shared_intermediate / tp)
+                  if model.shared_intermediate else 0.0)
+        total += model.moe_layers * (attn + small + gemm(e, h) + experts + shared)
+    total += gemm(model.vocab / tp, h)
+    engine = optables.engine_step_s(g, rows, tp)
+    return total, (engine or 0.0)
+
+
+optables.on_reload(_step_ops_s.cache_clear)
+optables.on_reload(_pass_cost.cache_clear)    # its TP all-reduces come from the collective tables
 
 
 # ------------------------------------------------------------------------------------------ memory

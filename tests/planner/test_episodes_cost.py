@@ -50,7 +50,7 @@ def _costs(w):
     return task_costs(cluster, w, group)
 
 
-def test_generation_waits_for_tools_and_decodes_each_turn():
+def test_generation_waits_for_tools_and_decodes_each_turn(roofline_only):
     w = _w()
     gen = _costs(w)["actor_gen"]
     assert gen.terms["tool_wait"] == 2 * 0.5                     # two turn boundaries, each one round of calls

@@ -436,7 +436,7 @@ def test_time_terms_move_values_at_the_workloads_precision(big):
         2 * weight_sync_s(cluster, bf16, train, gen, True), rel=1e-12)
 
 
-def test_generation_holds_a_prompts_kv_once_for_its_responses():
+def test_generation_holds_a_prompts_kv_once_for_its_responses(roofline_only):
     """The N responses of a prompt share its KV cache (prefix caching; hetrl's SharedPrefixCache) and the cache is
     paged under continuous batching (vLLM, SGLang): a sequence holds P/N + the tokens it has made so far. 2 prompts x
     2 responses, P = R = 4, KV bytes per token 2 layers x 1 head x 4 dims x K,V x 2 B = 32. Over its life a sequence

@@ -171,11 +171,17 @@ def test_load_imbalance_is_a_stated_factor_under_ep():
     assert ep - base == pytest.approx(experts * (MOE_LOAD_IMBALANCE - 1), rel=1e-9)
 
 
-def test_generation_with_ep_reads_its_experts_only():
+@pytest.mark.parametrize("tables", [True, False])
+def test_generation_with_ep_reads_its_experts_only(tables, request):
+    """Under EP a GPU reads its own experts only: by the HBM roofline (tables off), or as the local experts'
+    GEMMs of the operator tables (decode_ops)."""
+    if not tables:
+        request.getfixturevalue("roofline_only")
     c, w = _h100(), _workload()
     g1 = task_costs(c, w, _group(c, w, Parallelism(1, 1, 8), gen=Parallelism(2, 1, 4)))["actor_gen"].terms
     g8 = task_costs(c, w, _group(c, w, Parallelism(1, 1, 8), gen=Parallelism(2, 1, 4, ep=8)))["actor_gen"].terms
-    assert g8["hbm"] < g1["hbm"] and g8["ep_comm"] > 0
+    weights = "decode_ops" if tables else "hbm"
+    assert g8[weights] < g1[weights] and g8["ep_comm"] > 0
     assert "ep_comm" not in g1
 
 

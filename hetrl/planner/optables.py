@@ -1,0 +1,258 @@
+"""Operator tables: measured kernel and collective times the cost model prices GPUs from (docs/cost_model.md).
+
+The tables are data, one CSV per source and GPU in `hetrl/planner/data/operators/` (`<source>_<GPU>.csv`, the GPU as
+the catalog names it), plus any folder named by `HETRL_OPERATOR_TABLES` (a user's own measurements, e.g. from
+`python -m hetrl.bench.operators`; they come first). Each row names its source. Rows (FIELDS; blank where it does
+not apply):
+
+  gemm          seconds of one M x K by K x N matrix product (M = tokens, N x K a projection's weight per TP shard)
+  norm/rope/act/add  seconds of a per-token elementwise kernel over M tokens of width N
+  all_reduce, send_recv  seconds for `bytes` over `group` GPUs on `link`
+  engine_step   the inference engine's CPU time per decode step for `batch` sequences at `tp`
+  attention_decode / attention_prefill  (hetrl.bench.operators' own measurements)
+
+Lookups interpolate between measured points in log-log and never extrapolate a time below the smallest measured
+(a kernel's launch floor). A GPU without a table of an operator is priced from the nearest measured GPU
+(`nearest_measured`): the measured point's fraction of its own roofline (max of FLOPs over peak FLOP/s and bytes
+over HBM bytes/s) is kept and the target's roofline applied, i.e. time scales by the stated ratio of peak FLOP/s
+or HBM bandwidth, whichever bounds the operator. `source_of` says which table and which scaling priced a GPU, for
+`--evaluate`'s breakdown.
+
+Hand-written: no library interpolates published operator tables this way (Vidur's own predictor trains a random
+forest per operator over its tables, which is fitting; here only measured points and rooflines are used).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import os
+import pathlib
+
+import numpy as np
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "operators"
+FIELDS = ("op", "dtype", "m", "n", "k", "batch", "context", "heads", "kv_heads", "head_dim", "tp", "bytes", "group",
+          "link", "seconds", "rate", "source")
+SMALL_OPS = ("norm", "norm", "rope", "act", "add")   # per layer, as Vidur composes a block (two norms, one add)
+
+# GPU types whose kernels are priced from another GPU's tables (same architecture, different clocks, SMs or HBM);
+# the rest without tables of their own take the measured GPU whose FLOP/s-to-HBM ratio is closest
+SAME_ARCHITECTURE = {"H200": "H100", "H20": "H100", "H800": "H100", "GB200": "H100", "B200": "H100",
+                     "A100-40G": "A100-80G", "A800-80G": "A100-80G"}
+
+
+def _num(v: str):
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        return float(v)
+
+
+OFF = "off"   # HETRL_OPERATOR_TABLES=off: no tables; every GPU priced by the roofline constants (the model before them)
+_RELOAD: list = []
+
+
+def _folders() -> list[pathlib.Path]:
+    own = os.environ.get("HETRL_OPERATOR_TABLES", "")
+    if own.strip().lower() == OFF:
+        return []
+    folders = [pathlib.Path(p) for p in own.split(os.pathsep) if p]
+    for f in folders:
+        if not f.is_dir():
+            raise ValueError(f"HETRL_OPERATOR_TABLES: {f} is not a folder (operator tables are <source>_<GPU>.csv "
+                             f"files in one; '{OFF}' prices without tables)")
+    return folders + [DATA]
+
+
+def on_reload(clear) -> None:
+    """Register a cache that depends on the tables (cleared by `reload`)."""
+    _RELOAD.append(clear)
+
+
+def reload() -> None:
+    """Read the tables again (after HETRL_OPERATOR_TABLES changed) and forget everything priced from them."""
+    tables.cache_clear()
+    _gemm_series.cache_clear()
+    for clear in _RELOAD:
+        clear()
+
+
+@functools.cache
+def tables() -> dict[str, dict[str, list[dict]]]:
+    """{GPU name: {op: rows}}, the first folder's (and, within one, the first file's) rows of an op winning."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for folder in _folders():
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*_*.csv")):
+            gpu = path.stem.rsplit("_", 1)[1]
+            by_op: dict[str, list[dict]] = {}
+            with open(path, newline="") as f:
+                for r in csv.DictReader(f):
+                    if not r.get("op") or not r.get("seconds"):
+                        continue
+                    row = {k: (v if k in ("op", "dtype", "link", "source") else _num(v)) for k, v in r.items()}
+                    if not row["source"]:
+                        raise ValueError(f"{path}: a {row['op']} row has no source; every operator row names one")
+                    row["file"] = path.name
+                    by_op.setdefault(row["op"], []).append(row)
+            have = out.setdefault(gpu, {})
+            for op, rows in by_op.items():
+                have.setdefault(op, rows)
+    return out
+
+
+def measured_gpus(op: str) -> list[str]:
+    return [g for g, ops in tables().items() if op in ops]
+
+
+def nearest_measured(gpu, op: str) -> str | None:
+    """The GPU whose `op` table prices `gpu`: a catalog GPU's own, its architecture's, else the measured GPU with
+    the closest peak-FLOP/s-to-HBM-bandwidth ratio; a cluster's own type the one it names (`operator_tables`);
+    None when there is none (the roofline constants price it)."""
+    from .catalog import GPUS
+    have = measured_gpus(op)
+    if GPUS.get(gpu.name) != gpu:   # a type of the cluster's own: the tables it names, else none
+        return gpu.operator_tables if gpu.operator_tables in have else None
+    if gpu.name in have:
+        return gpu.name
+    if SAME_ARCHITECTURE.get(gpu.name) in have:
+        return SAME_ARCHITECTURE[gpu.name]
+    known = [g for g in have if g in GPUS]
+    if not known:
+        return None
+    ratio = gpu.dense_bf16_flops / gpu.hbm_bytes_per_s
+    return min(known, key=lambda g: abs(math.log(GPUS[g].dense_bf16_flops / GPUS[g].hbm_bytes_per_s / ratio)))
+
+
+def source_of(gpu, op: str) -> str:
+    """Which table prices `op` on `gpu`, and how: for --evaluate's breakdown."""
+    src = nearest_measured(gpu, op)
+    if src is None:
+        return "no table (roofline constants)"
+    files = sorted({r["file"] for r in tables()[src][op]})
+    if src == gpu.name:
+        return ", ".join(files)
+    return f"{', '.join(files)}, scaled from {src} by peak FLOP/s and HBM bandwidth"
+
+
+def _interp_loglog(x: float, xs, ys, proportional_above: bool = False) -> float:
+    """y at x, linear in (log x, log y) between measured points; the ends held beyond them, or, with
+    `proportional_above`, y growing in proportion to x above the largest measured x (bandwidth-bound work)."""
+    if proportional_above and x > xs[-1]:
+        return float(ys[-1]) * x / float(xs[-1])
+    lx = np.log(np.asarray(xs, dtype=float))
+    ly = np.log(np.asarray(ys, dtype=float))
+    return float(np.exp(np.interp(math.log(max(x, 1e-30)), lx, ly)))
+
+
+def _roofline(gpu, m: float, n: float, k: float, vb: float) -> float:
+    return max(2 * m * n * k / gpu.dense_bf16_flops, vb * (m * k + k * n + m * n) / gpu.hbm_bytes_per_s)
+
+
+@functools.cache
+def _gemm_series(src: str) -> tuple[tuple[float, tuple, tuple], ...]:
+    """(log weight size, ms, efficiencies) per measured shape of `src`, by weight size."""
+    from .catalog import gpu as gpu_type
+    g = gpu_type(src)
+    shapes: dict[tuple[int, int], dict[int, list[float]]] = {}
+    for r in tables()[src]["gemm"]:
+        shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["m"], []).append(r["seconds"])
+    out = []
+    for (n, k), by_m in shapes.items():
+        ms = sorted(by_m)
+        eff = [_roofline(g, m, n, k, 2) / float(np.median(by_m[m])) for m in ms]
+        out.append((math.log(n * k), tuple(ms), tuple(eff)))
+    return tuple(sorted(out))
+
+
+def gemm_s(gpu, m: float, n: float, k: float, vb: float = 2) -> float | None:
+    """Seconds of an M x K by K x N product on `gpu` from the tables; None without any gemm table."""
+    if m <= 0:
+        return 0.0
+    src = nearest_measured(gpu, "gemm")
+    if src is None:
+        return None
+    series = _gemm_series(src)
+    w = math.log(n * k)
+    ws = [s[0] for s in series]
+    j = int(np.searchsorted(ws, w))
+    near = [series[i] for i in {max(j - 1, 0), min(j, len(series) - 1)}]
+    if len(near) == 1 or near[0][0] == near[1][0]:
+        eff = _interp_loglog(m, near[0][1], near[0][2])
+    else:
+        (w0, m0, e0), (w1, m1, e1) = sorted(near)
+        t = min(max((w - w0) / (w1 - w0), 0.0), 1.0)
+        eff = math.exp((1 - t) * math.log(_interp_loglog(m, m0, e0)) + t * math.log(_interp_loglog(m, m1, e1)))
+    return _roofline(gpu, m, n, k, vb) / eff
+
+
+def small_ops_s(gpu, m: float, hidden: float, intermediate: float) -> float | None:
+    """Seconds of one layer's per-token kernels (norms, rope, activation, residual add) over m tokens."""
+    total = 0.0
+    from .catalog import gpu as gpu_type
+    for op in SMALL_OPS:
+        src = nearest_measured(gpu, op)
+        if src is None:
+            return None
+        width = intermediate if op == "act" else hidden
+        rows = tables()[src][op]
+        n = min({r["n"] for r in rows}, key=lambda v: abs(math.log(v / width)))
+        pts: dict[float, list[float]] = {}
+        for r in rows:
+            if r["n"] == n:
+                pts.setdefault(r["m"] * n, []).append(r["seconds"])
+        xs = sorted(pts)
+        s = _interp_loglog(m * width, xs, [float(np.median(pts[x])) for x in xs], proportional_above=True)
+        total += s * gpu_type(src).hbm_bytes_per_s / gpu.hbm_bytes_per_s if src != gpu.name else s
+    return total
+
+
+def engine_step_s(gpu, batch: float, tp: int) -> float | None:
+    """The inference engine's CPU time per decode step for `batch` sequences at tensor parallelism `tp` (host work:
+    not scaled by the GPU)."""
+    src = nearest_measured(gpu, "engine_step")
+    if src is None:
+        return None
+    rows = tables()[src]["engine_step"]
+    tps = sorted({r["tp"] for r in rows})
+    t = min(tps, key=lambda v: abs(math.log(v / max(tp, 1))))
+    pts: dict[int, list[float]] = {}
+    for r in rows:
+        if r["tp"] == t:
+            pts.setdefault(r["batch"], []).append(r["seconds"])
+    xs = sorted(pts)
+    return _interp_loglog(max(batch, 1.0), xs, [float(np.median(pts[x])) for x in xs])
+
+
+def allreduce_s(gpu, nbytes: float, group: int) -> float | None:
+    """Seconds of one all-reduce of `nbytes` over `group` GPUs of one node joined by NVLink, from the collective
+    tables; None without one. Another group size than measured: the nearest measured one's time, its bandwidth
+    part scaled by the ring's 2(k-1)/k; another GPU: the bandwidth part (above the smallest message's time, the
+    latency floor) scaled by the ratio of NVLink bandwidths."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    src = nearest_measured(gpu, "all_reduce")
+    if src is None:
+        return None
+    from .catalog import gpu as gpu_type
+    rows = [r for r in tables()[src]["all_reduce"] if r["link"] == "nvlink"]
+    if not rows:
+        return None
+    g = min({r["group"] for r in rows}, key=lambda v: abs(math.log(v / group)))
+    pts: dict[float, list[float]] = {}
+    for r in rows:
+        if r["group"] == g:
+            pts.setdefault(r["bytes"], []).append(r["seconds"])
+    xs = sorted(pts)
+    ys = [float(np.median(pts[x])) for x in xs]
+    floor = min(ys)
+    t = _interp_loglog(nbytes, xs, ys, proportional_above=True)
+    ring = (2 * (group - 1) / group) / (2 * (g - 1) / g)
+    s_bw, t_bw = gpu_type(src).nvlink_bytes_per_s, gpu.nvlink_bytes_per_s
+    scale = s_bw / t_bw if src != gpu.name and s_bw > 0 and t_bw > 0 else 1.0
+    return floor + max(t - floor, 0.0) * ring * scale
