@@ -328,7 +328,10 @@ def published_runs() -> list[dict]:
                      "assumed": "; ".join(run.get("assumed", [])), "moe": "ep" in s["train"] or "a3b" in s["model"]
                      or "235b" in s["model"] or "dsv3" in run["id"], "engine": s["train"]["engine"],
                      "cluster": cluster, "workload": _published_workload(run, data["models"]),
-                     "plan": _published_plan(run, cluster), "measured_phases_s": phases, "new": True})
+                     "plan": _published_plan(run, cluster), "measured_phases_s": phases, "new": True,
+                     # the response mean is the length that moves the step; a prompt mean derived from a row or a
+                     # sibling table counts as stated
+                     "lengths": "published" if "mean_response_tokens" in m else "assumed"})
     return runs
 
 
@@ -435,6 +438,64 @@ def _phase_predicted(r: dict, task: str) -> float:
     return r["task_times_s"][task]
 
 
+PHASE_NAMES = {"actor_gen": "rollout", "actor_train": "update", "actor_infer": "old log-prob",
+               "ref_infer": "ref log-prob"}
+
+
+def phase_rows(rows: list[dict]) -> list[dict]:
+    """Every published phase of every scored run: {"run", "system", "lengths", "phase", "measured_s",
+    "predicted_s", "error"}."""
+    out = []
+    for r in rows:
+        if not r["feasible"]:
+            continue
+        for task, measured in r.get("measured_phases_s", {}).items():
+            got = _phase_predicted(r, task)
+            out.append({"run": r["run"], "system": r["system"], "lengths": r["lengths"], "task": task,
+                        "phase": PHASE_NAMES.get(task, "log-probs"), "measured_s": measured, "predicted_s": got,
+                        "error": (got - measured) / measured})
+    return out
+
+
+def _median_abs(errors) -> float | None:
+    errors = [abs(e) for e in errors if e is not None]
+    return statistics.median(errors) if errors else None
+
+
+def plot(rows: list[dict], phases: list[dict], path: pathlib.Path) -> None:
+    """Predicted vs measured seconds, log-log: steps (left, one marker per system; hollow where the mean lengths
+    are assumed) and phases (right, one marker per phase), with the diagonal and a +-25% band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    markers = "osD^v<>ph*X"
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6))
+    for ax, items, key, title in ((axes[0], [r for r in rows if r["feasible"]], "system", "step time"),
+                                  (axes[1], phases, "phase", "phases (where published)")):
+        groups = sorted({r[key] for r in items})
+        for k, g in enumerate(groups):
+            for lengths, face in (("published", None), ("assumed", "none")):
+                pts = [r for r in items if r[key] == g and r["lengths"] == lengths]
+                if not pts:
+                    continue
+                kw = {"facecolors": face} if face else {}
+                ax.scatter([r["measured_s"] for r in pts], [r["predicted_s"] for r in pts], marker=markers[k % 11],
+                           color=f"C{k % 10}", label=g if lengths == "published" or not any(
+                               r[key] == g and r["lengths"] == "published" for r in items) else None, **kw)
+        vals = [v for r in items for v in (r["measured_s"], r["predicted_s"]) if v and v > 0]
+        lo, hi = min(vals) / 1.5, max(vals) * 1.5
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="0.85", zorder=0,
+                        label="within 25%")
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured s", ylabel="predicted s",
+               title=f"{title}: median |error| {_median_abs(r['error'] for r in items):.0%} over {len(items)}")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("hetrl cost model vs published RL runs (hollow: mean lengths assumed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _stats(rows: list[dict]) -> dict:
     errors = sorted(abs(r["error"]) for r in rows if r["error"] is not None)
     return {"runs": len(rows), "scored": len(errors), "median_abs_error": statistics.median(errors) if errors else None,
@@ -442,7 +503,10 @@ def _stats(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    rows = [score(run) for run in nemo_rl_runs() + longreason_runs() + moe_runs() + gsm8k_runs() + published_runs()]
+    # NeMo-RL's table states the mean generated length (G-Average Seq len); the DualKV paper's runs do not
+    runs = ([{**r, "lengths": "published"} for r in nemo_rl_runs()]
+            + [{**r, "lengths": "assumed"} for r in longreason_runs() + moe_runs() + gsm8k_runs()] + published_runs())
+    rows = [score(run) for run in runs]
     refused = [r["run"] for r in rows if not r["feasible"]]
     by_system = {}
     for r in rows:
@@ -456,7 +520,17 @@ def main() -> None:
                "moe": {**_stats(moe),
                        "within_50pct": sum(abs(r["error"]) <= 0.5 for r in moe if r["error"] is not None)},
                "megatron": _stats([r for r in rows if r["megatron"]]),
-               "spearman_by_system": rho}
+               "spearman_by_system": rho,
+               "published_lengths": _stats([r for r in rows if r["lengths"] == "published"]),
+               "assumed_lengths": _stats([r for r in rows if r["lengths"] == "assumed"])}
+    phases = phase_rows(rows)
+    summary["phases"] = {"count": len(phases), "median_abs_error": _median_abs(p["error"] for p in phases),
+                         "published_lengths": _median_abs(p["error"] for p in phases if p["lengths"] == "published"),
+                         "by_phase": {k: {"count": sum(p["phase"] == k for p in phases),
+                                          "median_abs_error": _median_abs(p["error"] for p in phases
+                                                                          if p["phase"] == k)}
+                                      for k in dict.fromkeys(p["phase"] for p in phases)}}
+    plot(rows, phases, ROOT / "benchmarks" / "results" / "cost_model_validation.png")
 
     def pct(v):
         return "n/a" if v is None else f"{v:.0%}"
@@ -467,7 +541,16 @@ def main() -> None:
              "`benchmarks/published_runs.yaml`, in that file, committed before any of them was scored).", "",
              f"- runs: {len(rows)} from {len(summary['systems'])} systems ({', '.join(summary['systems'])}); "
              f"refused as infeasible: {len(refused)}" + (f" ({', '.join(refused)})" if refused else ""),
+             f"- runs whose mean lengths are published ({summary['published_lengths']['scored']}): median |error| "
+             f"{pct(summary['published_lengths']['median_abs_error'])}, worst "
+             f"{pct(summary['published_lengths']['worst_abs_error'])}; runs with assumed mean lengths "
+             f"({summary['assumed_lengths']['scored']}): median {pct(summary['assumed_lengths']['median_abs_error'])}",
              f"- all runs: median |error| {pct(summary['median_abs_error'])}, worst {pct(summary['worst_abs_error'])}",
+             f"- phases ({summary['phases']['count']} published, in "
+             f"{len({p['run'] for p in phases})} runs): median |error| {pct(summary['phases']['median_abs_error'])}"
+             f" (published lengths: {pct(summary['phases']['published_lengths'])}); "
+             + ", ".join(f"{k} {pct(v['median_abs_error'])} ({v['count']})"
+                         for k, v in summary["phases"]["by_phase"].items()),
              "- the first 19 (the runs the model was developed against): median "
              f"{pct(summary['first_19']['median_abs_error'])}, "
              f"worst {pct(summary['first_19']['worst_abs_error'])}",
@@ -480,19 +563,20 @@ def main() -> None:
              f"median {pct(summary['megatron']['median_abs_error'])}",
              "- Spearman rank correlation of measured vs predicted within a system: "
              + ", ".join(f"{s} {v:+.2f} ({len(by_system[s])} runs)" for s, v in rho.items()), "",
-             "| system | run | MoE | measured s | predicted s | error | peak GB | predicted gen / infer / train s | "
-             "implied update MFU |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "![predicted vs measured](cost_model_validation.png)", "",
+             "| system | run | lengths | MoE | measured s | predicted s | error | peak GB | "
+             "predicted gen / infer / train s | implied update MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["feasible"]:
-            lines.append(f"| {r['system']} | {r['run']} | {'MoE' if r['moe'] else ''} | {r['measured_s']} | "
-                         f"refused: {r['reason']} | | | | |")
+            lines.append(f"| {r['system']} | {r['run']} | {r['lengths']} | {'MoE' if r['moe'] else ''} | "
+                         f"{r['measured_s']} | refused: {r['reason']} | | | | |")
             continue
         t = r["task_times_s"]
         infer = sum(v for k, v in t.items() if k.endswith("_infer"))
         mfu = f"{r['implied_update_mfu']:.2f}" if "implied_update_mfu" in r else ""
-        lines.append(f"| {r['system']} | {r['run']} | {'MoE' if r['moe'] else ''} | {r['measured_s']} | "
-                     f"{r['predicted_s']:.0f} | {r['error']:+.0%} | {r['peak_gb']:.1f} | {t.get('actor_gen', 0):.0f} / "
-                     f"{infer:.0f} / {t.get('actor_train', 0):.0f} | {mfu} |")
+        lines.append(f"| {r['system']} | {r['run']} | {r['lengths']} | {'MoE' if r['moe'] else ''} | "
+                     f"{r['measured_s']} | {r['predicted_s']:.0f} | {r['error']:+.0%} | {r['peak_gb']:.1f} | "
+                     f"{t.get('actor_gen', 0):.0f} / {infer:.0f} / {t.get('actor_train', 0):.0f} | {mfu} |")
     lines += ["", "Implied update MFU: the update's FLOPs as the model counts them (active parameters, causal "
               "attention, the recomputed forward where recomputed) over the measured update seconds and the training "
               "GPUs' dense peak. Above ~0.6 the run's stated or assumed lengths cannot be what it trained on.", "",

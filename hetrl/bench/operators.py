@@ -5,8 +5,9 @@
 One row per measurement, each naming its source (this device, the torch version, the date): dense GEMM seconds
 by (M, N, K) at the projection shapes of the planner's model presets (qkv, o, gate+up, down), M from 1 to 16K
 tokens; attention (SDPA) by batch x context for decode (one query token) and by length for prefill (causal);
-a device-to-device copy's bandwidth. Written as NAME.csv (the catalog's table form: op, dtype, m, n, k, batch,
-context, heads, kv_heads, head_dim, seconds, rate, source) and NAME.json. Rows are measured cheapest first and
+a device-to-device copy's bandwidth. Written as operators_DEVICE.csv (the catalog's table form,
+hetrl.planner.optables.FIELDS) and .json; on a catalog GPU also as hetrl-measured_GPU.csv, which the cost model
+loads from a folder named by HETRL_OPERATOR_TABLES ahead of the published tables. Rows are measured cheapest first and
 the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), warm-up calls first,
 CUDA events on a GPU (hetrl.bench.harness.seconds), the median of `repeats`.
 
@@ -26,10 +27,11 @@ import time
 import torch
 
 from hetrl.bench.harness import machine, seconds, utc_now
+from hetrl.planner import optables
+from hetrl.planner.catalog import GPUS
 from hetrl.planner.spec import PRESETS
 
-FIELDS = ("op", "dtype", "m", "n", "k", "batch", "context", "heads", "kv_heads", "head_dim", "seconds", "rate",
-          "source")
+FIELDS = optables.FIELDS   # the catalog's table form: a CUDA run's file can go into HETRL_OPERATOR_TABLES as it is
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 DECODE = ((1, 1024), (8, 1024), (32, 2048), (64, 4096), (128, 8192), (256, 8192))   # (batch, context)
 PREFILL = (512, 2048, 8192, 16384)
@@ -119,7 +121,21 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
         w.writeheader()
         w.writerows(rows)
     (out / f"operators_{dev.type}.json").write_text(json.dumps(res, indent=1))
+    if dev.type == "cuda" and (name := catalog_name(torch.cuda.get_device_name(dev))):
+        # the same rows named as the cost model loads them: put the file in a folder named by HETRL_OPERATOR_TABLES
+        (out / f"hetrl-measured_{name}.csv").write_text((out / f"operators_{dev.type}.csv").read_text())
     return res
+
+
+def catalog_name(device_name: str) -> str | None:
+    """The catalog's name for a CUDA device ("NVIDIA H100 80GB HBM3" -> "H100"), None when it has none."""
+    words = device_name.replace("-", " ").split()
+    for whole in (True, False):   # "A100-40G" where the name says 40GB, else the type's first entry
+        for name in GPUS:
+            base, *rest = name.split("-")
+            if base in words and (not whole or all(any(w.startswith(r) for w in words) for r in rest)):
+                return name
+    return None
 
 
 def main() -> None:

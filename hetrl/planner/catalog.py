@@ -76,11 +76,26 @@ GPUS: dict[str, GPUType] = {g.name: g for g in [
     GPUType("L4", 121e12, 24 * GB, 300 * GB, 0, True, f"{_NVIDIA}: L4 (242 TF sparse / 2)"),
     GPUType("A10G", 70e12, 24 * GB, 600 * GB, 0, True,
             "AWS G5 A10G; tensor clocks below the A10's 125 TF (Baseten A10 vs A10G note; unverified)"),
+    GPUType("H800", 989e12, 80 * GB, 3.35 * TB, 200 * GB, True,
+            f"{_NVIDIA}: H800 SXM5 (H100 compute and HBM3; NVLink 400 GB/s bidirectional: 200 one way)"),
+    GPUType("B200", 2.25e15, 180 * GB, 8 * TB, 900 * GB, True,
+            f"{_NVIDIA}: HGX B200 at 1,000 W, BF16 4.5 PF sparse / 2 (as tabulated at "
+            "glennklockwood.com/garden/processors/B200); 1.44 TB HBM3e / 8 GPUs, 8 TB/s; NVLink 5 1.8 TB/s "
+            "bidirectional (docs.vultr.com HGX B200 overview)"),
+    GPUType("MI300X", 1307.4e12, 192 * GB, 5.3 * TB, 448 * GB, True,
+            "AMD Instinct MI300X datasheet: BF16 1,307.4 TF dense (2,614.9 with sparsity), 192 GB HBM3, 5.3 TB/s; "
+            "Infinity Fabric 7 links x 128 GB/s bidirectional: 448 GB/s one way to the 7 peers of an 8-GPU node"),
+    GPUType("MI325X", 1307.4e12, 256 * GB, 6.0 * TB, 448 * GB, True,
+            "AMD Instinct MI325X (as tabulated at awesomeagents.ai/hardware/amd-mi325x): MI300X compute, 256 GB "
+            "HBM3E, 6 TB/s; Infinity Fabric as the MI300X"),
+    GPUType("L20", 119.5e12, 48 * GB, 864 * GB, 0, True,
+            "NVIDIA L20 (AD102, PCIe): 48 GB GDDR6, 864 GB/s (technical.city, topcpu.net); BF16 tensor 119.5 TF "
+            "dense = 239 TF sparse / 2 as vendors quote the spec sheet (tensor figure unverified)"),
     GPUType("V100", 125e12, 32 * GB, 900 * GB, 150 * GB, False, f"{_NVIDIA}: V100 SXM2 32GB, fp16 tensor (no bf16)"),
     GPUType("T4", 65e12, 16 * GB, 320 * GB, 0, False, f"{_NVIDIA}: T4, fp16 tensor (no bf16)"),
 ]}
 
-ALIASES = {"H100-SXM": "H100", "H100-SXM5": "H100", "H200-SXM": "H200", "A100": "A100-80G",
+ALIASES = {"H100-SXM": "H100", "H100-SXM5": "H100", "H200-SXM": "H200", "H800-SXM": "H800", "A100": "A100-80G",
            "A100-80GB": "A100-80G", "A100-40GB": "A100-40G", "L40": "L40S"}
 
 

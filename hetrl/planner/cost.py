@@ -373,7 +373,9 @@ def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int)
     group that spans nodes sends messages of a few KB, for which NCCL picks its tree algorithm with the LL
     protocol (NCCL's tuning model; Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the
     node plus 2 ceil(log2 nodes) alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the
-    slowest link; bandwidth as the ring."""
+    slowest link; bandwidth as the ring. Where a collective table measured NCCL across nodes (Vidur's DGX A100
+    pairs), each call's time comes from it instead (optables.allreduce_s: the bandwidth part by the network share
+    per GPU, the tree's further levels by the link's latency): decode's cross-node all-reduces are NCCL's."""
     ids = list(ids)
     link = slowest_link(cluster, ids)
     nodes: dict[str, list[int]] = {}
@@ -383,6 +385,13 @@ def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int)
         return allreduce_s(nbytes, len(ids), link, messages)
     k = len(ids)
     k_node = max(len(v) for v in nodes.values())
+    t = cluster.gpus[ids[0]].type
+    if (t.mfu is None and messages >= 1 and link[0] <= INTRA_REGION_LATENCY_S   # one region: the tables' setting
+            and all(cluster.gpus[i].type == t for i in ids)):
+        gbps = min(cluster.node(n).network_gbps / cluster.node(n).count for n in nodes)   # each GPU's NIC share
+        one = optables.allreduce_s(t, nbytes / messages, k, len(nodes), gbps, link[0])
+        if one is not None:
+            return messages * one
     lat_in = slowest_link(cluster, next(v for v in nodes.values() if len(v) == k_node))[0] if k_node > 1 else 0.0
     latency = 2 * (k_node - 1) * lat_in + 2 * math.ceil(math.log2(len(nodes))) * link[0]
     return 2 * (k - 1) / k * nbytes / link[1] + latency * messages

@@ -110,12 +110,12 @@ def measured_gpus(op: str) -> list[str]:
     return [g for g, ops in tables().items() if op in ops]
 
 
-def nearest_measured(gpu, op: str) -> str | None:
+def nearest_measured(gpu, op: str, where=None) -> str | None:
     """The GPU whose `op` table prices `gpu`: a catalog GPU's own, its architecture's, else the measured GPU with
     the closest peak-FLOP/s-to-HBM-bandwidth ratio; a cluster's own type the one it names (`operator_tables`);
-    None when there is none (the roofline constants price it)."""
+    None when there is none (the roofline constants price it). `where`: only tables with a row it accepts."""
     from .catalog import GPUS
-    have = measured_gpus(op)
+    have = [g for g in measured_gpus(op) if where is None or any(where(r) for r in tables()[g][op])]
     if GPUS.get(gpu.name) != gpu:   # a type of the cluster's own: the tables it names, else none
         return gpu.operator_tables if gpu.operator_tables in have else None
     if gpu.name in have:
@@ -229,21 +229,29 @@ def engine_step_s(gpu, batch: float, tp: int) -> float | None:
     return _interp_loglog(max(batch, 1.0), xs, [float(np.median(pts[x])) for x in xs])
 
 
-def allreduce_s(gpu, nbytes: float, group: int) -> float | None:
-    """Seconds of one all-reduce of `nbytes` over `group` GPUs of one node joined by NVLink, from the collective
-    tables; None without one. Another group size than measured: the nearest measured one's time, its bandwidth
-    part scaled by the ring's 2(k-1)/k; another GPU: the bandwidth part (above the smallest message's time, the
-    latency floor) scaled by the ratio of NVLink bandwidths."""
+MEASURED_GBPS_PER_GPU = {"A100-80G": 200}   # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU (NVIDIA's design)
+
+
+def allreduce_s(gpu, nbytes: float, group: int, nodes: int = 1, gbps_per_gpu: float | None = None,
+                inter_latency_s: float = 0.0) -> float | None:
+    """Seconds of one NCCL all-reduce of `nbytes` over `group` GPUs, from the collective tables; None without one.
+    One node (`nodes` 1): its GPUs joined by NVLink. Several: `group` GPUs spread evenly over `nodes` nodes, each
+    GPU with `gbps_per_gpu` of its node's network. Another group size than measured: the nearest measured
+    one's time (by GPUs per node), its bandwidth part scaled by the ring's 2(k-1)/k; another GPU: the bandwidth
+    part (above the smallest message's time, the latency floor) scaled by the ratio of NVLink bandwidths (one
+    node) or of network bandwidth per GPU (several); more than the two nodes measured: NCCL's tree adds two
+    inter-node latencies per level, 2 (ceil(log2 nodes) - 1) x `inter_latency_s`."""
     if group <= 1 or nbytes <= 0:
         return 0.0
-    src = nearest_measured(gpu, "all_reduce")
+    link = "nvlink" if nodes <= 1 else "nvlink+ib"
+    src = nearest_measured(gpu, "all_reduce", lambda r: r["link"] == link)
     if src is None:
         return None
     from .catalog import gpu as gpu_type
-    rows = [r for r in tables()[src]["all_reduce"] if r["link"] == "nvlink"]
-    if not rows:
-        return None
-    g = min({r["group"] for r in rows}, key=lambda v: abs(math.log(v / group)))
+    rows = [r for r in tables()[src]["all_reduce"] if r["link"] == link]
+    per_node = group / max(nodes, 1)
+    measured_nodes = {r["group"]: (2 if link != "nvlink" else 1) for r in rows}
+    g = min(measured_nodes, key=lambda v: abs(math.log(v / measured_nodes[v] / per_node)))
     pts: dict[float, list[float]] = {}
     for r in rows:
         if r["group"] == g:
@@ -253,6 +261,23 @@ def allreduce_s(gpu, nbytes: float, group: int) -> float | None:
     floor = min(ys)
     t = _interp_loglog(nbytes, xs, ys, proportional_above=True)
     ring = (2 * (group - 1) / group) / (2 * (g - 1) / g)
-    s_bw, t_bw = gpu_type(src).nvlink_bytes_per_s, gpu.nvlink_bytes_per_s
-    scale = s_bw / t_bw if src != gpu.name and s_bw > 0 and t_bw > 0 else 1.0
-    return floor + max(t - floor, 0.0) * ring * scale
+    if nodes <= 1:
+        s_bw, t_bw = gpu_type(src).nvlink_bytes_per_s, gpu.nvlink_bytes_per_s
+    else:
+        s_bw, t_bw = MEASURED_GBPS_PER_GPU.get(src, 0), gbps_per_gpu or 0
+    scale = s_bw / t_bw if s_bw > 0 and t_bw > 0 and (src != gpu.name or nodes > 1) else 1.0
+    levels = max(math.ceil(math.log2(nodes)) - 1, 0) if nodes > 1 else 0
+    return floor + max(t - floor, 0.0) * ring * scale + 2 * levels * inter_latency_s
+
+
+def pricing(types) -> dict[str, dict[str, str]]:
+    """For a report: per GPU type, which table prices its decode kernels, its engine steps and its NVLink
+    all-reduces (and how: its own, or scaled from another GPU's), or that the roofline constants do."""
+    out = {}
+    for t in types:
+        if t.mfu is not None or t.decode_mfu_by_rows is not None:
+            out[t.name] = {"all": "its own measured mfu (no operator tables)"}
+            continue
+        out[t.name] = {"kernels": source_of(t, "gemm"), "engine_step": source_of(t, "engine_step"),
+                       "all_reduce": source_of(t, "all_reduce")}
+    return out

@@ -9,7 +9,7 @@ import tempfile
 
 from hetrl.schema import InputError
 
-from . import METHODS, evaluate, plan
+from . import METHODS, evaluate, optables, plan
 from .plan import load_plan
 from .search import exhaustive_size
 from .spec import ClusterSpec, WorkloadSpec, load_cluster, load_workload
@@ -25,7 +25,9 @@ def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: floa
     return {"method": method, "iteration_time_s": e.iteration_time_s, "samples_per_s": samples_s,
             "tokens_per_s": tokens_s, "search_time_s": search_s, "optimality_gap": gap, "stopped": stopped,
             "breakdown": e.breakdown, "task_times_s": e.task_times_s, "timeline": e.timeline,
-            "hardware": [_hardware(cluster, g) for g in p.groups], "mode": w.mode, "plan": p.to_dict(cluster)}
+            "hardware": [_hardware(cluster, g) for g in p.groups], "mode": w.mode, "plan": p.to_dict(cluster),
+            "operator_tables": optables.pricing(dict.fromkeys(cluster.gpus[i].type for g in p.groups
+                                                              for i in g.gpus))}
 
 
 def _hardware(cluster: ClusterSpec, group) -> list[dict]:
@@ -123,6 +125,9 @@ def format_report(r: dict) -> str:
     lines += ["", "time breakdown (critical path): " + ", ".join(
         f"{k} {_seconds(v)}" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1])
         if v > 0 and v >= 0.01 * top)]
+    for gpu, by in r.get("operator_tables", {}).items():
+        text = by.get("all") or "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in by.items())
+        lines.append(f"priced {gpu}: {text}")
     for name, m in r.get("methods", {}).items():
         gap = f", gap {m['optimality_gap']:.2%}" if m.get("optimality_gap") is not None else ""
         stop = "; stopped early" if m.get("stopped") else ""

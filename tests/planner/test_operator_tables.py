@@ -1,0 +1,152 @@
+"""Operator tables (hetrl/planner/optables.py): measured points come back as measured, other GPUs scale by their
+roofline, a decode step is the sum of its operators, and a user's own tables take precedence."""
+
+import csv
+import math
+import statistics
+
+import pytest
+
+from hetrl.planner import optables
+from hetrl.planner.catalog import GPUS, GPUType, gpu
+from hetrl.planner.cost import _step_ops_s
+from hetrl.planner.spec import PRESETS, cluster_from_dict
+
+
+@pytest.fixture
+def own_tables(monkeypatch, tmp_path):
+    def use(rows: list[dict], name="mine_H100.csv"):
+        with open(tmp_path / name, "w", newline="") as f:
+            w = csv.DictWriter(f, optables.FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+        monkeypatch.setenv("HETRL_OPERATOR_TABLES", str(tmp_path))
+        optables.reload()
+    yield use
+    monkeypatch.delenv("HETRL_OPERATOR_TABLES", raising=False)
+    optables.reload()
+
+
+def test_every_row_names_its_source_and_every_file_a_catalog_gpu():
+    files = sorted(optables.DATA.glob("*.csv"))
+    assert files
+    for path in files:
+        assert path.stem.rsplit("_", 1)[1] in GPUS, path.name
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert rows and all(r["source"].strip() and float(r["seconds"]) > 0 for r in rows), path.name
+        assert list(rows[0]) == list(optables.FIELDS)
+
+
+def _measured(gpu_name, n, k, m):
+    rows = [r for r in optables.tables()[gpu_name]["gemm"] if (r["n"], r["k"], r["m"]) == (n, k, m)]
+    return statistics.median(r["seconds"] for r in rows)
+
+
+@pytest.mark.parametrize("m", [1, 64, 1024, 4096])
+def test_a_measured_gemm_comes_back_as_measured(m):
+    h100 = gpu("H100")
+    for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):   # Llama-2-7B's projections, TP 1
+        assert optables.gemm_s(h100, m, n, k) == pytest.approx(_measured("H100", n, k, m), rel=1e-9)
+
+
+def test_another_gpu_scales_by_the_bound_its_roofline_names():
+    """H200 is H100's die with faster HBM: a 1-token GEMM (weight-read bound) scales by the HBM ratio, a
+    4096-token one (FLOP bound, same peak) keeps its time."""
+    h100, h200 = gpu("H100"), gpu("H200")
+    assert optables.nearest_measured(h200, "gemm") == "H100"
+    one = optables.gemm_s(h200, 1, 12288, 4096) / optables.gemm_s(h100, 1, 12288, 4096)
+    assert one == pytest.approx(h100.hbm_bytes_per_s / h200.hbm_bytes_per_s, rel=1e-9)
+    assert optables.gemm_s(h200, 4096, 12288, 4096) == pytest.approx(optables.gemm_s(h100, 4096, 12288, 4096),
+                                                                      rel=1e-9)
+    assert "scaled from H100" in optables.source_of(h200, "gemm")
+    assert optables.source_of(h100, "gemm") == "vidur_H100.csv"
+
+
+def test_between_two_measured_shapes_the_efficiency_lies_between():
+    h100 = gpu("H100")
+    eff = {}
+    for n in (4096, 8192, 12288):
+        t = optables.gemm_s(h100, 1024, n, 4096)
+        eff[n] = 2 * 1024 * n * 4096 / t
+    assert min(eff[4096], eff[12288]) <= eff[8192] <= max(eff[4096], eff[12288])
+
+
+def test_engine_step_and_allreduce_at_measured_points():
+    a100 = gpu("A100-80G")
+    rows = [r for r in optables.tables()["A100-80G"]["engine_step"] if (r["tp"], r["batch"]) == (1, 64)]
+    assert optables.engine_step_s(a100, 64, 1) == pytest.approx(statistics.median(r["seconds"] for r in rows))
+    # beyond the measured batches the last one holds (no extrapolation)
+    assert optables.engine_step_s(a100, 4096, 1) == optables.engine_step_s(a100, 128, 1)
+    h100 = gpu("H100")
+    ar = [r for r in optables.tables()["H100"]["all_reduce"] if r["group"] == 8 and r["link"] == "nvlink"]
+    big = max(ar, key=lambda r: r["bytes"])
+    assert optables.allreduce_s(h100, big["bytes"], 8) == pytest.approx(big["seconds"], rel=1e-9)
+    assert optables.allreduce_s(h100, 2 * big["bytes"], 8) == pytest.approx(2 * big["seconds"], rel=1e-9)
+    assert optables.allreduce_s(h100, 1e6, 1) == 0.0
+
+
+def test_a_decode_step_is_the_sum_of_its_operators():
+    """A dense model: per layer qkv, o, gate+up, down at the step's rows and the small kernels; then the LM head;
+    the engine's step time beside it."""
+    h100, m, rows, tp = gpu("H100"), PRESETS["qwen3-8b"], 48.0, 2
+    h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    layer = (optables.gemm_s(h100, rows, (q + 2 * kv) / tp, h) + optables.gemm_s(h100, rows, h, q / tp)
+             + optables.gemm_s(h100, rows, 2 * m.intermediate / tp, h)
+             + optables.gemm_s(h100, rows, h, m.intermediate / tp) + optables.small_ops_s(h100, rows, h,
+                                                                                        m.intermediate / tp))
+    want = m.layers * layer + optables.gemm_s(h100, rows, m.vocab / tp, h)
+    kernels, engine = _step_ops_s(h100, m, tp, 1, rows, 2)
+    assert kernels == pytest.approx(want, rel=1e-12)
+    assert engine == pytest.approx(optables.engine_step_s(h100, rows, tp), rel=1e-12)
+    # a 1-row step of an 8B model on H100 costs about its weights over the HBM bandwidth (Vidur: ~0.8 of it)
+    one, _ = _step_ops_s(h100, m, 1, 1, 1.0, 2)
+    assert 1.0 < one / (m.params * 2 / h100.hbm_bytes_per_s) < 1.6
+
+
+def test_a_users_own_tables_come_first_and_must_name_their_source(own_tables):
+    own_tables([{"op": "gemm", "m": 1, "n": 4096, "k": 4096, "seconds": 1e-3, "source": "my H100, 2026-11-26"},
+                {"op": "gemm", "m": 4096, "n": 4096, "k": 4096, "seconds": 2e-3, "source": "my H100, 2026-11-26"}])
+    h100 = gpu("H100")
+    assert optables.gemm_s(h100, 1, 4096, 4096) == pytest.approx(1e-3)
+    assert optables.source_of(h100, "gemm") == "mine_H100.csv"
+    assert optables.source_of(h100, "engine_step").startswith("vidur")    # ops it lacks come from the others
+    own_tables([{"op": "gemm", "m": 1, "n": 8, "k": 8, "seconds": 1e-3, "source": ""}], name="bad_H100.csv")
+    with pytest.raises(ValueError, match="no source"):
+        optables.tables()
+
+
+def test_a_missing_folder_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("HETRL_OPERATOR_TABLES", str(tmp_path / "nowhere"))
+    optables.reload()
+    try:
+        with pytest.raises(ValueError, match="not a folder"):
+            optables.tables()
+    finally:
+        monkeypatch.delenv("HETRL_OPERATOR_TABLES")
+        optables.reload()
+
+
+def test_a_clusters_own_type_uses_the_tables_it_names_or_none():
+    base = dict(name="H100-mine", dense_bf16_flops=989e12, memory_bytes=80e9, hbm_bytes_per_s=3.35e12,
+                nvlink_bytes_per_s=450e9, source="test")
+    assert optables.nearest_measured(GPUType(**base), "gemm") is None          # roofline constants
+    named = GPUType(**base, operator_tables="H100")
+    assert optables.nearest_measured(named, "gemm") == "H100"
+    assert math.isclose(optables.gemm_s(named, 64, 4096, 4096), optables.gemm_s(gpu("H100"), 64, 4096, 4096))
+    cluster = cluster_from_dict({"name": "c", "gpu_types": [{**base, "operator_tables": "H100"}],
+                                 "nodes": [{"name": "n", "region": "r", "gpu": "H100-mine", "count": 8}]})
+    assert cluster.gpus[0].type.operator_tables == "H100"
+
+
+def test_tables_off_prices_by_the_roofline_constants(roofline_only):
+    assert optables.gemm_s(gpu("H100"), 64, 4096, 4096) is None
+    assert optables.pricing([gpu("H100")])["H100"]["kernels"] == "no table (roofline constants)"
+
+
+def test_a_measured_cuda_device_is_named_as_the_catalog_names_it():
+    from hetrl.bench.operators import catalog_name
+    assert catalog_name("NVIDIA H100 80GB HBM3") == "H100"
+    assert catalog_name("NVIDIA A100-SXM4-40GB") == "A100-40G"
+    assert catalog_name("NVIDIA H200") == "H200"
+    assert catalog_name("NVIDIA GeForce RTX 4090") is None
