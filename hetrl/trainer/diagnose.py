@@ -13,19 +13,16 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
-import random
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from hetrl.algo import mismatch_metrics, to_padded
-from hetrl.models import float64_norms, load_model
-from hetrl.trainer import build, files, vllm_engine
+from hetrl.models import float64_norms
+from hetrl.trainer import build, files
 from hetrl.trainer.config import load_config
 from hetrl.trainer.engine import make_engine
-from hetrl.trainer.precision import FP32, RunPrecision, decide
-from hetrl.trainer.precision import device as precision_device
+from hetrl.trainer.precision import FP32, RunPrecision
 
 BUCKETS = (0, 4, 16, 64, 256, 1024)
 FP64 = RunPrecision("fp64", autocast=False)
@@ -35,7 +32,8 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
              prompts: int | None = None) -> dict:
     """Score one rollout batch of the run `config` (+ `overrides`) three ways; -> the report (also written to `out`).
     `prompts`: how many of the run's prompts (default prompts_per_step), each with responses_per_prompt samples."""
-    from hetrl.trainer.run import build_source  # the run's own data path (run imports the loop; not at import)
+    # the run's own start and data path (run imports the loop; not at import)
+    from hetrl.trainer.run import build_source, decide_run, load_policy
 
     cfg = load_config(config, list(overrides))
     if cfg.executor != "local":
@@ -45,14 +43,8 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
         raise ValueError("hetrl diagnose mismatch scores single-turn samples; drop tools / environment")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    device = precision_device(cfg.device)
-    precision = decide(cfg)
-    engine_name = vllm_engine.choose(cfg, device)
-    if engine_name == "vllm":
-        vllm_engine.check_config(cfg, precision)
-    model, tokenizer = load_model(cfg.model, cfg.torch_dtype, seed=cfg.seed)
-    model = model.to(device)
+    device, precision, engine_name = decide_run(cfg)
+    model, tokenizer = load_policy(cfg, device)
     exact_model = float64_norms(copy.deepcopy(model).double().eval())
     source = build_source(cfg, tokenizer)
     examples, _, _ = source.train_examples(0, prompts or cfg.prompts_per_step)

@@ -79,20 +79,33 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
                 metrics.tracker.close()
 
 
-def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
-                     environment_factory=None, allow_config_change: bool = False) -> dict:
+def decide_run(cfg):
+    """What a run decides once, before its data and model (hetrl train and hetrl diagnose start here): the seeds,
+    the driver's device, the precision (every role, the plan, the log and summary.json carry it) and the rollout
+    engine, checked against the config (the engine and its correction carry it). -> (device, precision, engine)"""
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     device = driver_device(cfg)
-    precision = decide(cfg)   # once for the run: every role, the plan, the log and summary.json carry it
+    precision = decide(cfg)
     if device.type == "cuda":
         build.fast_fp32_matmuls(precision)
-    rollout_engine = vllm_engine.choose(cfg, device)   # once for the run: the engine and its correction carry it
+    rollout_engine = vllm_engine.choose(cfg, device)
     if rollout_engine == "vllm":
         vllm_engine.check_config(cfg, precision)
+    return device, precision, rollout_engine
+
+
+def load_policy(cfg, device):
+    """The run's model (its torch_dtype, seeded) on the driver's device, and its tokenizer."""
+    model, tokenizer = load_model(cfg.model, cfg.torch_dtype, seed=cfg.seed)
+    return model.to(device), tokenizer
+
+
+def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
+                     environment_factory=None, allow_config_change: bool = False) -> dict:
+    device, precision, rollout_engine = decide_run(cfg)
     tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
-    model, tokenizer = load_model(cfg.model, cfg.torch_dtype, seed=cfg.seed)
-    model = model.to(device)
+    model, tokenizer = load_policy(cfg, device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
     source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset)
     rewards = build_rewards(cfg, source, reward_funcs, agent)
