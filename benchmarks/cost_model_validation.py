@@ -407,7 +407,7 @@ def update_flops(workload, plan) -> float:
     from hetrl.planner.cost import _tokens_and_pairs
     m = workload.actor
     tokens, pairs = _tokens_and_pairs(workload)
-    attn = 4 * m.layers * m.heads * m.head_dim * pairs
+    attn = m.attention_flops(pairs, tokens)
     par = plan.group_of("actor_train").par("actor_train")
     return (8 * m.active_params * tokens + 4 * attn) if par.recompute else (6 * m.active_params * tokens + 3 * attn)
 
@@ -488,7 +488,8 @@ def plot(rows: list[dict], phases: list[dict], path: pathlib.Path) -> None:
         ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="0.85", zorder=0,
                         label="within 25%")
         ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured s", ylabel="predicted s",
-               title=f"{title}: median |error| {_median_abs(r['error'] for r in items):.0%} over {len(items)}")
+               title=f"{title}: median |error| {_median_abs(r['error'] for r in items):.0%} over {len(items)}; "
+                     f"published lengths {_median_abs(r['error'] for r in items if r['lengths'] == 'published'):.0%}")
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle("hetrl cost model vs published RL runs (hollow: mean lengths assumed)")
     fig.tight_layout()

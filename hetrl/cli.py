@@ -161,8 +161,12 @@ def _plan(args) -> int:
     for path in (args.out, args.png):
         if path:
             report.check_output_path(path)   # before the search, not after it
+    if args.measured and not args.evaluate:
+        raise InputError("--measured compares a plan's predicted times with the times it ran at; give the plan "
+                         "with --evaluate PLAN.json")
     result = report.plan_report(args.cluster, args.workload, args.method, seed=args.seed,
-                                time_limit_s=args.time_limit, evaluate_path=args.evaluate)
+                                time_limit_s=args.time_limit, evaluate_path=args.evaluate,
+                                measured_path=args.measured)
     print(json.dumps(result, indent=2) if args.json else report.format_report(result))
     if args.out:
         report.write_json(result, args.out)
@@ -248,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read a `--export verl` folder back as a hetrl plan and score it")
     pl.add_argument("--png", metavar="FILE.png", help="also draw the plan: its placement (GPU groups by type and "
                     "region, the tasks on each) and one iteration's timeline as the cost model prices it")
+    pl.add_argument("--measured", metavar="TIMES.json", help="with --evaluate: the seconds the plan ran at, as JSON "
+                    "or YAML {task: seconds, ..., iteration: seconds} (any of them); printed beside the predicted "
+                    "ones and drawn as bars beside them by --png")
     pl.set_defaults(func=_plan)
 
     tr = sub.add_parser("train", help="RL post-training (GRPO, DAPO, PPO and their kin) with the DualKV update")

@@ -118,6 +118,16 @@ def allreduce_s(nbytes: float, k: int, link: tuple[float, float], messages: int 
 # ------------------------------------------------------------------------------------------ work
 
 
+def _vision_tokens(w: WorkloadSpec) -> float:
+    """Image patches a vision tower encodes in one pass over the batch: each prompt copy's (with DualKV one per
+    micro-batch of responses, as its prompt; without, one per response)."""
+    if not w.image_patches:
+        return 0.0
+    n = w.responses_per_prompt
+    copies = math.ceil(n / min(n, w.micro_batch_responses)) if w.dualkv else n
+    return w.prompts_per_step * copies * w.image_patches
+
+
 def _tokens_and_pairs(w: WorkloadSpec) -> tuple[float, float]:
     """Tokens and causal attention (query, key) pairs one pass over the batch processes.
 
@@ -542,12 +552,14 @@ def _pass_cost(cluster, w: WorkloadSpec, model: ModelSpec, gpus: tuple[int, ...]
     tokens, pairs = _tokens_and_pairs(w)
     tokens, pairs = tokens * passes_over, pairs * passes_over
     vb = precision_bytes(w)[0]   # bytes of a weight, gradient or activation value
-    attn = 4 * model.layers * model.heads * model.head_dim * pairs
+    attn = model.attention_flops(pairs, tokens)
     if train:   # forward + backward (2x) + the recomputed forward
         flops = (8 * model.active_params * tokens + 4 * attn) if par.recompute else \
             (6 * model.active_params * tokens + 3 * attn)
     else:
         flops = 2 * model.active_params * tokens + attn
+    if model.vision_params and w.image_patches:   # the vision tower over the prompts' images, trained with the rest
+        flops += (8 if par.recompute else 6 if train else 2) * model.vision_params * _vision_tokens(w) * passes_over
     mfu = MFU_TRAIN if train else MFU_INFER
     speeds = _replica_speeds(cluster, shards, mfu)
     shares = _split(data_split, speeds)
@@ -672,6 +684,8 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         p, r, r_max = w.prompt_tokens.mean, w.response_tokens.mean, w.response_tokens.max
         u = w.tool_tokens.mean if w.tool_tokens is not None else 0.0
         prefill = 2 * model.active_params * (batch / w.leaves) * p / (par.tp * prefill_flops)
+        if model.vision_params and w.image_patches:   # each prompt's images encoded once, before its prefill
+            prefill += 2 * model.vision_params * (batch / w.leaves) * w.image_patches / (par.tp * prefill_flops)
         terms = {"compute": prefill, "tp_comm": 0.0, "pp_comm": 0.0}
         if par.ep > 1:
             terms["ep_comm"] = 0.0
@@ -693,10 +707,10 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
             decode_flops = min(_decode_achieved(cluster, i, pool, rows) for i in ids)
             ops = _decode_ops_s(cluster, ids, model, par, rows, vb)
             if par.ep > 1:   # dense weights over TP, the experts over EP (each step touches every local expert)
-                weights_read = steps * (model.params - model.expert_params + model.expert_params * par.tp / par.ep) \
-                    * vb / par.tp / hbm
-            else:
-                weights_read = steps * model.params * vb / par.tp / hbm
+                weights_read = steps * (model.params - model.vision_params - model.expert_params
+                                        + model.expert_params * par.tp / par.ep) * vb / par.tp / hbm
+            else:   # a decode step reads the language model's weights (not its vision tower's)
+                weights_read = steps * (model.params - model.vision_params) * vb / par.tp / hbm
             kv_read = rows_j * r * (p + context + r / 2) * kv_token / hbm
             decode_compute = 2 * model.active_params * rows_j * r / (par.tp * decode_flops)
             if par.tp > 1:   # every generated token's rows all-reduced twice per layer, 2 x layers calls per step

@@ -155,37 +155,48 @@ def _roofline(gpu, m: float, n: float, k: float, vb: float) -> float:
 
 
 @functools.cache
-def _gemm_series(src: str) -> tuple[tuple[float, tuple, tuple], ...]:
-    """(log weight size, ms, efficiencies) per measured shape of `src`, by weight size."""
+def _gemm_series(src: str) -> tuple[dict, tuple[tuple[float, tuple, tuple], ...]]:
+    """`src`'s GEMM efficiencies (roofline time / measured time, the median of repeats): by measured shape
+    {(n, k): (ms, efficiencies)}, and by weight size [(log(n k), ms, efficiencies)] sorted, the shapes that share a
+    weight size (4096 x 11008 and 11008 x 4096) joined by the geometric mean of their efficiencies at each M."""
     from .catalog import gpu as gpu_type
     g = gpu_type(src)
     shapes: dict[tuple[int, int], dict[int, list[float]]] = {}
     for r in tables()[src]["gemm"]:
         shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["m"], []).append(r["seconds"])
-    out = []
+    exact, by_size = {}, {}
     for (n, k), by_m in shapes.items():
         ms = sorted(by_m)
         eff = [_roofline(g, m, n, k, 2) / float(np.median(by_m[m])) for m in ms]
-        out.append((math.log(n * k), tuple(ms), tuple(eff)))
-    return tuple(sorted(out))
+        exact[(n, k)] = (tuple(ms), tuple(eff))
+        for m, e in zip(ms, eff):
+            by_size.setdefault(math.log(n * k), {}).setdefault(m, []).append(math.log(e))
+    series = tuple((w, tuple(sorted(pts)), tuple(math.exp(sum(pts[m]) / len(pts[m])) for m in sorted(pts)))
+                   for w, pts in sorted(by_size.items()))
+    return exact, series
 
 
 def gemm_s(gpu, m: float, n: float, k: float, vb: float = 2) -> float | None:
-    """Seconds of an M x K by K x N product on `gpu` from the tables; None without any gemm table."""
+    """Seconds of an M x K by K x N product on `gpu` from the tables; None without any gemm table. A measured
+    shape: its own efficiency at M (log-log between measured Ms); another: interpolated in log weight size between
+    the two nearest measured sizes."""
     if m <= 0:
         return 0.0
     src = nearest_measured(gpu, "gemm")
     if src is None:
         return None
-    series = _gemm_series(src)
+    exact, series = _gemm_series(src)
+    if (n, k) in exact:
+        eff = _interp_loglog(m, *exact[(n, k)])
+        return _roofline(gpu, m, n, k, vb) / eff
     w = math.log(n * k)
     ws = [s[0] for s in series]
     j = int(np.searchsorted(ws, w))
-    near = [series[i] for i in {max(j - 1, 0), min(j, len(series) - 1)}]
-    if len(near) == 1 or near[0][0] == near[1][0]:
+    near = [series[i] for i in sorted({max(j - 1, 0), min(j, len(series) - 1)})]
+    if len(near) == 1:
         eff = _interp_loglog(m, near[0][1], near[0][2])
     else:
-        (w0, m0, e0), (w1, m1, e1) = sorted(near)
+        (w0, m0, e0), (w1, m1, e1) = near
         t = min(max((w - w0) / (w1 - w0), 0.0), 1.0)
         eff = math.exp((1 - t) * math.log(_interp_loglog(m, m0, e0)) + t * math.log(_interp_loglog(m, m1, e1)))
     return _roofline(gpu, m, n, k, vb) / eff

@@ -3,7 +3,9 @@
 Top: each GPU group of the plan as a row of its GPUs, coloured by type, with its region and the tasks it runs
 (tp / pp / dp). Bottom: a Gantt chart of one iteration as the cost model prices it (hetrl.planner.cost.timeline:
 the same rule as the iteration time), a lane per group and one for the links, communication hatched; the last
-bar ends at the predicted iteration time. Drawn from the report `hetrl plan --json` prints, so a saved report
+bar ends at the predicted iteration time. With `--evaluate PLAN --measured TIMES` the measured seconds of each task
+are drawn as pale bars under the predicted ones (from the same start) and the measured iteration as a dotted line.
+Drawn from the report `hetrl plan --json` prints, so a saved report
 can be drawn again (`draw(json.load(f), path)`).
 """
 
@@ -57,21 +59,34 @@ def draw(report: dict, path: str | pathlib.Path) -> pathlib.Path:
         top.spines[side].set_visible(False)
 
     lanes = [f"group {k}" for k in range(n)] + ["links"]
+    measured = report.get("measured") or {}
+    # with measured times each lane holds two rows: predicted above, measured (same start, its own length) below
+    height, shift = (0.42, 0.2) if measured else (0.6, 0.0)
     for b in bars:
         lane = n if b["group"] is None else b["group"]
         width = b["end_s"] - b["start_s"]
         if width <= 0:
             continue
         comm = b["kind"] == "communication"
-        bottom.barh(len(lanes) - 1 - lane, width, left=b["start_s"], height=0.6, color=TASK_COLOURS.get(b["task"],
+        y = len(lanes) - 1 - lane
+        bottom.barh(y + shift, width, left=b["start_s"], height=height, color=TASK_COLOURS.get(b["task"],
                     "#777777"), hatch="//" if comm else None, edgecolor="black" if comm else "white", linewidth=0.5)
         if width > 0.06 * report["iteration_time_s"]:
-            bottom.text(b["start_s"] + width / 2, len(lanes) - 1 - lane, f"{b['task']}\n{_seconds(width)}",
-                        ha="center", va="center", fontsize=7, color="white" if not comm else "black")
+            bottom.text(b["start_s"] + width / 2, y + shift, f"{b['task']}\n{_seconds(width)}" if not measured
+                        else f"{b['task']} {_seconds(width)}", ha="center", va="center", fontsize=7,
+                        color="white" if not comm else "black")
+        if b["task"] in measured:
+            bottom.barh(y - shift, measured[b["task"]], left=b["start_s"], height=height * 0.8,
+                        color=TASK_COLOURS.get(b["task"], "#777777"), alpha=0.45, edgecolor="black", linewidth=0.5)
+            bottom.text(b["start_s"] + measured[b["task"]] / 2, y - shift, f"measured {_seconds(measured[b['task']])}",
+                        ha="center", va="center", fontsize=6)
     bottom.axvline(report["iteration_time_s"], color="black", linestyle="--", linewidth=0.8)
+    if "iteration" in measured:
+        bottom.axvline(measured["iteration"], color="#C44E52", linestyle=":", linewidth=1.2)
     bottom.set_yticks(range(len(lanes)), list(reversed(lanes)))
     bottom.set_xlabel("seconds into the iteration (cost model)")
-    bottom.set_title("one iteration: tasks per group, communication hatched; dashed: the predicted iteration time",
+    bottom.set_title("one iteration: tasks per group, communication hatched; dashed: the predicted iteration time"
+                     + ("; pale bars below: measured (dotted: the measured iteration)" if measured else ""),
                      fontsize=9, loc="left")
     used = list(dict.fromkeys(b["task"] for b in bars if b["end_s"] > b["start_s"]))
     bottom.legend(handles=[Patch(facecolor=TASK_COLOURS.get(t, "#777777"), label=t,

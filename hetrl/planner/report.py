@@ -49,9 +49,37 @@ def _methods_for(cluster, w, method: str) -> list[str]:
     return out
 
 
+def load_measured(path: str, tasks) -> dict[str, float]:
+    """{task or "iteration": seconds} from a JSON or YAML file of measured times, each a positive number and each
+    key one of the plan's tasks or "iteration"."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)   # JSON is YAML
+    except OSError as e:
+        raise InputError(f"--measured {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise InputError(f"--measured {path}: not JSON or YAML ({str(e).splitlines()[0]})") from None
+    known = [*tasks, "iteration"]
+    if not isinstance(data, dict) or not data:
+        raise InputError(f"--measured {path}: expected a mapping of seconds by task, e.g. "
+                         '{"actor_gen": 58.0, "iteration": 112}; known keys: ' + ", ".join(known))
+    out = {}
+    for k, v in data.items():
+        if k not in known:
+            raise InputError(f"--measured {path}: {k!r} is not a task of this plan; known: {', '.join(known)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == math.inf:
+            raise InputError(f"--measured {path}: {k} must be a positive number of seconds, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
 def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *, seed: int | None = None,
-                time_limit_s: float | None = None, evaluate_path: str | None = None) -> dict:
-    """The object `hetrl plan --json` prints: the chosen plan with its numbers, plus the baselines."""
+                time_limit_s: float | None = None, evaluate_path: str | None = None,
+                measured_path: str | None = None) -> dict:
+    """The object `hetrl plan --json` prints: the chosen plan with its numbers, plus the baselines (and, with
+    `measured_path`, the measured times of the evaluated plan)."""
     cluster, w = load_cluster(cluster_path), load_workload(workload_path)
     if method != "all" and method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join([*METHODS, 'all'])}, got {method!r}")
@@ -59,6 +87,8 @@ def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *
     if evaluate_path:
         given = load_plan(evaluate_path, cluster, w)
         results["evaluate"] = _entry(cluster, w, "evaluate", given, 0.0)
+        if measured_path:
+            results["evaluate"]["measured"] = load_measured(measured_path, [t for g in given.groups for t in g.tasks])
     else:
         for m in _methods_for(cluster, w, method):
             r = plan(cluster, w, m, seed=seed if m == "hybrid" else None, time_limit_s=time_limit_s)
@@ -121,6 +151,11 @@ def format_report(r: dict) -> str:
             extra = " ".join(f"{k} {p[k]}" for k in ("ep", "sp", "vpp", "engine") if k in p)   # only where set
             lines.append(f"{i if j == 0 else '':<6}{gpus if j == 0 else '':<34}{t:<14}{p['tp']:>3}{p['pp']:>4}"
                          f"{p['dp']:>4}{r['task_times_s'][t]:>9.1f}" + (f"  {extra}" if extra else ""))
+    if r.get("measured"):
+        predicted = {**r["task_times_s"], "iteration": r["iteration_time_s"]}
+        lines += ["", "measured vs predicted: " + ", ".join(
+            f"{k} {_seconds(v)} vs {_seconds(predicted[k])} ({(predicted[k] - v) / v:+.0%})"
+            for k, v in r["measured"].items())]
     top = max(r["breakdown"].values(), default=0.0)   # parts under 1% of the largest are left out
     lines += ["", "time breakdown (critical path): " + ", ".join(
         f"{k} {_seconds(v)}" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1])

@@ -62,9 +62,26 @@ class ModelSpec:
     kv_lora_rank: int = rule(0, ge=0)
     q_lora_rank: int = rule(0, ge=0)
     rope_head_dim: int = rule(0, ge=0)
+    # Hybrid attention stacks: `linear_attention_layers` layers attend linearly (Gated DeltaNet / Mamba-style, as
+    # Qwen3-Next's and Qwen3.5's three of every four): a fixed-size state per sequence instead of a KV cache, cost
+    # linear in tokens; `sliding_window_layers` layers attend to the last `sliding_window` tokens only (gpt-oss'
+    # alternate 128-token layers). The rest are full attention. Their projections are counted as a full layer's.
+    linear_attention_layers: int = rule(0, ge=0)
+    sliding_window_layers: int = rule(0, ge=0)
+    sliding_window: int = rule(0, ge=0)
+    # A vision tower (a VLM's image encoder) of `vision_params` parameters: it encodes each prompt's images
+    # (the workload's image_patches) before the language model reads them; its tokens join the prompt.
+    vision_params: int = rule(0, ge=0)
 
     def __post_init__(self):
         check(self)
+        if self.linear_attention_layers + self.sliding_window_layers > self.layers:
+            raise ValueError(f"model {self.name}: linear_attention_layers ({self.linear_attention_layers}) + "
+                             f"sliding_window_layers ({self.sliding_window_layers}) exceed its {self.layers} layers")
+        if bool(self.sliding_window_layers) != bool(self.sliding_window):
+            raise ValueError(f"model {self.name}: sliding_window_layers and sliding_window go together (the "
+                             f"layers and their window in tokens); got {self.sliding_window_layers} and "
+                             f"{self.sliding_window}")
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads "
                              f"({self.kv_heads})")
@@ -143,11 +160,12 @@ class ModelSpec:
 
     @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def params(self) -> int:
-        """All parameters (what memory holds)."""
+        """All parameters (what memory holds), the vision tower's included."""
         if not self.dense_layers or not self.experts:   # one kind of layer (the only form before MoE patterns)
-            return self.layers * (self.attn_params_per_layer + self.mlp_params_per_layer) + self.embedding_params
+            return (self.layers * (self.attn_params_per_layer + self.mlp_params_per_layer) + self.embedding_params
+                    + self.vision_params)
         return (self.layers * self.attn_params_per_layer + self.moe_layers * self.mlp_params_per_layer
-                + self.dense_layers * self.dense_mlp_params + self.embedding_params)
+                + self.dense_layers * self.dense_mlp_params + self.embedding_params + self.vision_params)
 
     @functools.cached_property   # fields are frozen; the cost model reads it per option priced
     def active_params(self) -> int:
@@ -163,11 +181,29 @@ class ModelSpec:
         return self.moe_layers * self.experts_per_token * 3 * self.hidden * self.moe_intermediate
 
     @property
+    def full_attention_layers(self) -> int:
+        return self.layers - self.linear_attention_layers - self.sliding_window_layers
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in bf16 (MLA: its latent and rope key)."""
+        """K and V of one token over the layers that cache every token (full attention), in bf16 (MLA: its latent
+        and rope key). A sliding-window layer holds at most its window per sequence and a linear-attention layer
+        a fixed state: neither grows with the tokens, and neither is counted here."""
+        layers = self.full_attention_layers
         if self.kv_lora_rank:
-            return self.layers * (self.kv_lora_rank + self.rope_head_dim) * 2
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+            return layers * (self.kv_lora_rank + self.rope_head_dim) * 2
+        return 2 * layers * self.kv_heads * self.head_dim * 2
+
+    def attention_flops(self, pairs: float, tokens: float) -> float:
+        """Forward FLOPs of attention's scores and weighted sum (2 x 2 x heads x head_dim per pair and layer) over
+        `pairs` causal (query, key) pairs of `tokens` tokens: full layers every pair, a sliding-window layer at
+        most `sliding_window` keys per query, a linear-attention layer its state update and read (head_dim x
+        head_dim per head and token: head_dim pairs' worth)."""
+        if not (self.linear_attention_layers or self.sliding_window_layers):
+            return 4 * self.layers * self.heads * self.head_dim * pairs
+        return 4 * self.heads * self.head_dim * (self.full_attention_layers * pairs
+                                                 + self.sliding_window_layers * min(pairs, tokens * self.sliding_window)
+                                                 + self.linear_attention_layers * tokens * self.head_dim)
 
 
 def _preset(name, layers, hidden, heads, kv, inter, vocab, tied=False, head_dim=128, **moe):
@@ -191,10 +227,16 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
             moe_intermediate=2048, shared_intermediate=2048, first_k_dense=3, kv_lora_rank=512, q_lora_rank=1536,
             rope_head_dim=64),
     # openai/gpt-oss-120b shape: 36 layers, hidden 2880, 64 query heads of 64, 8 KV heads, 128 experts of 2880,
-    # 4 per token, vocab 201088. Approximated: its alternating 128-token sliding-window layers are counted as
-    # full attention, and its MXFP4 expert weights as bf16 (memory and reads are those of a bf16 checkpoint)
+    # 4 per token, vocab 201088; every other layer attends to a 128-token sliding window. Approximated: its MXFP4
+    # expert weights as bf16 (memory and reads are those of a bf16 checkpoint), its attention sinks left out
     _preset("gpt-oss-120b", 36, 2880, 64, 8, 0, 201088, head_dim=64, experts=128, experts_per_token=4,
-            moe_intermediate=2880),
+            moe_intermediate=2880, sliding_window_layers=18, sliding_window=128),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers, hidden 2048, full attention every 4th layer
+    # (full_attention_interval 4: 16 query heads of 256, 2 KV heads), the other 36 Gated DeltaNet (linear
+    # attention; its projections counted as a full layer's), all MoE: 512 experts of 512, 10 per token, one
+    # shared expert of 512
+    _preset("qwen3-next-80b-a3b", 48, 2048, 16, 2, 0, 151936, head_dim=256, experts=512, experts_per_token=10,
+            moe_intermediate=512, shared_intermediate=512, linear_attention_layers=36),
     _preset("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064),
     _preset("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
     _preset("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256),
@@ -443,6 +485,9 @@ class WorkloadSpec:
     tool_latency_s: float = rule(0.0, ge=0)
     branches: int = rule(1, ge=1)
     max_leaves: int | None = rule(None, ge=1)
+    # image patches per prompt that the actor's vision tower (models: vision_params) encodes, mean; their tokens
+    # are part of prompt_tokens
+    image_patches: int = rule(0, ge=0)
 
     def __post_init__(self):
         check(self)
@@ -452,6 +497,13 @@ class WorkloadSpec:
         if self.prompts_per_step % self.optimizer_steps:
             raise ValueError(f"optimizer_steps must divide prompts_per_step ({self.prompts_per_step}) so every "
                              f"mini-batch holds whole prompt groups, got {self.optimizer_steps}")
+        if self.image_patches and not self.actor.vision_params:
+            raise ValueError(f"image_patches={self.image_patches} are encoded by the actor's vision tower, and its "
+                             f"model {self.actor.name} has none; give the model vision_params (or leave "
+                             "image_patches out)")
+        if self.image_patches > self.prompt_tokens.max:
+            raise ValueError(f"image_patches ({self.image_patches}) are part of the prompt, so at most "
+                             f"prompt_tokens.max ({self.prompt_tokens.max})")
         if self.algorithm == "ppo" and self.critic is None:
             raise ValueError("ppo needs a critic model: set models.critic (e.g. the actor's preset)")
         if self.algorithm != "ppo" and self.critic is not None:
@@ -547,7 +599,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
                  "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch", "rollout_batch_multiplier",
-                 "padding", "turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves")
+                 "padding", "turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves", "image_patches")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

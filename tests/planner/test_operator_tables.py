@@ -64,12 +64,16 @@ def test_another_gpu_scales_by_the_bound_its_roofline_names():
 
 
 def test_between_two_measured_shapes_the_efficiency_lies_between():
+    """An unmeasured shape's efficiency lies within those of the measured shapes of the two nearest weight sizes
+    (4096 x 5504 and 8192 x 2752 below it, 6144 x 4096, 3072 x 8192 and 8192 x 3072 above)."""
     h100 = gpu("H100")
-    eff = {}
-    for n in (4096, 8192, 12288):
-        t = optables.gemm_s(h100, 1024, n, 4096)
-        eff[n] = 2 * 1024 * n * 4096 / t
-    assert min(eff[4096], eff[12288]) <= eff[8192] <= max(eff[4096], eff[12288])
+    below = ((4096, 5504), (5504, 4096), (8192, 2752))
+    above = ((6144, 4096), (3072, 8192), (8192, 3072))
+    for m in (1, 64, 1024, 4096):
+        def eff(n, k):
+            return 2 * m * n * k / optables.gemm_s(h100, m, n, k)
+        known = [eff(n, k) for n, k in below + above]
+        assert min(known) <= eff(6000, 4000) <= max(known)
 
 
 def test_engine_step_and_allreduce_at_measured_points():

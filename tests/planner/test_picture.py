@@ -54,3 +54,40 @@ def test_a_png_path_that_cannot_be_written_is_refused_before_the_search(tmp_path
                                                                 "qwen3-4b-grpo-sync.yaml"),
                "--png", str(tmp_path / "missing" / "plan.png")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_measured_times_are_printed_and_drawn_beside_the_predicted(tmp_path, capsys):
+    path = str(ROOT / "examples" / "workloads" / "qwen3-4b-grpo-sync.yaml")
+    assert main(["plan", "--cluster", CLUSTER, "--workload", path, "--out", str(tmp_path / "plan.json"),
+                 "--time-limit", "2"]) == 0
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    times = tmp_path / "times.yaml"
+    times.write_text("actor_gen: 12.5\nactor_train: 9\niteration: 30\n")
+    png = tmp_path / "measured.png"
+    capsys.readouterr()
+    assert main(["plan", "--cluster", CLUSTER, "--workload", path, "--evaluate", str(tmp_path / "plan.json"),
+                 "--measured", str(times), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    gen = saved["task_times_s"]["actor_gen"]
+    assert f"actor_gen 12.5 s vs {gen:.1f} s ({(gen - 12.5) / 12.5:+.0%})" in out and "iteration 30.0 s vs" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = plan_report(CLUSTER, path, evaluate_path=str(tmp_path / "plan.json"), measured_path=str(times))
+    assert report["measured"] == {"actor_gen": 12.5, "actor_train": 9.0, "iteration": 30.0}
+
+
+@pytest.mark.parametrize("text, message", [("actor_gne: 3\n", "'actor_gne' is not a task of this plan"),
+                                           ("actor_gen: -1\n", "must be a positive number"),
+                                           ("[1, 2]\n", "expected a mapping"), ("a: [\n", "not JSON or YAML")])
+def test_bad_measured_times_are_refused_in_one_line(tmp_path, capsys, text, message):
+    path = str(ROOT / "examples" / "workloads" / "qwen3-4b-grpo-sync.yaml")
+    assert main(["plan", "--cluster", CLUSTER, "--workload", path, "--out", str(tmp_path / "plan.json"),
+                 "--time-limit", "1"]) == 0
+    times = tmp_path / "times.yaml"
+    times.write_text(text)
+    capsys.readouterr()
+    rc = main(["plan", "--cluster", CLUSTER, "--workload", path, "--evaluate", str(tmp_path / "plan.json"),
+               "--measured", str(times)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+    rc = main(["plan", "--cluster", CLUSTER, "--workload", path, "--measured", str(times)])
+    assert rc == 2 and "give the plan with --evaluate" in capsys.readouterr().err
