@@ -267,16 +267,19 @@ def main() -> None:
         lines.append("")
     lines += padding_bracket(rows) + dapo_what_if(rows)
     lines += ["## Not modelled, in order of the error it leaves", "",
-              "1. Decode per-step overhead beyond the HBM roofline (scheduler, sampling, launches, eager mode, the "
-              "long tail's small batches): the rollout of most runs with phases; a sourced per-step figure was not "
-              "found.",
-              "2. MoE layer costs besides the expert GEMMs: routing, permute/unpermute, exposed all-to-alls, the "
-              "small dense GEMMs of a 2K-hidden model; and transformers' per-expert loop on FSDP.",
+              "1. Decode steps are priced from operator tables now (GEMMs, small kernels, the engine's per-step CPU "
+              "time, the fused-MoE layer): what is left of the rollout's gap is decode attention over the KV "
+              "cache (still at the HBM roofline: no public table), engines with CUDA graphs (Vidur's engine table "
+              "is without them) and eager mode, and the long tail's small batches.",
+              "2. MoE layer costs besides the expert kernels: in rollouts vLLM's routing and EP all-to-alls; in "
+              "updates routing, permute/unpermute, exposed all-to-alls, the small dense GEMMs of a 2K-hidden model, "
+              "and transformers' per-expert loop on FSDP.",
               "3. Mean lengths that sources do not publish (verl DAPO, OpenRLHF, DeepSpeed-Chat, LongReason): "
               "the largest input uncertainty of the table.",
               "4. The padded length of micro-batches between mean and cap (bracketed above; the scores price OpenRLHF "
               "packed and DeepSpeed-Chat's prompts at P_max, what their code states exactly).",
-              "5. GEMM efficiency by shape for dense GEMMs, collective bus bandwidth by message size: constants.", ""]
+              "5. Prefill, log-prob and training passes: MFU constants (the GEMM tables price decode only); DP and "
+              "cross-region collectives: alpha-beta per link.", ""]
     write_page(RESULTS / "cost_model_error_analysis.md", "\n".join(lines))
     print("\n".join(lines))
 

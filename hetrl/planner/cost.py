@@ -760,8 +760,8 @@ def _decode_ops_s(cluster, ids, model: ModelSpec, par: Parallelism, rows: float,
 def _step_ops_s(g, model: ModelSpec, tp: int, ep: int, rows: float, vb: int) -> tuple[float, float] | None:
     """One decode step on a TP shard of GPU type `g`, as the sum of its operators (Vidur's composition of a
     block): per layer the attention projections (qkv or MLA's low-rank ones, output), the MLP (dense; or the
-    router, the local experts an average step touches at their tokens each, a grouped GEMM priced expert by
-    expert, and the shared expert), the per-token kernels (norms, rope, activation, add); then the LM head; each
+    router, the local experts an average step touches at their tokens each as one grouped GEMM per projection,
+    and the shared expert), the per-token kernels (norms, rope, activation, add); then the LM head; each
     GEMM at `rows` tokens. The attention over the KV cache is not here (the caller prices its reads at HBM
     bandwidth: no decode-attention table is public). Plus the engine's CPU time per step (engine_step)."""
     if optables.nearest_measured(g, "gemm") is None:
@@ -784,8 +784,15 @@ def _step_ops_s(g, model: ModelSpec, tp: int, ep: int, rows: float, vb: int) -> 
         local = e / ep
         touched = 1 - (1 - k / e) ** tokens            # the share of experts an average step routes a token to
         m_e = tokens * k / (e * touched)               # tokens per touched expert
-        experts = local * touched * (gemm(2 * model.moe_intermediate / etp, h, m_e)
-                                     + gemm(h, model.moe_intermediate / etp, m_e))
+        # vLLM's and SGLang's fused MoE runs a layer's routed experts as one grouped kernel per projection
+        # (fused_moe: w13, then w2), not a GEMM launch per expert: from the moe_layer table (the measured fused
+        # layer's efficiency at m_e tokens per expert); without one, as one GEMM per projection that reads every
+        # touched local expert's weights (the gemm table's efficiency at that weight size)
+        n_touched = local * touched
+        experts = optables.moe_layer_s(g, m_e, n_touched, model.moe_intermediate / etp, h, vb)
+        if experts is None:
+            experts = (gemm(2 * model.moe_intermediate / etp, h * n_touched, m_e)
+                       + gemm(h, model.moe_intermediate / etp * n_touched, m_e))
         shared = (gemm(2 * model.shared_intermediate / tp, h) + gemm(h, model.shared_intermediate / tp)
                   if model.shared_intermediate else 0.0)
         total += model.moe_layers * (attn + small + gemm(e, h) + experts + shared)

@@ -9,6 +9,9 @@ not apply):
   norm/rope/act/add  seconds of a per-token elementwise kernel over M tokens of width N
   all_reduce, send_recv  seconds for `bytes` over `group` GPUs on `link`
   engine_step   the inference engine's CPU time per decode step for `batch` sequences at `tp`
+  moe_layer     one MoE layer's routed experts as the engine's fused kernel runs them (routing, both grouped
+                projections, the weighted sum) for M tokens: `experts` experts of N (intermediate per shard) x K
+                (hidden), `topk` per token
   attention_decode / attention_prefill  (hetrl.bench.operators' own measurements)
 
 Lookups interpolate between measured points in log-log and never extrapolate a time below the smallest measured
@@ -33,8 +36,8 @@ import pathlib
 import numpy as np
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "operators"
-FIELDS = ("op", "dtype", "m", "n", "k", "batch", "context", "heads", "kv_heads", "head_dim", "tp", "bytes", "group",
-          "link", "seconds", "rate", "source")
+FIELDS = ("op", "dtype", "m", "n", "k", "batch", "context", "heads", "kv_heads", "head_dim", "experts", "topk", "tp",
+          "bytes", "group", "link", "seconds", "rate", "source")
 SMALL_OPS = ("norm", "norm", "rope", "act", "add")   # per layer, as Vidur composes a block (two norms, one add)
 
 # GPU types whose kernels are priced from another GPU's tables (same architecture, different clocks, SMs or HBM);
@@ -77,6 +80,9 @@ def reload() -> None:
     """Read the tables again (after HETRL_OPERATOR_TABLES changed) and forget everything priced from them."""
     tables.cache_clear()
     _gemm_series.cache_clear()
+    _medians.cache_clear()
+    _values.cache_clear()
+    _moe_series.cache_clear()
     for clear in _RELOAD:
         clear()
 
@@ -202,6 +208,63 @@ def gemm_s(gpu, m: float, n: float, k: float, vb: float = 2) -> float | None:
     return _roofline(gpu, m, n, k, vb) / eff
 
 
+@functools.cache
+def _medians(src: str, op: str, x: str, **select) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`src`'s `op` rows that match `select` (field=value): the measured `x` values, sorted, and the median
+    seconds of the repeats at each (the planner looks these up per plan it scores: computed once per table)."""
+    pts: dict[float, list[float]] = {}
+    for r in tables()[src][op]:
+        if all(r[k] == v for k, v in select.items()):
+            pts.setdefault(r[x], []).append(r["seconds"])
+    xs = tuple(sorted(pts))
+    return xs, tuple(float(np.median(pts[v])) for v in xs)
+
+
+@functools.cache
+def _values(src: str, op: str, field: str, **select) -> tuple:
+    """The distinct values of `field` among `src`'s `op` rows that match `select`, sorted."""
+    return tuple(sorted({r[field] for r in tables()[src][op] if all(r[k] == v for k, v in select.items())}))
+
+
+def _moe_roofline(gpu, m_e: float, n_touched: float, n: float, k: float, vb: float) -> float:
+    """Roofline of `n_touched` gated experts (gate+up N x K twice, down K x N) at `m_e` tokens each."""
+    flops = 2 * m_e * n_touched * 3 * n * k
+    moved = vb * n_touched * (3 * n * k + m_e * (2 * k + 3 * n))
+    return max(flops / gpu.dense_bf16_flops, moved / gpu.hbm_bytes_per_s)
+
+
+@functools.cache
+def _moe_series(src: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`src`'s fused-MoE efficiencies (roofline over measured median) by tokens per touched expert; points of
+    several shapes at the same tokens per expert joined by the geometric mean."""
+    from .catalog import gpu as gpu_type
+    g = gpu_type(src)
+    reps: dict[tuple, list[float]] = {}
+    for r in tables()[src]["moe_layer"]:
+        reps.setdefault((r["m"], r["n"], r["k"], r["experts"], r["topk"]), []).append(r["seconds"])
+    pts: dict[float, list[float]] = {}
+    for (m, n, k, e, topk), secs in reps.items():
+        touched = e * (1 - (1 - topk / e) ** m)
+        m_e = m * topk / touched
+        pts.setdefault(m_e, []).append(math.log(_moe_roofline(g, m_e, touched, n, k, 2)
+                                                          / float(np.median(secs))))
+    xs = tuple(sorted(pts))
+    return xs, tuple(math.exp(sum(pts[x]) / len(pts[x])) for x in xs)
+
+
+def moe_layer_s(gpu, m_e: float, n_touched: float, n: float, k: float, vb: float = 2) -> float | None:
+    """Seconds of one MoE layer's routed experts in the engine's fused kernel: `n_touched` experts of N x K (N the
+    intermediate per shard) at `m_e` tokens each; the measured efficiency at that many tokens per expert applied
+    to this shape's roofline on `gpu`. None without a moe_layer table."""
+    if m_e <= 0 or n_touched <= 0:
+        return 0.0
+    src = nearest_measured(gpu, "moe_layer")
+    if src is None:
+        return None
+    xs, eff = _moe_series(src)
+    return _moe_roofline(gpu, m_e, n_touched, n, k, vb) / _interp_loglog(m_e, xs, eff)
+
+
 def small_ops_s(gpu, m: float, hidden: float, intermediate: float) -> float | None:
     """Seconds of one layer's per-token kernels (norms, rope, activation, residual add) over m tokens."""
     total = 0.0
@@ -211,14 +274,9 @@ def small_ops_s(gpu, m: float, hidden: float, intermediate: float) -> float | No
         if src is None:
             return None
         width = intermediate if op == "act" else hidden
-        rows = tables()[src][op]
-        n = min({r["n"] for r in rows}, key=lambda v: abs(math.log(v / width)))
-        pts: dict[float, list[float]] = {}
-        for r in rows:
-            if r["n"] == n:
-                pts.setdefault(r["m"] * n, []).append(r["seconds"])
-        xs = sorted(pts)
-        s = _interp_loglog(m * width, xs, [float(np.median(pts[x])) for x in xs], proportional_above=True)
+        n = min(_values(src, op, "n"), key=lambda v: abs(math.log(v / width)))
+        ms, ys = _medians(src, op, "m", n=n)
+        s = _interp_loglog(m * width, [v * n for v in ms], ys, proportional_above=True)
         total += s * gpu_type(src).hbm_bytes_per_s / gpu.hbm_bytes_per_s if src != gpu.name else s
     return total
 
@@ -229,15 +287,9 @@ def engine_step_s(gpu, batch: float, tp: int) -> float | None:
     src = nearest_measured(gpu, "engine_step")
     if src is None:
         return None
-    rows = tables()[src]["engine_step"]
-    tps = sorted({r["tp"] for r in rows})
-    t = min(tps, key=lambda v: abs(math.log(v / max(tp, 1))))
-    pts: dict[int, list[float]] = {}
-    for r in rows:
-        if r["tp"] == t:
-            pts.setdefault(r["batch"], []).append(r["seconds"])
-    xs = sorted(pts)
-    return _interp_loglog(max(batch, 1.0), xs, [float(np.median(pts[x])) for x in xs])
+    t = min(_values(src, "engine_step", "tp"), key=lambda v: abs(math.log(v / max(tp, 1))))
+    xs, ys = _medians(src, "engine_step", "batch", tp=t)
+    return _interp_loglog(max(batch, 1.0), xs, ys)
 
 
 MEASURED_GBPS_PER_GPU = {"A100-80G": 200}   # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU (NVIDIA's design)
@@ -259,16 +311,10 @@ def allreduce_s(gpu, nbytes: float, group: int, nodes: int = 1, gbps_per_gpu: fl
     if src is None:
         return None
     from .catalog import gpu as gpu_type
-    rows = [r for r in tables()[src]["all_reduce"] if r["link"] == link]
     per_node = group / max(nodes, 1)
-    measured_nodes = {r["group"]: (2 if link != "nvlink" else 1) for r in rows}
-    g = min(measured_nodes, key=lambda v: abs(math.log(v / measured_nodes[v] / per_node)))
-    pts: dict[float, list[float]] = {}
-    for r in rows:
-        if r["group"] == g:
-            pts.setdefault(r["bytes"], []).append(r["seconds"])
-    xs = sorted(pts)
-    ys = [float(np.median(pts[x])) for x in xs]
+    per = 2 if link != "nvlink" else 1              # the measured groups' nodes
+    g = min(_values(src, "all_reduce", "group", link=link), key=lambda v: abs(math.log(v / per / per_node)))
+    xs, ys = _medians(src, "all_reduce", "bytes", link=link, group=g)
     floor = min(ys)
     t = _interp_loglog(nbytes, xs, ys, proportional_above=True)
     ring = (2 * (group - 1) / group) / (2 * (g - 1) / g)

@@ -154,3 +154,33 @@ def test_a_measured_cuda_device_is_named_as_the_catalog_names_it():
     assert catalog_name("NVIDIA A100-SXM4-40GB") == "A100-40G"
     assert catalog_name("NVIDIA H200") == "H200"
     assert catalog_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_a_measured_fused_moe_layer_comes_back_as_measured_and_other_gpus_scale_by_their_roofline():
+    """vLLM PR #44818's fused-MoE layer (E=128, N=704, K=2816, top-8, bf16, H200): each measured batch comes back
+    as its median; H100 (same FLOP/s, 0.7x the HBM) at a bandwidth-bound batch takes the HBM ratio longer."""
+    h200, h100 = gpu("H200"), gpu("H100")
+    rows = optables.tables()["H200"]["moe_layer"]
+    for r in rows:
+        e, topk, m = r["experts"], r["topk"], r["m"]
+        touched = e * (1 - (1 - topk / e) ** m)
+        got = optables.moe_layer_s(h200, m * topk / touched, touched, r["n"], r["k"])
+        assert got == pytest.approx(r["seconds"], rel=1e-9), m
+    assert optables.nearest_measured(h100, "moe_layer") == "H200"
+    ratio = optables.moe_layer_s(h100, 2.0, 100, 704, 2816) / optables.moe_layer_s(h200, 2.0, 100, 704, 2816)
+    assert ratio == pytest.approx(h200.hbm_bytes_per_s / h100.hbm_bytes_per_s, rel=1e-9)
+
+
+def test_an_moe_decode_step_runs_its_routed_experts_as_one_fused_layer():
+    """The routed experts of a layer are the engine's one fused kernel (vLLM fused_moe), not a GEMM launch per
+    expert: at the same touched weights, twice the experts of half the width cost about the same, where 16
+    launches would have cost twice the launch floors of 8."""
+    from hetrl.planner.spec import ModelSpec
+    h100 = gpu("H100")
+    base = dict(layers=4, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=0, vocab=32000, experts=128,
+                experts_per_token=8, moe_intermediate=768)
+    a = ModelSpec(name="a", **base)
+    b = ModelSpec(name="b", **{**base, "experts": 256, "experts_per_token": 16, "moe_intermediate": 384})
+    ta, _ = _step_ops_s(h100, a, 1, 1, 1.0, 2)
+    tb, _ = _step_ops_s(h100, b, 1, 1, 1.0, 2)
+    assert tb / ta == pytest.approx(1.0, abs=0.1)
