@@ -19,15 +19,22 @@ A model whose chat template renders no tools (SmolLM2, hetrl's tiny model) gets 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import json
 import logging
+import os
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from hetrl._tool_worker import invoke, render
 from hetrl.schema import InputError
 
 from .containment import name_of, user_call
@@ -301,77 +308,172 @@ def capped(name: str, text: str) -> str:
     return text[:TOOL_RESULT_MAX_CHARS] + f"... [cut: {len(text) - TOOL_RESULT_MAX_CHARS} more characters]"
 
 
-def _render(value) -> str | None:
-    """A tool's return value as message text (TRL: str(result)); None for values that are not data."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (bool, int, float)):
-        return str(value)
-    if isinstance(value, (dict, list, tuple)):
+def locator(fn) -> tuple[str, str | None, str] | None:
+    """Where a tool process finds `fn`: (module name, the module's file when it was executed from one, qualified
+    name); None for what a fresh interpreter cannot find (a lambda, a function defined inside another, a bound
+    method: an environment's tools live with their instance in this process)."""
+    module_name, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module_name or not qualname or "<" in qualname or inspect.ismethod(fn) or not inspect.isfunction(fn):
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or module_name == "__main__":
+        return None
+    path = getattr(module, "__file__", None) if module_name.startswith("hetrl_") else None   # specs._execute's
+    return module_name, path, qualname
+
+
+class ToolProcesses:
+    """Idle tool processes (hetrl._tool_worker), started on demand (a fresh interpreter: nothing of the trainer's
+    threads or CUDA state) and kept for the next calls; one that timed out or died is replaced."""
+
+    KEEP = 16
+
+    def __init__(self):
+        self.idle: list = []
+
+    def take(self):
+        if self.idle:
+            return self.idle.pop()
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}   # what this process imports
+        proc = subprocess.Popen([sys.executable, "-m", "hetrl._tool_worker", str(theirs.fileno())],
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        return proc, Connection(ours.detach())
+
+    def give_back(self, worker) -> None:
+        if len(self.idle) < self.KEEP:
+            self.idle.append(worker)
+        else:
+            self.end(worker)
+
+    @staticmethod
+    def end(worker) -> int | None:
+        proc, conn = worker
+        if proc.poll() is None:
+            proc.kill()
         try:
-            return json.dumps(value)
-        except (TypeError, ValueError):
-            return None
-    return None
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        conn.close()
+        return code
+
+    def close(self) -> None:
+        while self.idle:
+            self.end(self.idle.pop())
 
 
-def _invoke(fn, arguments: dict):
-    out = fn(**arguments)
-    return asyncio.run(out) if inspect.isawaitable(out) else out
+TOOL_LOAD_S = 120.0   # a tool process may take this long to import a tool's module (its first call only)
+_PROCESSES = ToolProcesses()
+_UNLOCATABLE: set = set()   # tools a tool process could not load: they run in threads
+atexit.register(_PROCESSES.close)
 
 
-def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: float) -> list[ToolResult]:
-    """Run every (tools of its episode, call) at once, each in its own daemon thread, so that the tools of
-    different episodes overlap. A call past `timeout_s` is answered with a timeout error and its thread is left
-    to finish on its own (Python cannot stop a thread); nothing a tool does stops the run."""
+def _error(name: str, why: str, seconds: float) -> ToolResult:
+    return ToolResult(name, str({"error": why}), True, seconds)
+
+
+def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: float,
+              isolation: str = "process") -> list[ToolResult]:
+    """Run every (tools of its episode, call) at once, so that the tools of different episodes overlap.
+
+    isolation "process": a function tool runs in a tool process of its own (ToolProcesses); past `timeout_s` the
+    process is killed (a C call holding the GIL included) and the call answered with a timeout error; a tool that
+    ends its process (os._exit, a crash) is answered with an error naming it, and the run goes on. An
+    environment's methods (their state lives with their instance here), lambdas and nested functions run in a
+    daemon thread, as with isolation "thread" for every tool: a call past `timeout_s` is answered with a timeout
+    error and its thread left to finish (Python cannot stop a thread). Results are capped (`capped`)."""
     results: list[ToolResult | None] = [None] * len(calls)
     slots: list[dict] = [{} for _ in calls]
-    threads = []
+    threads, procs = [], []
     for i, (tools, call) in enumerate(calls):
         fn = tools.get(call.name)
         if call.error is not None or fn is None:
             why = call.error or f"no tool named {call.name!r} (tools: {', '.join(sorted(tools)) or 'none'})"
-            results[i] = ToolResult(call.name, str({"error": why}), True, 0.0)
+            results[i] = _error(call.name, why, 0.0)
             continue
         if not isinstance(call.arguments, dict):
-            results[i] = ToolResult(call.name, str({"error": f"arguments must be a JSON object, got "
-                                                             f"{type(call.arguments).__name__}"}), True, 0.0)
+            results[i] = _error(call.name, f"arguments must be a JSON object, got {type(call.arguments).__name__}",
+                                0.0)
             continue
         try:
             inspect.signature(fn).bind(**call.arguments)
         except TypeError as e:
-            results[i] = ToolResult(call.name, str({"error": f"bad arguments for {call.name}: {e}"}), True, 0.0)
+            results[i] = _error(call.name, f"bad arguments for {call.name}: {e}", 0.0)
             continue
         except ValueError:   # no signature to check against: let the call itself say
             pass
-
-        def target(slot=slots[i], fn=fn, args=call.arguments):
-            try:
-                slot["value"] = _invoke(fn, args)
-            except BaseException as e:  # the tool's failure is its answer, whatever it raised
-                slot["raised"] = e
-
-        thread = threading.Thread(target=target, daemon=True, name=f"hetrl-tool-{call.name}")
-        threads.append((i, thread, time.perf_counter()))
-        thread.start()
-    deadline = time.perf_counter() + timeout_s
+        where = locator(fn) if isolation == "process" else None
+        if where is not None and where not in _UNLOCATABLE:
+            worker = _PROCESSES.take()
+            worker[1].send((where, call.arguments))
+            procs.append((i, worker, time.perf_counter()))
+            continue
+        threads.append((i, _thread(call.name, fn, call.arguments, slots[i]), time.perf_counter()))
+    timed_out = f"timed out after {timeout_s:g} s (tool_timeout_s)"
+    for i, (proc, conn), t0 in procs:
+        name = calls[i][1].name
+        try:
+            # the tool's module is imported first (once per process, any time up to TOOL_LOAD_S): its timeout
+            # starts when the process says it has the function
+            loaded = conn.recv() if conn.poll(TOOL_LOAD_S) else ("slow",)
+            if loaded[0] == "loaded":
+                left = loaded[1] + timeout_s - time.time()
+                reply = conn.recv() if conn.poll(max(0.0, left)) else None
+        except (EOFError, OSError):
+            code = ToolProcesses.end((proc, conn))
+            log.warning("tool %s ended its process (exit code %s); the call is answered with an error", name, code)
+            results[i] = _error(name, f"{name} ended its process (exit code {code}: os._exit or a crash)",
+                                time.perf_counter() - t0)
+            continue
+        if loaded[0] == "slow":
+            ToolProcesses.end((proc, conn))
+            results[i] = _error(name, f"{name}: its module did not import within {TOOL_LOAD_S:g} s",
+                                time.perf_counter() - t0)
+            continue
+        if loaded[0] == "unlocatable":   # a fresh interpreter cannot find it: run it here, in a thread
+            _PROCESSES.give_back((proc, conn))
+            _UNLOCATABLE.add(locator(calls[i][0][name]))
+            log.warning("tool %s runs in a thread: a tool process could not load it (%s)", name, loaded[1])
+            threads.append((i, _thread(name, calls[i][0][name], calls[i][1].arguments, slots[i]),
+                            time.perf_counter()))
+            continue
+        if reply is None:
+            ToolProcesses.end((proc, conn))
+            results[i] = _error(name, f"{name} {timed_out}", time.perf_counter() - t0)
+            continue
+        _PROCESSES.give_back((proc, conn))
+        slots[i] = {"value": reply[1:]} if reply[0] == "ok" else {"raised": reply[1]}
+        results[i] = _answer(name, slots[i], time.perf_counter() - t0)
     for i, thread, t0 in threads:
-        thread.join(max(0.0, deadline - time.perf_counter()))
-        name, slot, seconds = calls[i][1].name, slots[i], time.perf_counter() - t0
-        if thread.is_alive():
-            results[i] = ToolResult(name, str({"error": f"{name} timed out after {timeout_s:g} s (tool_timeout_s)"}),
-                                    True, seconds)
-        elif "raised" in slot:
-            e = slot["raised"]
-            results[i] = ToolResult(name, str({"error": f"{type(e).__name__}: {e}"}), True, seconds)
-        else:
-            text = _render(slot.get("value"))
-            if text is None:
-                results[i] = ToolResult(name, str({"error": f"{name} returned {type(slot.get('value')).__name__}, "
-                                                            "not text, a number or JSON"}), True, seconds)
-            else:
-                results[i] = ToolResult(name, capped(name, text), False, seconds)
+        thread.join(max(0.0, t0 + timeout_s - time.perf_counter()))
+        name, seconds = calls[i][1].name, time.perf_counter() - t0
+        results[i] = _error(name, f"{name} {timed_out}", seconds) if thread.is_alive() else \
+            _answer(name, slots[i], seconds)
     return results  # type: ignore[return-value]
+
+
+def _thread(name: str, fn, arguments: dict, slot: dict) -> threading.Thread:
+    def target():
+        try:
+            value = invoke(fn, arguments)
+            slot["value"] = (render(value), type(value).__name__)
+        except BaseException as e:  # noqa: BLE001 - the tool's failure is its answer, whatever it raised
+            slot["raised"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=target, daemon=True, name=f"hetrl-tool-{name}")
+    thread.start()
+    return thread
+
+
+def _answer(name: str, slot: dict, seconds: float) -> ToolResult:
+    if "raised" in slot:
+        return _error(name, slot["raised"], seconds)
+    text, kind = slot["value"]
+    if text is None:
+        return _error(name, f"{name} returned {kind}, not text, a number or JSON", seconds)
+    return ToolResult(name, capped(name, text), False, seconds)
 
 
 __all__ = ["HERMES_TEMPLATE", "ToolCall", "ToolResult", "ToolTokenizer", "check_environment", "environment_reward",

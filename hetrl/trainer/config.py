@@ -97,6 +97,9 @@ class RunConfig:
     environment: str | None = None        # FILE.py:Class: one instance per rollout (reset, tool methods, get_reward)
     max_tool_calls: int = rule(4, ge=1)   # tool-calling turns per episode (TRL's max_tool_calling_iterations)
     tool_timeout_s: float = rule(10.0, gt=0)  # a call still running then is answered with a timeout error
+    # process: each function tool call in a tool process, killed at the timeout, its os._exit or crash answered as
+    # an error (an environment's methods stay in threads: their state lives with the instance); thread: all in threads
+    tool_isolation: str = rule("process", choices=("process", "thread"))
     # tree-shaped sampling (docs/agents.md): after a tool result an episode forks into `branches` continuations
     # that share its cache, while its task has at most max_leaves leaves (default responses_per_prompt x branches)
     branches: int = rule(1, ge=1)

@@ -3,8 +3,8 @@
 A round is: feed each live row its pending tokens (the prompt's last token, or the tool results and the next
 assistant header) in one forward over [rows, longest chunk], then decode until every row has ended its turn (EOS
 or the token budget); then parse each ended turn's calls, run the calls of all episodes at once
-(hetrl.data.tools.run_calls: a thread per call, `tool_timeout_s`), and drop the rows whose episode is over from
-the cache. The conversation is never prefilled again: the cache grows by the tool tokens only. Each distinct
+(hetrl.data.tools.run_calls: a tool process or a thread per call, `tool_timeout_s`), and drop the rows whose
+episode is over from the cache. The conversation is never prefilled again: the cache grows by the tool tokens only. Each distinct
 prompt is prefilled once and its K/V given to its N rows (`batch_select_indices`), as the single-turn worker's
 plain path does. Rows that ended their turn while others still decode ride along on a masked pad token (the 2-D
 attention mask holds those holes, position ids count real tokens only), so the cache stays one batch.
@@ -70,6 +70,7 @@ class Agent:
     max_tool_calls: int
     tool_timeout_s: float
     env_reward: bool                # the environment defines get_reward()
+    tool_isolation: str = "process"   # run_calls': function tools in tool processes, or everything in threads
     branches: int = 1               # continuations an episode forks into after a tool result (1: none)
     max_leaves: int | None = None   # leaves per task at most (None: n x branches for n rollouts per task)
     max_prompt_tokens: int | None = None   # an episode's prompt at most (with its environment's reset() string)
@@ -80,7 +81,8 @@ class Agent:
 
 
 def make_agent(tokenizer, tools=(), environment_factory=None, max_tool_calls: int = 4,
-               tool_timeout_s: float = 10.0, branches: int = 1, max_leaves: int | None = None) -> Agent:
+               tool_timeout_s: float = 10.0, branches: int = 1, max_leaves: int | None = None,
+               tool_isolation: str = "process") -> Agent:
     """Check the tools and environment (one probe instance, as TRL does) and choose the template."""
     if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
         raise InputError(f"branches must be an int >= 1 (continuations per fork; 1: no forks), got {branches!r}")
@@ -98,7 +100,7 @@ def make_agent(tokenizer, tools=(), environment_factory=None, max_tool_calls: in
     if len(set(names)) != len(names):
         raise InputError(f"tools: two tools share a name ({', '.join(names)}); the model calls them by name")
     return Agent(tools, environment_factory, tuple(schemas), tool_template(tokenizer), max_tool_calls,
-                 tool_timeout_s, env_reward, branches, max_leaves)
+                 tool_timeout_s, env_reward, tool_isolation, branches, max_leaves)
 
 
 @dataclass
@@ -389,7 +391,7 @@ def _answer(tokenizer, agent: Agent, eps: list[Episode], eos: int, max_new_token
         for call in calls:
             jobs.append((ep.tools, call))
             owners.append(ep)
-    results = run_calls(jobs, agent.tool_timeout_s) if jobs else []
+    results = run_calls(jobs, agent.tool_timeout_s, agent.tool_isolation) if jobs else []
     answered: dict[int, list] = {}
     for ep, res in zip(owners, results):
         answered.setdefault(id(ep), []).append(res)
@@ -500,7 +502,7 @@ def agent_from_config(cfg, tokenizer, tools, environment_factory) -> Agent | Non
     if not tools and environment_factory is None:
         return None
     agent = make_agent(tokenizer, tools, environment_factory, cfg.max_tool_calls, cfg.tool_timeout_s, cfg.branches,
-                       cfg.max_leaves)
+                       cfg.max_leaves, cfg.tool_isolation)
     return dataclasses.replace(agent, max_prompt_tokens=cfg.max_prompt_tokens)
 
 __all__ = ["Agent", "Episode", "EpisodeWorker", "agent_from_config", "episode_metrics", "generate_episodes",

@@ -169,31 +169,95 @@ def test_a_template_with_response_parsing_is_asked_to_parse():
     assert parse_tool_calls("bad", Declares(), [1, 2], [{}])[0].error.startswith("could not parse")
 
 
-def _tools():
-    def ok(a: int) -> int:
-        return a + 1
-
-    def boom(a: int) -> int:
-        raise RuntimeError("kaput")
-
-    def slow(s: float) -> str:
-        time.sleep(s)
-        return "done"
-
-    def weird() -> object:
-        return object()
-
-    def data() -> dict:
-        return {"x": [1, 2]}
-
-    async def later(a: int) -> int:
-        return a * 10
-
-    return {f.__name__: f for f in (ok, boom, slow, weird, data, later)}
+TOOLS_SRC = '''
+import asyncio
+import os
+import time
 
 
-def test_every_failure_becomes_a_tool_message():
-    tools = _tools()
+def ok(a: int) -> int:
+    """One more.
+
+    Args:
+        a: A number.
+    """
+    return a + 1
+
+
+def boom(a: int) -> int:
+    """Raises.
+
+    Args:
+        a: A number.
+    """
+    raise RuntimeError("kaput")
+
+
+def slow(s: float) -> str:
+    """Sleeps.
+
+    Args:
+        s: Seconds.
+    """
+    time.sleep(s)
+    return "done"
+
+
+def weird() -> object:
+    """Not data."""
+    return object()
+
+
+def data() -> dict:
+    """Data."""
+    return {"x": [1, 2]}
+
+
+async def later(a: int) -> int:
+    """Ten times, awaited.
+
+    Args:
+        a: A number.
+    """
+    await asyncio.sleep(0)
+    return a * 10
+
+
+def dies(code: int) -> str:
+    """Ends its process.
+
+    Args:
+        code: The exit code.
+    """
+    os._exit(code)
+
+
+def spins(n: int) -> int:
+    """Holds the GIL in one C call.
+
+    Args:
+        n: How far to count.
+    """
+    return sum(range(n))
+'''
+
+
+@pytest.fixture(params=["process", "thread"])
+def tools(request, tmp_path):
+    """The same tools run two ways: loaded from a file (function tools: each call in a tool process), and defined
+    inside a function (not findable by a fresh interpreter: threads, as an environment's methods)."""
+    if request.param == "process":
+        (tmp_path / "mytools.py").write_text(TOOLS_SRC)
+        names = "ok,boom,slow,weird,data,later,dies,spins"
+        return {f.__name__: f for f in load_tools(f"{tmp_path / 'mytools.py'}:{names}")}
+    scope: dict = {}
+    exec(compile(TOOLS_SRC, "<tools>", "exec"), scope)   # noqa: S102 - functions without a findable module
+    for name in ("ok", "boom", "slow", "weird", "data", "later"):
+        scope[name].__module__ = "__main__"
+    return {n: scope[n] for n in ("ok", "boom", "slow", "weird", "data", "later")}
+
+
+def test_every_failure_becomes_a_tool_message(tools):
     calls = [ToolCall("ok", {"a": 1}), ToolCall("boom", {"a": 1}), ToolCall("ok", {"b": 1}),
              ToolCall("nope", {}), ToolCall("weird", {}), ToolCall("data", {}), ToolCall("later", {"a": 2}),
              ToolCall("ok", [1]), ToolCall("unknown", None, "the tool call is not valid JSON")]
@@ -201,12 +265,27 @@ def test_every_failure_becomes_a_tool_message():
     assert [r.error for r in got] == [False, True, True, True, True, False, False, True, True]
     assert got[0].content == "2" and got[5].content == '{"x": [1, 2]}' and got[6].content == "20"
     assert "RuntimeError: kaput" in got[1].content and "bad arguments" in got[2].content
-    assert "no tool named 'nope'" in got[3].content and "returned object" in got[4].content
+    assert "no tool named" in got[3].content and "returned object" in got[4].content
     assert got[1].content.startswith("{'error': ")   # TRL's form
 
 
-def test_tools_of_different_episodes_run_at_once_and_time_out():
-    tools = _tools()
+def test_a_tool_that_ends_its_process_or_holds_the_gil_does_not_take_the_trainer(tmp_path):
+    """os._exit in a tool ends its tool process only, answered with an error naming the tool; a C call holding the
+    GIL (no thread could time it out) is killed at the timeout; the next calls run in fresh processes."""
+    (tmp_path / "mytools.py").write_text(TOOLS_SRC)
+    tools = {f.__name__: f for f in load_tools(f"{tmp_path / 'mytools.py'}:ok,dies,spins")}
+    t0 = time.perf_counter()
+    died, spun, fine = run_calls([(tools, ToolCall("dies", {"code": 7})), (tools, ToolCall("spins", {"n": 10**14})),
+                                  (tools, ToolCall("ok", {"a": 1}))], timeout_s=2.0)
+    assert time.perf_counter() - t0 < 10
+    assert died.error and "dies ended its process (exit code 7" in died.content
+    assert spun.error and "spins timed out after 2 s" in spun.content
+    assert fine.content == "2"
+    again = run_calls([(tools, ToolCall("ok", {"a": 2})), (tools, ToolCall("ok", {"a": 3}))], timeout_s=5.0)
+    assert [r.content for r in again] == ["3", "4"]
+
+
+def test_tools_of_different_episodes_run_at_once_and_time_out(tools):
     t0 = time.perf_counter()
     got = run_calls([(tools, ToolCall("slow", {"s": 0.6})), (tools, ToolCall("slow", {"s": 0.6})),
                      (tools, ToolCall("slow", {"s": 30.0}))], timeout_s=1.5)
