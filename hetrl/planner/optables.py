@@ -143,6 +143,10 @@ def source_of(gpu, op: str) -> str:
     files = sorted({r["file"] for r in tables()[src][op]})
     if src == gpu.name:
         return ", ".join(files)
+    if op == "engine_step":   # host work: the engine's CPU time is not scaled by the GPU
+        return f"{', '.join(files)} ({src}'s host time, not scaled)"
+    if op == "all_reduce":
+        return f"{', '.join(files)}, scaled from {src} by NVLink bandwidth"
     return f"{', '.join(files)}, scaled from {src} by peak FLOP/s and HBM bandwidth"
 
 
@@ -327,7 +331,7 @@ def allreduce_s(gpu, nbytes: float, group: int, nodes: int = 1, gbps_per_gpu: fl
     return floor + max(t - floor, 0.0) * ring * scale + 2 * levels * inter_latency_s
 
 
-def pricing(types) -> dict[str, dict[str, str]]:
+def pricing(types, moe: bool = False) -> dict[str, dict[str, str]]:
     """For a report: per GPU type, which table prices its decode kernels, its engine steps and its NVLink
     all-reduces (and how: its own, or scaled from another GPU's), or that the roofline constants do."""
     out = {}
@@ -335,6 +339,9 @@ def pricing(types) -> dict[str, dict[str, str]]:
         if t.mfu is not None or t.decode_mfu_by_rows is not None:
             out[t.name] = {"all": "its own measured mfu (no operator tables)"}
             continue
-        out[t.name] = {"kernels": source_of(t, "gemm"), "engine_step": source_of(t, "engine_step"),
-                       "all_reduce": source_of(t, "all_reduce")}
+        out[t.name] = {"kernels": source_of(t, "gemm"), "engine_step": source_of(t, "engine_step")}
+        if moe and nearest_measured(t, "moe_layer") is not None:
+            out[t.name]["moe_layer"] = source_of(t, "moe_layer")
+        out[t.name]["all_reduce"] = source_of(t, "all_reduce") if t.nvlink_bytes_per_s else \
+            "no NVLink: alpha-beta over PCIe"
     return out

@@ -27,7 +27,9 @@ def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: floa
             "breakdown": e.breakdown, "task_times_s": e.task_times_s, "timeline": e.timeline,
             "hardware": [_hardware(cluster, g) for g in p.groups], "mode": w.mode, "plan": p.to_dict(cluster),
             "operator_tables": optables.pricing(dict.fromkeys(cluster.gpus[i].type for g in p.groups
-                                                              for i in g.gpus))}
+                                                              for i in g.gpus),
+                                                moe=any(m is not None and m.experts
+                                                        for m in (w.actor, w.reference, w.reward, w.critic)))}
 
 
 def _hardware(cluster: ClusterSpec, group) -> list[dict]:
