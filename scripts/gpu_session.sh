@@ -7,7 +7,7 @@
 #   b train   python -m benchmarks.train_split --device cuda: `hetrl train` per phase (seconds, MFU) on random-weight
 #             models of real shapes (config:qwen2.5-1.5b, config:qwen2.5-0.5b), bf16
 #   c paper   `hetrl bench dualkv --layer paper`: the DualKV paper's Table 2 cell P x mb = 8Kx8, then 16Kx8
-#   d ops     python -m hetrl.bench.operators: GEMM, attention (decode, prefill) and copy tables for the cost model
+#   d ops     python -m hetrl.bench.operators: GEMM, attention (decode, prefill), MoE layer and copy tables for the cost model
 #
 # Single stages (checks, train, paper, qwen3, ops) run alone, with the whole call's budget each.
 # Before the call, here: `bash scripts/gpu_wheels.sh` (writes the git-ignored .whl/). The call:

@@ -24,5 +24,5 @@ def test_the_prepared_gpu_call_runs_every_stage_on_cpu(tmp_path):
     assert json.loads((out / "train_split_cpu.json").read_text())["runs"]          # stage b: a run finished
     assert json.loads((out / "dualkv_layer_tiny_cpu.json").read_text())["rows"]    # stage c: its cells
     rows = list(csv.DictReader((out / "operators_cpu.csv").open()))               # stage d: the tables
-    assert {r["op"] for r in rows} == {"copy", "gemm", "attention_decode", "attention_prefill"}
+    assert {r["op"] for r in rows} == {"copy", "gemm", "attention_decode", "attention_prefill", "moe_layer"}
     assert all(float(r["seconds"]) > 0 and r["source"].startswith("measured: CPU") for r in rows)

@@ -5,7 +5,9 @@
 One row per measurement, each naming its source (this device, the torch version, the date): dense GEMM seconds
 by (M, N, K) at the projection shapes of the planner's model presets (qkv, o, gate+up, down), M from 1 to 16K
 tokens; attention (SDPA) by batch x context for decode (one query token) and by length for prefill (causal);
-a device-to-device copy's bandwidth. Written as operators_DEVICE.csv (the catalog's table form,
+an MoE layer's routed experts (`moe_layer`: top-k routing, the tokens sorted by expert, gate+up and down as
+`torch._grouped_mm`, the weighted sum back) at the MoE presets' shapes by tokens; a device-to-device copy's
+bandwidth. Written as operators_DEVICE.csv (the catalog's table form,
 hetrl.planner.optables.FIELDS) and .json; on a catalog GPU also as hetrl-measured_GPU.csv, which the cost model
 loads from a folder named by HETRL_OPERATOR_TABLES ahead of the published tables. Rows are measured cheapest first and
 the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), warm-up calls first,
@@ -36,6 +38,7 @@ TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 DECODE = ((1, 1024), (8, 1024), (32, 2048), (64, 4096), (128, 8192), (256, 8192))   # (batch, context)
 PREFILL = (512, 2048, 8192, 16384)
 QUICK = dict(tokens=(1, 8, 32), decode=((1, 64), (4, 128)), prefill=(64, 128))
+QUICK_MOE = (8, 32, 64, 2)   # experts, intermediate, hidden, top-k: a CPU smoke run's MoE layer
 
 
 def gemm_shapes(models: list[str], tp: int = 1) -> list[tuple[str, int, int]]:
@@ -55,8 +58,34 @@ def _median(fn, device, repeats: int) -> float:
     return statistics.median(seconds(fn, device) for _ in range(repeats))
 
 
+def moe_layer(x, router, w13, w2, topk: int):
+    """One MoE layer's routed experts as a grouped kernel runs them: top-k of the router's softmax, the (token,
+    expert) pairs sorted by expert, gate+up and down as `torch._grouped_mm` over the experts' row ranges, SiLU-gated,
+    weighted and summed back per token."""
+    e = w13.shape[0]
+    weights, experts = torch.softmax(x @ router, dim=-1, dtype=torch.float32).topk(topk, dim=-1)
+    order = experts.flatten().argsort()
+    token = order // topk
+    offs = torch.bincount(experts.flatten(), minlength=e).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x[token], w13, offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2, offs)
+    out = torch.zeros_like(x)
+    out.index_add_(0, token, (y.float() * weights.flatten()[order, None]).to(x.dtype))
+    return out
+
+
+def moe_shapes(models: list[str], quick: bool) -> list[tuple[int, int, int, int]]:
+    """(experts, intermediate, hidden, top-k) of the MoE presets among `models` (TP 1)."""
+    if quick:
+        return [QUICK_MOE]
+    return [(PRESETS[n].experts, PRESETS[n].moe_intermediate, PRESETS[n].hidden, PRESETS[n].experts_per_token)
+            for n in models if PRESETS[n].experts]
+
+
 def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: float, repeats: int = 5,
-            dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> dict:
+            dtype: torch.dtype = torch.bfloat16, quick: bool = False,
+            moe_models: list[str] = ("qwen3-30b-a3b",)) -> dict:
     """Measure until `budget_s`; -> {"rows": [...], "stopped": bool, ...}, also written to out/operators_DEVICE.*"""
     t_end = time.monotonic() + budget_s
     dev = torch.device(device)
@@ -106,6 +135,15 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
                 row(op="attention_prefill", batch=1, context=length, heads=p.heads, kv_heads=p.kv_heads,
                     head_dim=p.head_dim, seconds=s, rate=2 * 2 * p.heads * p.head_dim * length * length / 2 / s)
             jobs.append(attn_prefill)
+    for e, f, h, topk in moe_shapes(list(moe_models), quick):
+        for m in tokens:
+            def moe(m=m, e=e, f=f, h=h, topk=topk):
+                x, router = rand(m, h), rand(h, e)
+                w13, w2 = rand(e, h, 2 * f) / h ** 0.5, rand(e, f, h) / f ** 0.5
+                s = _median(lambda: moe_layer(x, router, w13, w2, topk), dev, repeats)
+                row(op="moe_layer", m=m, n=f, k=h, experts=e, topk=topk, tp=1, seconds=s,
+                    rate=2 * m * topk * 3 * f * h / s)
+            jobs.append(moe)
     stopped = False
     for job in jobs:
         if time.monotonic() > t_end:
@@ -145,9 +183,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=90.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-4b"], choices=sorted(PRESETS))
+    ap.add_argument("--moe-models", nargs="*", default=["qwen3-30b-a3b"],
+                    choices=sorted(n for n, p in PRESETS.items() if p.experts))
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
     args = ap.parse_args()
-    res = measure(args.device, args.out, args.models, args.budget_s, args.repeats, quick=args.quick)
+    res = measure(args.device, args.out, args.models, args.budget_s, args.repeats, quick=args.quick,
+                  moe_models=args.moe_models)
     print(f"operators: {res['rows_done']} of {res['rows_planned']} rows on {args.device}"
           + (" (stopped at the budget)" if res["stopped_at_budget"] else ""))
 
