@@ -72,8 +72,8 @@ def markdown(res: dict) -> str:
     lines = ["# The default job's recipe, chosen by held-out accuracy over seeds at both precisions", "",
              "`python -m benchmarks.studies.default_recipe`: the default job (SmolLM2-135M, GRPO, 16 steps of 8 "
              "prompts x 8 samples, 100 held-out prompts, greedy; each precision evaluates in its own) with each "
-             "recipe's overrides. One run at a time, nothing else on the machine; step times compare only within "
-             "one CPU.", "",
+             "recipe's overrides. One run at a time; step times compare only within one CPU and between runs that "
+             "had it alone (notes).", "", *[f"- {n}" for n in res.get("notes", [])], "",
              "| recipe | what | overrides |", "|---|---|---|"]
     for name, (over, what) in RECIPES.items():
         lines.append(f"| {name} | {what} | `{' '.join(over) or '(none)'}` |")
@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     ap.add_argument("--work", type=pathlib.Path, default=ROOT / "runs" / "default_recipe")
     ap.add_argument("--out", default="benchmarks/results/default_recipe")
+    ap.add_argument("--note", default="", help="a sentence on how the runs went (what else ran, commits)")
     ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
                     help="the sides to run here (rows of the others already in the results are kept)")
     args = ap.parse_args(argv)
@@ -116,8 +117,9 @@ def main(argv=None) -> None:
             for seed in args.seeds:
                 if (recipe, precision, seed) in runs:
                     continue
+                at = commit()   # the code the run starts on
                 run = read_run(run_one(args.work, recipe, precision, seed), precision)
-                runs[(recipe, precision, seed)] = {"recipe": recipe, **run, "commit": commit(), "machine": machine()}
+                runs[(recipe, precision, seed)] = {"recipe": recipe, **run, "commit": at, "machine": machine()}
     rows = sorted(runs.values(), key=lambda r: (list(RECIPES).index(r["recipe"]), PRECISIONS.index(r["precision"]),
                                                  r["seed"]))
 
@@ -128,7 +130,9 @@ def main(argv=None) -> None:
     done = all(s is not None for n in sides for s in sides[n].values())
     worse = {n: min(s["accuracy_after_mean"] for s in sides[n].values()) for n in args.recipes} if done else {}
     chosen = max(args.recipes, key=lambda n: (worse[n], -args.recipes.index(n))) if done else None
-    res = {"runs": rows, "sides": sides, "worse_precision_mean": worse, "chosen": chosen}
+    notes = (json.loads(out.with_suffix(".json").read_text()).get("notes", []) if prior else []) + \
+        ([args.note] if args.note else [])
+    res = {"runs": rows, "sides": sides, "worse_precision_mean": worse, "chosen": chosen, "notes": notes}
     out = ROOT / args.out
     write_results(out.parent, out.name, res, markdown(res))
     print(markdown(res))
