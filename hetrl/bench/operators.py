@@ -39,6 +39,8 @@ DECODE = ((1, 1024), (8, 1024), (32, 2048), (64, 4096), (128, 8192), (256, 8192)
 PREFILL = (512, 2048, 8192, 16384)
 QUICK = dict(tokens=(1, 8, 32), decode=((1, 64), (4, 128)), prefill=(64, 128))
 QUICK_MOE = (8, 32, 64, 2)   # experts, intermediate, hidden, top-k: a CPU smoke run's MoE layer
+# a CPU smoke run's GEMMs: small, as a CPU without bf16 instructions runs a real shape's bf16 GEMM ~150x slower
+QUICK_GEMMS = (("quick", 256, 128), ("quick", 128, 256))
 
 
 def gemm_shapes(models: list[str], tp: int = 1) -> list[tuple[str, int, int]]:
@@ -108,7 +110,7 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
     b = torch.empty_like(a)
     jobs.append(lambda: row(op="copy", dtype="float32", seconds=(s := _median(lambda: b.copy_(a), dev, repeats)),
                             rate=2 * a.numel() * 4 / s))
-    for what, n, k in gemm_shapes(models):
+    for what, n, k in (QUICK_GEMMS if quick else gemm_shapes(models)):
         for m in tokens:
             def gemm(m=m, n=n, k=k):
                 x, w = rand(m, k), rand(k, n)

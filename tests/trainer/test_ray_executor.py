@@ -279,8 +279,12 @@ def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
 
 
 def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
-    """PPO, so that the critic roles run asynchronously too (planned on the fly: no plan given)."""
-    cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0", "algorithm=ppo", "critic_lr=1e-3")
+    """PPO, so that the critic roles run asynchronously too (planned on the fly: no plan given). The reward is the
+    response's length mod 3 (the tiny model's arithmetic answers score 0 on most seeds and plans: no signal)."""
+    (tmp_path / "varied.py").write_text("def varied(completions, **kwargs):\n"
+                                         "    return [len(str(c)) % 3 / 2 for c in completions]\n")
+    cfg = _cfg(tmp_path, "mode=async", "steps=4", "checkpoint_every=0", "algorithm=ppo", "critic_lr=1e-3",
+               f"reward={tmp_path / 'varied.py'}:varied")
     summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
