@@ -1,13 +1,13 @@
 """Multi-turn tool-use rollouts: every episode continues from its own KV cache across turns, tools run between.
 
 A round is: feed each live row its pending tokens (the prompt's last token, or the tool results and the next
-assistant header) in one forward over [rows, longest chunk], then decode until every row has ended its turn (EOS
-or the token budget); then parse each ended turn's calls, run the calls of all episodes at once
-(hetrl.data.tools.run_calls: a tool process or a thread per call, `tool_timeout_s`), and drop the rows whose
-episode is over from the cache. The conversation is never prefilled again: the cache grows by the tool tokens only. Each distinct
-prompt is prefilled once and its K/V given to its N rows (`batch_select_indices`), as the single-turn worker's
-plain path does. Rows that ended their turn while others still decode ride along on a masked pad token (the 2-D
-attention mask holds those holes, position ids count real tokens only), so the cache stays one batch.
+assistant header) in one forward over [rows, longest chunk], then decode until every row has ended its turn (EOS or
+the token budget); then parse each ended turn's calls, run the calls of all episodes at once
+(hetrl.data.tools.run_calls: a tool process or a thread per call, `tool_timeout_s`), and drop the rows whose episode
+is over from the cache. The conversation is never prefilled again: the cache grows by the tool tokens only. Each
+distinct prompt is prefilled once and its K/V given to its N rows (`batch_select_indices`), as the single-turn
+worker's plain path does. Rows that ended their turn while others still decode ride along on a masked pad token (the
+2-D attention mask holds those holes, position ids count real tokens only), so the cache stays one batch.
 
 Budget: `max_new_tokens` bounds the whole completion, model and tool tokens (TRL's `max_completion_length`); a
 tool result that would not leave room for one more model token ends the episode as truncated (TRL drops it too).
