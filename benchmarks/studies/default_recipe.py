@@ -21,12 +21,11 @@ import json
 import os
 import pathlib
 import shutil
-import statistics
 import subprocess
 import sys
 
-from benchmarks.studies.precision_seeds import read_run
-from hetrl.bench.harness import machine, write_results
+from benchmarks.studies.precision_seeds import read_run, side_summary
+from hetrl.bench.harness import machine, revision, write_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # name -> (overrides, what it is). The default job's recipe is the grpo preset: verl's GRPO (low_var_kl to a
@@ -50,18 +49,6 @@ def run_one(work: pathlib.Path, recipe: str, precision: str, seed: int) -> pathl
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "HETRL_CPU_BF16": "0"})
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return out
-
-
-def commit() -> str:
-    git = ["git", "rev-parse", "--short", "HEAD"]
-    return subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip()
-
-
-def summarize(runs: list[dict]) -> dict:
-    acc = [r["eval_accuracy_after"] for r in runs]
-    return {"seeds": [r["seed"] for r in runs], "accuracy_after_mean": statistics.mean(acc),
-            "accuracy_after_min": min(acc), "accuracy_after_max": max(acc),
-            "step_s_mean": statistics.mean(r["median_s"]["step_s"] for r in runs)}
 
 
 def where(m: dict) -> str:
@@ -90,7 +77,7 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {name} | {p} | not run yet | |")
                 continue
             lines.append(f"| {name} | {p} | {s['accuracy_after_mean']:.3f} ({s['accuracy_after_min']:.2f}-"
-                         f"{s['accuracy_after_max']:.2f}) | {s['step_s_mean']:.2f} |")
+                         f"{s['accuracy_after_max']:.2f}) | {s['median_s_mean']['step_s']:.2f} |")
     if res["chosen"]:
         lines += ["", f"Chosen: **{res['chosen']}** (the highest mean held-out accuracy on its worse precision: "
                   + ", ".join(f"{n} {w:.3f}" for n, w in res["worse_precision_mean"].items()) + ")."]
@@ -117,7 +104,7 @@ def main(argv=None) -> None:
             for seed in args.seeds:
                 if (recipe, precision, seed) in runs:
                     continue
-                at = commit()   # the code the run starts on
+                at = revision()   # the code the run starts on
                 run = read_run(run_one(args.work, recipe, precision, seed), precision)
                 runs[(recipe, precision, seed)] = {"recipe": recipe, **run, "commit": at, "machine": machine()}
     rows = sorted(runs.values(), key=lambda r: (list(RECIPES).index(r["recipe"]), PRECISIONS.index(r["precision"]),
@@ -125,7 +112,7 @@ def main(argv=None) -> None:
 
     def side(n, p):
         got = [r for r in rows if r["recipe"] == n and r["precision"] == p]
-        return summarize(got) if len(got) >= len(args.seeds) else None
+        return side_summary(got) if len(got) >= len(args.seeds) else None
     sides = {n: {p: side(n, p) for p in PRECISIONS} for n in args.recipes}
     done = all(s is not None for n in sides for s in sides[n].values())
     worse = {n: min(s["accuracy_after_mean"] for s in sides[n].values()) for n in args.recipes} if done else {}

@@ -408,11 +408,11 @@ def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: floa
         if where is not None and where not in _UNLOCATABLE:
             worker = _PROCESSES.take()
             worker[1].send((where, call.arguments))
-            procs.append((i, worker, time.perf_counter()))
+            procs.append((i, worker, where, time.perf_counter()))
             continue
         threads.append((i, _thread(call.name, fn, call.arguments, slots[i]), time.perf_counter()))
     timed_out = f"timed out after {timeout_s:g} s (tool_timeout_s)"
-    for i, (proc, conn), t0 in procs:
+    for i, (proc, conn), where, t0 in procs:
         name = calls[i][1].name
         try:
             # the tool's module is imported first (once per process, any time up to TOOL_LOAD_S): its timeout
@@ -434,7 +434,7 @@ def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: floa
             continue
         if loaded[0] == "unlocatable":   # a fresh interpreter cannot find it: run it here, in a thread
             _PROCESSES.give_back((proc, conn))
-            _UNLOCATABLE.add(locator(calls[i][0][name]))
+            _UNLOCATABLE.add(where)
             log.warning("tool %s runs in a thread: a tool process could not load it (%s)", name, loaded[1])
             threads.append((i, _thread(name, calls[i][0][name], calls[i][1].arguments, slots[i]),
                             time.perf_counter()))
@@ -444,8 +444,8 @@ def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: floa
             results[i] = _error(name, f"{name} {timed_out}", time.perf_counter() - t0)
             continue
         _PROCESSES.give_back((proc, conn))
-        slots[i] = {"value": reply[1:]} if reply[0] == "ok" else {"raised": reply[1]}
-        results[i] = _answer(name, slots[i], time.perf_counter() - t0)
+        answer = {"value": reply[1:]} if reply[0] == "ok" else {"raised": reply[1]}
+        results[i] = _answer(name, answer, time.perf_counter() - t0)
     for i, thread, t0 in threads:
         thread.join(max(0.0, t0 + timeout_s - time.perf_counter()))
         name, seconds = calls[i][1].name, time.perf_counter() - t0

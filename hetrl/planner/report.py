@@ -12,7 +12,7 @@ from hetrl.schema import InputError
 from . import METHODS, evaluate, optables, plan
 from .plan import load_plan
 from .search import exhaustive_size
-from .spec import ClusterSpec, WorkloadSpec, load_cluster, load_workload
+from .spec import ROLES, ClusterSpec, WorkloadSpec, load_cluster, load_workload
 
 BASELINES = ("verl", "verl-all", "streamrl")
 
@@ -28,8 +28,8 @@ def _entry(cluster: ClusterSpec, w: WorkloadSpec, method: str, p, search_s: floa
             "hardware": [_hardware(cluster, g) for g in p.groups], "mode": w.mode, "plan": p.to_dict(cluster),
             "operator_tables": optables.pricing(dict.fromkeys(cluster.gpus[i].type for g in p.groups
                                                               for i in g.gpus),
-                                                moe=any(m is not None and m.experts
-                                                        for m in (w.actor, w.reference, w.reward, w.critic)))}
+                                                moe=any(getattr(w, role) is not None and getattr(w, role).experts
+                                                        for role in ROLES))}
 
 
 def _hardware(cluster: ClusterSpec, group) -> list[dict]:
