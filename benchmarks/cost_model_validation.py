@@ -352,7 +352,8 @@ ANALYSIS = """## With operator tables (issue 44)
 
 Decode steps are now priced from measured operator tables (hetrl/planner/data/operators: Vidur's GEMM, small-kernel
 and NCCL tables on H100 / A100 and its engine per-step CPU overheads; vLLM PR #44818's fused-MoE layer on H200),
-nothing fitted to these runs. Where the error stands, by group (published lengths unless said):
+and expert-parallel all-to-alls from DeepEP's measured bandwidths and low-latency calls (H800), nothing fitted to
+these runs. Where the error stands, by group (published lengths unless said):
 
 - **NeMo-RL dense (Llama-3.1-8B/70B, Qwen3-32B; H100 and GB200; 14 runs)**: -38% .. +7%, and +126% (the
   Llama-70B DTensor run, an input gap: below). The rollout, half the measured at its HBM roofline before, now

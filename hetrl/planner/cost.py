@@ -352,9 +352,13 @@ def alltoall_s(cluster: ClusterSpec, ids, nbytes: float, busy_per_node: dict[str
 
 
 @functools.lru_cache(maxsize=100_000)
-def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple) -> tuple[tuple[float, float], ...]:
+def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple,
+                     ep: bool = False) -> tuple[tuple[float, float], ...]:
     """Per node of an all-to-all group: (seconds per byte a GPU sends, latency per call); alltoall_s takes the
-    max over nodes of per_byte x bytes + latency x calls. Cached: the search prices the same groups many times."""
+    max over nodes of per_byte x bytes + latency x calls. Cached: the search prices the same groups many times.
+    `ep`: an expert-parallel dispatch / combine, whose links run at the fraction of their line rate the EP tables
+    measured at this span (optables.ep_link_fraction: DeepEP's normal kernels) where the GPUs are priced from
+    tables; otherwise NVLink at NCCL's bus efficiency and the network at its line rate."""
     busy_of = dict(busy)
     k = len(ids)
     by_node: dict[str, list[int]] = {}
@@ -362,15 +366,19 @@ def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple) ->
         by_node.setdefault(cluster.gpus[i].node, []).append(i)
     out = []
     for node, local in by_node.items():
+        t = cluster.gpus[local[0]].type
+        table = ep and t.mfu is None and t.decode_mfu_by_rows is None
         lat_in, bw_in = slowest_link(cluster, local) if len(local) > 1 else (0.0, math.inf)
         if cluster.node(node).intra_node == "nvlink" and cluster.node(node).intra_node_gbps is None:
-            bw_in *= NVLINK_BUS_EFFICIENCY   # NCCL's protocol overhead on NVLink (catalog, sourced)
+            f = optables.ep_link_fraction(t, k, "nvlink") if table else None
+            bw_in *= NVLINK_BUS_EFFICIENCY if f is None else f   # NCCL's protocol overhead on NVLink, or the EP table's
         inside = (len(local) - 1) / k / bw_in if len(local) > 1 else 0.0
         outside, lat = 0.0, lat_in
         if len(local) < k:
             other = next(i for i in ids if cluster.gpus[i].node != node)
             lat_out, bw_out = slowest_link(cluster, [local[0], other])
-            outside = (k - len(local)) / k / (bw_out / busy_of.get(node, len(local)))
+            f = optables.ep_link_fraction(t, k, "rdma") if table and lat_out <= INTRA_REGION_LATENCY_S else None
+            outside = (k - len(local)) / k / (bw_out * (1.0 if f is None else f) / busy_of.get(node, len(local)))
             lat = max(lat, lat_out)
         out.append((max(inside, outside), lat))
     return tuple(out)
@@ -483,7 +491,7 @@ def _ep_coeffs(cluster, gpus, shards, ep, pp, replicas) -> tuple[tuple[float, fl
         ids = [i for r in range(replicas) for i in shards[r][s]]
         for k in range(0, len(ids), ep):
             g = tuple(ids[k:k + ep])
-            out += _alltoall_coeffs(cluster, g, busy) if len(g) > 1 else [(0.0, 0.0)]
+            out += _alltoall_coeffs(cluster, g, busy, ep=True) if len(g) > 1 else [(0.0, 0.0)]
     # a pair no larger in both than another can never be the max of per_byte x bytes + latency x calls
     return tuple(c for c in set(out) if not any(o != c and o[0] >= c[0] and o[1] >= c[1] for o in out))
 
@@ -721,9 +729,14 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
             if par.ep > 1:   # dispatch + combine per MoE layer and decode step, over the EP groups of this replica
                 nbytes = rows_j * r / par.tp * model.experts_per_token * model.hidden * vb
                 mine = set(ids)
-                terms["ep_comm"] += max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy,
-                                                                                   round(steps))
-                                        for g in ep_groups if mine.intersection(g))
+                mine_groups = [g for g in ep_groups if mine.intersection(g)]
+                ll = _decode_ep_s(cluster, mine_groups, nbytes / max(steps, 1.0)) if ops is not None else None
+                if ll is not None:   # the EP tables' low-latency kernels: a measured floor per call
+                    terms["ep_comm"] += model.moe_layers / par.pp * steps * ll
+                else:
+                    terms["ep_comm"] += max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy,
+                                                                                       round(steps))
+                                            for g in mine_groups)
             if ops is not None:   # the step's kernels from the operator tables; its KV reads at HBM bandwidth
                 kernels, engine = ops
                 terms["decode_ops"] = terms.get("decode_ops", 0.0) + steps * kernels
@@ -743,6 +756,25 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         if total > worst:
             worst, worst_terms = total, terms
     return TaskCost(worst, worst_terms)
+
+
+def _decode_ep_s(cluster, groups, per_call: float) -> float | None:
+    """Seconds of one decode step's dispatch + combine in one MoE layer, each GPU sending `per_call` bytes, over the
+    slowest of the EP `groups`, from the EP tables' low-latency kernels (optables.ep_lowlatency_s: DeepEP's measured
+    latency by span as the floor, bandwidth-bound above it at the node's network share per GPU); None where a GPU
+    type has no table."""
+    worst = None
+    for g in groups:
+        if len(g) <= 1:
+            continue
+        t = cluster.gpus[g[0]].type
+        nodes = {cluster.gpus[i].node for i in g}
+        net = min(cluster.node(n).network_gbps * GBIT / cluster.node(n).count for n in nodes)
+        s = optables.ep_lowlatency_s(t, len(g), per_call, per_call, net)
+        if s is None:
+            return None
+        worst = s if worst is None else max(worst, s)
+    return worst
 
 
 def _decode_ops_s(cluster, ids, model: ModelSpec, par: Parallelism, rows: float, vb: int) -> tuple[float, float] | None:
@@ -803,6 +835,8 @@ def _step_ops_s(g, model: ModelSpec, tp: int, ep: int, rows: float, vb: int) -> 
 
 optables.on_reload(_step_ops_s.cache_clear)
 optables.on_reload(_pass_cost.cache_clear)    # its TP all-reduces come from the collective tables
+optables.on_reload(_alltoall_coeffs.cache_clear)   # EP all-to-alls from the EP tables
+optables.on_reload(_ep_coeffs.cache_clear)
 
 
 # ------------------------------------------------------------------------------------------ memory

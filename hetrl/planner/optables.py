@@ -13,6 +13,11 @@ not apply):
                 projections, the weighted sum) for M tokens: `experts` experts of N (intermediate per shard) x K
                 (hidden), `topk` per token
   attention_decode / attention_prefill  (hetrl.bench.operators' own measurements)
+  ep_dispatch / ep_combine  an expert-parallel all-to-all's bottleneck bandwidth (`rate`, bytes/s) over `group`
+                GPUs whose bottleneck is `link` (nvlink inside a node, rdma across), the normal (training and
+                prefill) kernels: no `seconds`
+  ep_dispatch_ll / ep_combine_ll  the low-latency (decode) kernels: `seconds` of one call of `m` tokens per GPU
+                of hidden `k`, `topk` experts each, over `group` GPUs, and the bandwidth (`rate`) it moved
 
 Lookups interpolate between measured points in log-log and never extrapolate a time below the smallest measured
 (a kernel's launch floor). A GPU without a table of an operator is priced from the nearest measured GPU
@@ -83,6 +88,7 @@ def reload() -> None:
     _medians.cache_clear()
     _values.cache_clear()
     _moe_series.cache_clear()
+    _ep_rates.cache_clear()
     for clear in _RELOAD:
         clear()
 
@@ -99,7 +105,7 @@ def tables() -> dict[str, dict[str, list[dict]]]:
             by_op: dict[str, list[dict]] = {}
             with open(path, newline="") as f:
                 for r in csv.DictReader(f):
-                    if not r.get("op") or not r.get("seconds"):
+                    if not r.get("op") or not (r.get("seconds") or r.get("rate")):
                         continue
                     row = {k: (v if k in ("op", "dtype", "link", "source") else _num(v)) for k, v in r.items()}
                     if not row["source"]:
@@ -147,6 +153,9 @@ def source_of(gpu, op: str) -> str:
         return f"{', '.join(files)} ({src}'s host time, not scaled)"
     if op == "all_reduce":
         return f"{', '.join(files)}, scaled from {src} by NVLink bandwidth"
+    if op.startswith("ep_"):
+        return (f"{', '.join(files)}: {src}'s measured fraction of each link's line rate by EP span, and its "
+                f"low-latency calls' time as a floor")
     return f"{', '.join(files)}, scaled from {src} by peak FLOP/s and HBM bandwidth"
 
 
@@ -269,6 +278,61 @@ def moe_layer_s(gpu, m_e: float, n_touched: float, n: float, k: float, vb: float
     return _moe_roofline(gpu, m_e, n_touched, n, k, vb) / _interp_loglog(m_e, xs, eff)
 
 
+# The links the EP tables were measured on, one way per GPU, as the catalog states line rates (the fraction of it a
+# kernel reached is what carries to another cluster's links): DeepEP's H800 (NVLink 200 GB/s one way, catalog) and
+# one 400 Gb/s CX7 NIC per GPU (the source's setting)
+EP_MEASURED_LINK_BYTES_PER_S = {("H800", "nvlink"): 200e9, ("H800", "rdma"): 50e9}
+
+
+@functools.cache
+def _ep_rates(src: str, op: str, link: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """(spans, rates, seconds) of `src`'s `op` rows on `link`, sorted by span (seconds 0 where not measured)."""
+    rows = sorted((r for r in tables()[src][op] if r["link"] == link), key=lambda r: r["group"])
+    return (tuple(float(r["group"]) for r in rows), tuple(float(r["rate"]) for r in rows),
+            tuple(float(r["seconds"] or 0.0) for r in rows))
+
+
+def ep_link_fraction(gpu, span: int, link: str) -> float | None:
+    """The fraction of a link's one-way line rate an expert-parallel all-to-all over `span` GPUs keeps on its
+    bottleneck `link` ('nvlink' inside a node, 'rdma' across nodes): the EP tables' dispatch and combine bandwidths
+    (mean), at the nearest measured span, over the measured cluster's line rate. Above 1 across nodes where the
+    kernel sends a token once per node and forwards it over NVLink (DeepEP's normal kernels count the bytes the
+    experts receive). None without an EP table (the all-to-all keeps NCCL's bus efficiency)."""
+    src = nearest_measured(gpu, "ep_dispatch", lambda r: r["link"] == link)
+    line = EP_MEASURED_LINK_BYTES_PER_S.get((src, link))
+    if src is None or line is None or "ep_combine" not in tables()[src]:
+        return None
+    rates = []
+    for op in ("ep_dispatch", "ep_combine"):
+        spans, rs, _ = _ep_rates(src, op, link)
+        if not spans:
+            return None
+        j = min(range(len(spans)), key=lambda i: abs(math.log(spans[i] / max(span, 2))))
+        rates.append(rs[j])
+    return sum(rates) / len(rates) / line
+
+
+def ep_lowlatency_s(gpu, span: int, dispatch_bytes: float, combine_bytes: float,
+                    net_bytes_per_s: float | None) -> float | None:
+    """Seconds of one decode step's dispatch + combine in one MoE layer with the low-latency kernels over `span` GPUs,
+    each GPU sending `dispatch_bytes` and receiving back `combine_bytes`: per call the measured time at that span
+    (log-log between measured spans, the ends held) as its floor, and above the measured call's bytes the bytes at
+    the measured bandwidth, scaled by the ratio of this cluster's network bandwidth per GPU (`net_bytes_per_s`) to
+    the measured one's. None without a low-latency table."""
+    src = nearest_measured(gpu, "ep_dispatch_ll")
+    if src is None or "ep_combine_ll" not in tables()[src]:
+        return None
+    line = EP_MEASURED_LINK_BYTES_PER_S.get((src, "rdma"))
+    scale = net_bytes_per_s / line if net_bytes_per_s and line else 1.0
+    total = 0.0
+    for op, nbytes in (("ep_dispatch_ll", dispatch_bytes), ("ep_combine_ll", combine_bytes)):
+        spans, rates, secs = _ep_rates(src, op, "rdma")
+        t = _interp_loglog(max(span, 2), spans, secs)
+        rate = _interp_loglog(max(span, 2), spans, rates) * scale
+        total += max(t, nbytes / rate)
+    return total
+
+
 def small_ops_s(gpu, m: float, hidden: float, intermediate: float) -> float | None:
     """Seconds of one layer's per-token kernels (norms, rope, activation, residual add) over m tokens."""
     total = 0.0
@@ -342,6 +406,8 @@ def pricing(types, moe: bool = False) -> dict[str, dict[str, str]]:
         out[t.name] = {"kernels": source_of(t, "gemm"), "engine_step": source_of(t, "engine_step")}
         if moe and nearest_measured(t, "moe_layer") is not None:
             out[t.name]["moe_layer"] = source_of(t, "moe_layer")
+        if moe and nearest_measured(t, "ep_dispatch") is not None:
+            out[t.name]["ep_all_to_all"] = source_of(t, "ep_dispatch")
         out[t.name]["all_reduce"] = source_of(t, "all_reduce") if t.nvlink_bytes_per_s else \
             "no NVLink: alpha-beta over PCIe"
     return out

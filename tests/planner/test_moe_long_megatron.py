@@ -131,7 +131,7 @@ def test_alltoall_by_hand():
     assert got == pytest.approx(max(3 / 8 * 1e9 / nvlink, 4 / 8 * 1e9 / (400 * GBIT / 4)) + 50e-6)
 
 
-def test_ep_comm_term_by_hand():
+def _ep_comm_by_hand(nvlink_bytes_per_s):
     c, w = _h100(), _workload()
     m = w.actor
     par = Parallelism(1, 1, 8, ep=8)
@@ -139,8 +139,18 @@ def test_ep_comm_term_by_hand():
     tokens = 32 * 8 * (512 + 1024)
     micro_batches = 32 * 8 // 8
     nbytes = tokens / 8 * m.experts_per_token * m.hidden * 2
-    want = 2 * 3 * m.moe_layers * (7 / 8 * nbytes / 370e9 + micro_batches * 5e-6)
+    want = 2 * 3 * m.moe_layers * (7 / 8 * nbytes / nvlink_bytes_per_s + micro_batches * 5e-6)
     assert terms["ep_comm"] == pytest.approx(want, rel=1e-12)
+
+
+def test_ep_comm_term_by_hand(roofline_only):
+    _ep_comm_by_hand(370e9)   # NCCL's bus efficiency on NVLink without the tables
+
+
+def test_ep_comm_from_the_ep_tables_by_hand():
+    # DeepEP's normal kernels, EP 8 in one H800 node: dispatch 153 and combine 158 GB/s of the H800's 200 GB/s one
+    # way; H100's 450 GB/s at that fraction
+    _ep_comm_by_hand(450e9 * (153 + 158) / 2 / 200)
 
 
 def test_grouped_gemm_efficiency_falls_with_tokens_per_expert():

@@ -34,7 +34,7 @@ def test_every_row_names_its_source_and_every_file_a_catalog_gpu():
         assert path.stem.rsplit("_", 1)[1] in GPUS, path.name
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-        assert rows and all(r["source"].strip() and float(r["seconds"]) > 0 for r in rows), path.name
+        assert rows and all(r["source"].strip() and float(r["seconds"] or r["rate"]) > 0 for r in rows), path.name
         assert list(rows[0]) == list(optables.FIELDS)
 
 
@@ -205,3 +205,42 @@ def test_the_measured_moe_layer_is_the_routed_experts_it_says():
             gate, up = (x[t].float() @ w13[i].float()).chunk(2)
             want[t] += weights[t, j] * ((torch.nn.functional.silu(gate) * up) @ w2[i].float())
     assert torch.allclose(got, want, atol=0.03 * want.abs().max().item())
+
+
+def test_ep_tables_keep_the_measured_fractions_and_latencies():
+    """DeepEP's published numbers (hetrl/planner/data/operators/deepep_H800.csv) come back as measured: the normal
+    kernels' bandwidth as a fraction of the H800's line rate by span (nearest measured), the low-latency kernels'
+    dispatch + combine time at the measured call size, held as a floor below it and bandwidth-bound above it."""
+    h800, h100 = gpu("H800"), gpu("H100")
+    assert optables.ep_link_fraction(h800, 8, "nvlink") == pytest.approx((153 + 158) / 2 / 200)
+    assert optables.ep_link_fraction(h100, 16, "rdma") == pytest.approx(43 / 50)
+    assert optables.ep_link_fraction(h100, 32, "rdma") == pytest.approx((58 + 57) / 2 / 50)
+    assert optables.ep_link_fraction(h100, 40, "rdma") == pytest.approx((58 + 57) / 2 / 50)   # nearest: 32
+    assert optables.ep_lowlatency_s(h800, 8, 1.0, 1.0, 50e9) == pytest.approx(77e-6 + 114e-6)
+    assert optables.ep_lowlatency_s(h800, 256, 1.0, 1.0, 50e9) == pytest.approx(194e-6 + 360e-6)
+    between = optables.ep_lowlatency_s(h800, 24, 1.0, 1.0, 50e9)
+    assert 118e-6 + 195e-6 < between < 155e-6 + 273e-6
+    big = optables.ep_lowlatency_s(h800, 8, 1e9, 1e9, 50e9)
+    assert big == pytest.approx(1e9 / 98e9 + 1e9 / 127e9)
+    assert optables.ep_lowlatency_s(h800, 8, 1e9, 1e9, 100e9) == pytest.approx(big / 2)   # twice the network
+
+
+def test_decode_under_expert_parallelism_pays_the_low_latency_floor_per_layer_and_step(monkeypatch):
+    """With the tables a decode step's dispatch + combine in each MoE layer costs at least DeepEP's measured
+    low-latency call (191 us at EP 8); the alpha-beta all-to-all without them charges only link latencies."""
+    from hetrl.planner.cost import task_costs
+    from hetrl.planner.plan import Parallelism
+    from tests.planner.test_moe_long_megatron import _group, _h100, _workload
+    c, w = _h100(), _workload()
+    par = Parallelism(1, 1, 8, ep=8)
+    terms = task_costs(c, w, _group(c, w, par, gen=par))["actor_gen"].terms
+    monkeypatch.setenv("HETRL_OPERATOR_TABLES", "off")
+    optables.reload()
+    try:
+        without = task_costs(c, w, _group(c, w, par, gen=par))["actor_gen"].terms["ep_comm"]
+    finally:
+        monkeypatch.delenv("HETRL_OPERATOR_TABLES")
+        optables.reload()
+    steps = w.response_tokens.max
+    assert terms["ep_comm"] >= w.actor.moe_layers * steps * (77e-6 + 114e-6) * (1 - 1e-9)
+    assert terms["ep_comm"] > 5 * without
