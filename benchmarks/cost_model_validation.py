@@ -352,14 +352,15 @@ ANALYSIS = """## With operator tables (issue 44)
 
 Decode steps are now priced from measured operator tables (hetrl/planner/data/operators: Vidur's GEMM, small-kernel
 and NCCL tables on H100 / A100 and its engine per-step CPU overheads; vLLM PR #44818's fused-MoE layer on H200),
-and expert-parallel all-to-alls from DeepEP's measured bandwidths and low-latency calls (H800), nothing fitted to
+expert-parallel all-to-alls from DeepEP's measured bandwidths and low-latency calls (H800), and decode attention
+from FlashAttention-2 / -3 paged-decode measurements on H100 (time per layer call by KV bytes), nothing fitted to
 these runs. Where the error stands, by group (published lengths unless said):
 
-- **NeMo-RL dense (Llama-3.1-8B/70B, Qwen3-32B; H100 and GB200; 14 runs)**: -38% .. +7%, and +126% (the
+- **NeMo-RL dense (Llama-3.1-8B/70B, Qwen3-32B; H100 and GB200; 14 runs)**: -36% .. +7%, and +129% (the
   Llama-70B DTensor run, an input gap: below). The rollout, half the measured at its HBM roofline before, now
   carries the engine's per-step time and the GEMMs' measured efficiency at the step's rows (`decode_ops`,
-  `engine_step`); what is left is mostly decode attention (still at the HBM roofline: no public table) and the
-  engine overheads with CUDA graphs (Vidur's table is an engine without them).
+  `engine_step`) and decode attention at the measured paged kernels' time by KV bytes (`hbm`); what is left is
+  the engine overheads with CUDA graphs (Vidur's table is an engine without them) and what no table measures.
 - **NeMo-RL Megatron MoE (18 runs)**: -59% .. +37%, mostly under. The routed experts are the measured fused
   kernel; vLLM's routing around it, its all-to-alls under expert parallelism and the long decode tail at small
   batches are not priced. A first version priced each touched expert as its own cuBLAS launch and scored these

@@ -268,9 +268,9 @@ def main() -> None:
     lines += padding_bracket(rows) + dapo_what_if(rows)
     lines += ["## Not modelled, in order of the error it leaves", "",
               "1. Decode steps are priced from operator tables now (GEMMs, small kernels, the engine's per-step CPU "
-              "time, the fused-MoE layer): what is left of the rollout's gap is decode attention over the KV "
-              "cache (still at the HBM roofline: no public table), engines with CUDA graphs (Vidur's engine table "
-              "is without them) and eager mode, and the long tail's small batches.",
+              "time, the fused-MoE layer, decode attention by KV bytes from FlashAttention's paged kernels): what "
+              "is left of the rollout's gap is engines with CUDA graphs (Vidur's engine table is without them) and "
+              "eager mode, and the long tail's small batches.",
               "2. MoE layer costs besides the expert kernels: in rollouts vLLM's routing and EP all-to-alls; in "
               "updates routing, permute/unpermute, exposed all-to-alls, the small dense GEMMs of a 2K-hidden model, "
               "and transformers' per-expert loop on FSDP.",

@@ -737,11 +737,12 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
                     terms["ep_comm"] += max(2 * model.moe_layers / par.pp * alltoall_s(cluster, g, nbytes, busy,
                                                                                        round(steps))
                                             for g in mine_groups)
-            if ops is not None:   # the step's kernels from the operator tables; its KV reads at HBM bandwidth
-                kernels, engine = ops
+            if ops is not None:   # the step's kernels from the operator tables; its KV reads likewise where a
+                kernels, engine = ops   # decode-attention table prices the GPU, else at HBM bandwidth
                 terms["decode_ops"] = terms.get("decode_ops", 0.0) + steps * kernels
                 terms["engine_step"] = terms.get("engine_step", 0.0) + steps * engine
-                hbm_s += kv_read
+                attn = _decode_attention_s(cluster, ids, model, kv_read * hbm, steps)
+                hbm_s += kv_read if attn is None else attn
                 memory_bound = True
             elif weights_read + kv_read >= decode_compute:
                 hbm_s += weights_read + kv_read
@@ -756,6 +757,19 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         if total > worst:
             worst, worst_terms = total, terms
     return TaskCost(worst, worst_terms)
+
+
+def _decode_attention_s(cluster, ids, model: ModelSpec, kv_bytes: float, steps: float) -> float | None:
+    """Seconds of a decode's attention over `steps` steps that read `kv_bytes` of K and V in all (per TP shard, all
+    layers): each step's full-attention layers each one call of an even share of the bytes, at the decode-attention
+    table's measured time for that many bytes (optables.attention_decode_s: the kernel's floor at small batches,
+    its achieved bandwidth at large), on the slowest GPU type of `ids`; None where a type has no table."""
+    layers = model.full_attention_layers
+    if kv_bytes <= 0 or steps <= 0 or layers <= 0:
+        return 0.0
+    per_call = kv_bytes / (steps * layers)
+    got = [optables.attention_decode_s(t, per_call) for t in {cluster.gpus[i].type for i in ids}]
+    return None if any(g is None for g in got) else steps * layers * max(got)
 
 
 def _decode_ep_s(cluster, groups, per_call: float) -> float | None:

@@ -12,7 +12,10 @@ not apply):
   moe_layer     one MoE layer's routed experts as the engine's fused kernel runs them (routing, both grouped
                 projections, the weighted sum) for M tokens: `experts` experts of N (intermediate per shard) x K
                 (hidden), `topk` per token
-  attention_decode / attention_prefill  (hetrl.bench.operators' own measurements)
+  attention_decode  one layer's decode attention over a batch's KV cache: `batch` sequences of `context` tokens,
+                `heads` / `kv_heads` of `head_dim`; `bytes` the K and V it reads (default: bf16 K and V of every
+                token and KV head)
+  attention_prefill  (hetrl.bench.operators' own measurements)
   ep_dispatch / ep_combine  an expert-parallel all-to-all's bottleneck bandwidth (`rate`, bytes/s) over `group`
                 GPUs whose bottleneck is `link` (nvlink inside a node, rdma across), the normal (training and
                 prefill) kernels: no `seconds`
@@ -89,6 +92,7 @@ def reload() -> None:
     _values.cache_clear()
     _moe_series.cache_clear()
     _ep_rates.cache_clear()
+    _decode_attention_series.cache_clear()
     for clear in _RELOAD:
         clear()
 
@@ -331,6 +335,36 @@ def ep_lowlatency_s(gpu, span: int, dispatch_bytes: float, combine_bytes: float,
         rate = _interp_loglog(max(span, 2), spans, rates) * scale
         total += max(t, nbytes / rate)
     return total
+
+
+def _kv_bytes(r: dict) -> float:
+    return float(r["bytes"] or 2 * 2 * r["batch"] * r["context"] * r["kv_heads"] * r["head_dim"])
+
+
+@functools.cache
+def _decode_attention_series(src: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(KV bytes read, seconds) of `src`'s decode-attention rows, by bytes (the median where a size repeats)."""
+    by: dict[float, list[float]] = {}
+    for r in tables()[src]["attention_decode"]:
+        by.setdefault(_kv_bytes(r), []).append(float(r["seconds"]))
+    xs = sorted(by)
+    return tuple(xs), tuple(float(np.median(by[x])) for x in xs)
+
+
+def attention_decode_s(gpu, kv_bytes: float) -> float | None:
+    """Seconds of one layer's decode attention reading `kv_bytes` of K and V (a decode step's sequences on one TP
+    shard): the measured kernels' time at that many bytes (log-log between measured sizes; never below the
+    smallest measured, the kernel's floor; in proportion above the largest, bandwidth-bound), from the nearest
+    measured GPU scaled by the ratio of HBM bandwidths. None without a table."""
+    if kv_bytes <= 0:
+        return 0.0
+    src = nearest_measured(gpu, "attention_decode")
+    if src is None:
+        return None
+    from .catalog import gpu as gpu_type
+    xs, ys = _decode_attention_series(src)
+    t = _interp_loglog(kv_bytes, xs, ys, proportional_above=True)
+    return t * gpu_type(src).hbm_bytes_per_s / gpu.hbm_bytes_per_s if src != gpu.name else t
 
 
 def small_ops_s(gpu, m: float, hidden: float, intermediate: float) -> float | None:

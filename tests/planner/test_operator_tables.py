@@ -244,3 +244,43 @@ def test_decode_under_expert_parallelism_pays_the_low_latency_floor_per_layer_an
     steps = w.response_tokens.max
     assert terms["ep_comm"] >= w.actor.moe_layers * steps * (77e-6 + 114e-6) * (1 - 1e-9)
     assert terms["ep_comm"] > 5 * without
+
+
+def test_decode_attention_table_keeps_its_measured_points_floor_and_bandwidth():
+    """The decode-attention rows (hetrl/planner/data/operators/decode-attention_H100.csv: FlashAttention-2 and -3
+    paged decode on H100) price one layer's call by the K and V bytes it reads: measured points come back, below
+    the smallest the kernel's floor holds, above the largest time grows in proportion, and another GPU scales by
+    its HBM bandwidth."""
+    h100 = gpu("H100")
+    assert optables.attention_decode_s(h100, 9 * 2**20) == pytest.approx(21.135e-6)
+    assert optables.attention_decode_s(h100, 16 * 4000 * 32 * 128 * 4) == pytest.approx(567.2e-6)
+    assert optables.attention_decode_s(h100, 1e3) == pytest.approx(21.135e-6)          # the floor
+    big = 16 * 4000 * 32 * 128 * 4
+    assert optables.attention_decode_s(h100, 4 * big) == pytest.approx(4 * 567.2e-6)  # bandwidth-bound
+    sizes = [2**k for k in range(20, 33)]
+    times = [optables.attention_decode_s(h100, b) for b in sizes]
+    assert times == sorted(times)
+    h200 = gpu("H200")
+    assert optables.attention_decode_s(h200, big) == pytest.approx(567.2e-6 * h100.hbm_bytes_per_s
+                                                                    / h200.hbm_bytes_per_s)
+
+
+def test_decode_attention_from_the_table_in_the_rollout():
+    """With the tables the rollout's KV reads are the decode-attention table's time per layer call (steps x layers
+    calls of an even share of the bytes); without them the HBM roofline at HBM_EFF prices them."""
+    from hetrl.planner.cost import HBM_EFF, task_costs
+    from hetrl.planner.plan import Parallelism
+    from tests.planner.test_moe_long_megatron import _group, _h100, _workload
+    c = _h100()
+    w = _workload(actor="qwen3-8b", models={"actor": "qwen3-8b", "reference": "qwen3-8b"})
+    par = Parallelism(1, 1, 8)
+    hbm_s = task_costs(c, w, _group(c, w, par))["actor_gen"].terms["hbm"]
+    m = w.actor
+    batch = w.generated_samples / 8
+    p, r = w.prompt_tokens.mean, w.response_tokens.mean
+    steps = w.response_tokens.max
+    kv_bytes = batch * r * (p + r / 2) * m.kv_bytes_per_token
+    want = steps * m.full_attention_layers * optables.attention_decode_s(
+        gpu("H100"), kv_bytes / (steps * m.full_attention_layers))
+    assert hbm_s == pytest.approx(want, rel=1e-9)
+    assert hbm_s > kv_bytes / (gpu("H100").hbm_bytes_per_s * HBM_EFF)   # the measured kernel is below the roofline
