@@ -107,11 +107,18 @@ def _slowest_link(cluster: ClusterSpec, ids: frozenset) -> tuple[float, float]:
     return max(r.latency_ms for r in pairs) / 1e3, min(node_bw, min(r.bandwidth_gbps for r in pairs) * GBIT)
 
 
-def allreduce_s(nbytes: float, k: int, link: tuple[float, float], messages: int = 1) -> float:
-    """Ring all-reduce of `nbytes` over k ranks, `messages` times the latency term."""
+def allreduce_s(nbytes: float, k: int, link: tuple, messages: int = 1) -> float:
+    """`messages` all-reduces moving `nbytes` in all over k ranks on `link` (latency, bytes/s[, GPU type]): where
+    the link names a GPU type (a group of one node's GPUs joined by NVLink: _nvlink_type) each call's time comes
+    from that type's NCCL collective tables (optables.allreduce_s); otherwise, or without a table, the ring's
+    2 (k - 1) / k of the bytes over the link's bandwidth plus 2 (k - 1) latencies per call."""
     if k <= 1:
         return 0.0
-    lat, bw = link
+    if messages >= 1 and len(link) > 2 and link[2] is not None:
+        one = optables.allreduce_s(link[2], nbytes / messages, k)
+        if one is not None:
+            return messages * one
+    lat, bw = link[:2]
     return 2 * (k - 1) / k * nbytes / bw + 2 * (k - 1) * lat * messages
 
 
@@ -283,21 +290,12 @@ def _nvlink_type(cluster, ids):
     return t if node.intra_node == "nvlink" and node.intra_node_gbps is None and t.mfu is None else None
 
 
-def tp_allreduce_s(nbytes: float, k: int, link: tuple, messages: int) -> float:
-    """`messages` NCCL all-reduces moving `nbytes` in all over a TP group of k on `link` (latency, bytes/s[, GPU
-    type]): from the collective tables (optables.allreduce_s) where the link names a GPU type measured on NVLink,
-    else the ring formula (allreduce_s)."""
-    if k > 1 and messages >= 1 and len(link) > 2 and link[2] is not None:
-        one = optables.allreduce_s(link[2], nbytes / messages, k)
-        if one is not None:
-            return messages * one
-    return allreduce_s(nbytes, k, link[:2], messages)
-
-
 @functools.lru_cache(maxsize=20_000)   # pure in (cluster, groups)
-def _dp_links(cluster, dp_groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[float, float], ...]:
+def _dp_links(cluster, dp_groups: tuple[tuple[int, ...], ...]) -> tuple[tuple, ...]:
     """The link each DP group's ring runs at. Rings that leave their node run side by side (one per stage and
-    tensor slice) and share each node's network: a node carrying k such rings gives each 1/k of its bandwidth."""
+    tensor slice) and share each node's network: a node carrying k such rings gives each 1/k of its bandwidth.
+    A group inside one NVLink node also names its GPU type, whose collective tables then price its all-reduces
+    (allreduce_s)."""
     nodes = [{cluster.gpus[i].node for i in ids} for ids in dp_groups]
     crossing: dict[str, int] = {}
     for ns in nodes:
@@ -307,7 +305,8 @@ def _dp_links(cluster, dp_groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[fl
     links = []
     for ids, ns in zip(dp_groups, nodes):
         lat, bw = slowest_link(cluster, ids)
-        links.append((lat, bw / max(crossing[n] for n in ns)) if len(ns) > 1 else (lat, bw))
+        links.append((lat, bw / max(crossing[n] for n in ns)) if len(ns) > 1
+                     else (lat, bw, _nvlink_type(cluster, ids)))
     return tuple(links)
 
 
@@ -602,7 +601,7 @@ def _pass_cost(cluster, w: WorkloadSpec, model: ModelSpec, gpus: tuple[int, ...]
         act_bytes = share * model.hidden * vb
         per_layer = 4 if train else 2
         if par.tp > 1:
-            tp_comm = max(tp_comm, max(tp_allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
+            tp_comm = max(tp_comm, max(allreduce_s(per_layer * layers_per_stage * act_bytes, par.tp,
                                                       link, int(per_layer * layers_per_stage * micro_batches))
                                        for link in stage_links))
         for lat, bw in hop_links:

@@ -102,7 +102,7 @@ def _group(cluster, par, n=8, task="actor_train"):
     return Group((task,), gpus, ((task, par),))
 
 
-def test_zero3_gathers_overlap_compute_as_far_as_the_link_allows(big):
+def test_zero3_gathers_overlap_compute_as_far_as_the_link_allows(big, roofline_only):
     cluster, w = big
     base = _dense_pass(cluster, w, w.actor, _group(cluster, Parallelism(1, 1, 8)), "actor_train", True)
     z3 = _dense_pass(cluster, w, w.actor, _group(cluster, Parallelism(1, 1, 8, zero=3)), "actor_train", True)
@@ -414,7 +414,7 @@ def test_a_measured_intra_node_link_replaces_the_pcie_default():
     assert slowest_link(cluster_from_dict(d), (0, 1))[1] == 1e9
 
 
-def test_time_terms_move_values_at_the_workloads_precision(big):
+def test_time_terms_move_values_at_the_workloads_precision(big, roofline_only):
     """fp32 (hetrl train on a CPU) moves 4-byte weights, gradients and activations: the gradient all-reduce, ZeRO-3
     gathers, weight sync and decode's weight reads take twice the bytes of bf16; compute is unchanged."""
     cluster, bf16 = big
@@ -474,3 +474,18 @@ def test_the_old_logprob_pass_runs_on_its_share_of_the_samples(big):
                        _group(cluster, par, task="actor_infer"), "actor_infer", False).seconds == 0
     with pytest.raises(ValueError, match="old_logprob_share"):
         workload_from_dict({**_as_dict(w), "old_logprob_share": 1.5})
+
+
+def test_gradient_all_reduce_inside_an_nvlink_node_comes_from_the_collective_table(big):
+    """With the tables, a DP group of one node's NVLink GPUs all-reduces its gradients at the NCCL table's time for
+    that message and group (A100-80G: Vidur's DGX A100 table), not the ring at line rate."""
+    from hetrl.planner import optables
+    cluster, w = big
+    par = Parallelism(1, 1, 8)
+    g = _group(cluster, par)
+    terms = _dense_pass(cluster, w, w.actor, g, "actor_train", True).terms
+    table = optables.allreduce_s(cluster.gpus[g.gpus[0]].type, 2 * w.actor.params, 8)
+    assert table is not None
+    assert terms["dp_comm"] == pytest.approx(w.optimizer_steps * table, rel=1e-12)
+    ring = allreduce_s(2 * w.actor.params, 8, slowest_link(cluster, g.gpus))
+    assert terms["dp_comm"] != pytest.approx(w.optimizer_steps * ring, rel=1e-3)
