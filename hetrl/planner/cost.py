@@ -616,6 +616,15 @@ def _pass_cost(cluster, w: WorkloadSpec, model: ModelSpec, gpus: tuple[int, ...]
         terms["ep_comm"] = 2 * directions * model.moe_layers / par.pp * max(
             per_byte * nbytes + lat * micro_batches for per_byte, lat in _ep_alltoall_coeffs(cluster, gpus,
                                                                                               shards, par))
+    if model.experts and _tables_price(cluster, gpus):
+        # the tokens' permutation to their experts and back (and the router's top-k over its logits), memory-bound
+        # kernels priced at the HBM roofline: per MoE layer and direction each token read once and written k times,
+        # the k rows read back and summed into one, and E fp32 router logits read (with the operator tables: they
+        # are part of pricing the MoE layer from what its kernels move)
+        per_gpu = tokens * max(shares) / par.tp
+        moved = per_gpu * (2 * (model.experts_per_token + 1) * model.hidden * vb + 4 * model.experts)
+        terms["moe_permute"] = directions * model.moe_layers / par.pp * moved / (_slowest_hbm(cluster, gpus)
+                                                                                 * HBM_EFF)
     if par.sp > 1:   # Ulysses: q, k, v to head shards and the output back, per layer and direction
         sp_comm = 0.0
         qkvo = (2 * model.heads + 2 * model.kv_heads) * model.head_dim / par.tp
@@ -756,6 +765,13 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
         if total > worst:
             worst, worst_terms = total, terms
     return TaskCost(worst, worst_terms)
+
+
+def _tables_price(cluster, ids) -> bool:
+    """Whether the operator tables price the GPUs `ids` (every type without a measured mfu of its own, and a GEMM
+    table in reach: HETRL_OPERATOR_TABLES=off turns them off)."""
+    return all(t.mfu is None and t.decode_mfu_by_rows is None and optables.nearest_measured(t, "gemm") is not None
+               for t in {cluster.gpus[i].type for i in ids})
 
 
 def _decode_attention_s(cluster, ids, model: ModelSpec, kv_bytes: float, steps: float) -> float | None:

@@ -406,3 +406,25 @@ def test_bad_model_fields_are_refused():
         model_spec({**TINY_MOE, "first_k_dense": 2})
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be"):
         _workload(max_tokens_per_micro_batch=0)
+
+
+def test_moe_permute_term_by_hand():
+    """With the operator tables an MoE pass carries its tokens' permutation to the experts and back at the HBM
+    roofline: per MoE layer and direction each token read once and written k times, k rows read and summed back,
+    E fp32 router logits read; without the tables the term is absent (the model before them)."""
+    from hetrl.planner.cost import HBM_EFF
+    c, w = _h100(), _workload()
+    m = w.actor
+    par = Parallelism(1, 1, 8, ep=8)
+    terms = task_costs(c, w, _group(c, w, par))["actor_train"].terms
+    tokens = 32 * 8 * (512 + 1024)
+    per_gpu = tokens / 8
+    moved = per_gpu * (2 * (m.experts_per_token + 1) * m.hidden * 2 + 4 * m.experts)
+    directions = 3   # forward, recomputed forward, backward
+    assert terms["moe_permute"] == pytest.approx(directions * m.moe_layers * moved / (3.35e12 * HBM_EFF), rel=1e-9)
+
+
+def test_moe_permute_term_absent_without_tables(roofline_only):
+    c, w = _h100(), _workload()
+    terms = task_costs(c, w, _group(c, w, Parallelism(1, 1, 8, ep=8)))["actor_train"].terms
+    assert "moe_permute" not in terms
