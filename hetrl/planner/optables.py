@@ -157,6 +157,8 @@ def source_of(gpu, op: str) -> str:
         return f"{', '.join(files)} ({src}'s host time, not scaled)"
     if op == "all_reduce":
         return f"{', '.join(files)}, scaled from {src} by NVLink bandwidth"
+    if op == "attention_decode":
+        return f"{', '.join(files)}, scaled from {src} by HBM bandwidth"
     if op.startswith("ep_"):
         return (f"{', '.join(files)}: {src}'s measured fraction of each link's line rate by EP span, and its "
                 f"low-latency calls' time as a floor")
@@ -438,6 +440,8 @@ def pricing(types, moe: bool = False) -> dict[str, dict[str, str]]:
             out[t.name] = {"all": "its own measured mfu (no operator tables)"}
             continue
         out[t.name] = {"kernels": source_of(t, "gemm"), "engine_step": source_of(t, "engine_step")}
+        if nearest_measured(t, "attention_decode") is not None:
+            out[t.name]["decode_attention"] = source_of(t, "attention_decode")
         if moe and nearest_measured(t, "moe_layer") is not None:
             out[t.name]["moe_layer"] = source_of(t, "moe_layer")
         if moe and nearest_measured(t, "ep_dispatch") is not None:
