@@ -52,18 +52,20 @@ def test_scores_are_bit_identical_without_the_new_fields(entry, roofline_only):
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if not e["name"].startswith("random")], ids=lambda e: e["name"])
 def test_the_operator_tables_move_only_the_decode(entry):
     """With the tables on, every task but generation prices as before except the TP and DP all-reduces of passes
-    inside an NVLink node (the collective tables); generation keeps its prefill and its communication, its KV
-    reads come from the decode-attention table where a GPU has one, and its weight reads / decode compute become
-    the step's kernels from the tables (decode_ops) plus the engine's per-step CPU time (engine_step)."""
+    inside an NVLink node (the collective tables) and an MoE pass's permutation (a new term); generation keeps its
+    prefill and its communication, its KV reads come from the decode-attention table where a GPU has one, and its
+    weight reads / decode compute become the step's kernels from the tables (decode_ops) plus the engine's
+    per-step CPU time (engine_step)."""
     got, want = _score(entry), entry["scores"]
     assert got.feasible == want["feasible"]
     in_node = ("tp_comm", "dp_comm")
     for task, terms in want["task_terms"].items():
         if task != "actor_gen":
-            assert {k: v for k, v in got.task_terms[task].items() if k not in in_node} == \
+            assert {k: v for k, v in got.task_terms[task].items() if k not in in_node + ("moe_permute",)} == \
                 {k: v for k, v in terms.items() if k not in in_node}, task
             for k in in_node:
                 assert (got.task_terms[task].get(k, 0) > 0) == (terms.get(k, 0) > 0), (task, k)
+            assert got.task_terms[task].get("moe_permute", 1.0) > 0, task   # an MoE pass's permutation: new
     gen, old = got.task_terms["actor_gen"], want["task_terms"]["actor_gen"]
     assert gen["decode_ops"] > 0 and gen["engine_step"] > 0
     for term in ("tp_comm", "pp_comm", "ep_comm", "tool_wait"):
