@@ -229,6 +229,39 @@ def test_the_optimizer_is_adamw_fused_where_it_can_be():
     assert not adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-3, 0.0).param_groups[0]["fused"]
 
 
+def test_adamw_states_made_up_front_are_torchs_own():
+    """build.adamw makes the fused AdamW's states before the first step (where the update's activations would
+    otherwise be in the heap): the same keys, dtypes, devices and shapes as torch's own first step makes, and the
+    same parameters, bit for bit, after steps that leave one parameter without a gradient."""
+    from hetrl.trainer.build import adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3),
+                                torch.nn.Linear(3, 3))   # the last layer is never used: its gradient stays None
+    twin = copy.deepcopy(model)
+    made = adamw(list(model.parameters()), lr=1e-2, weight_decay=0.01)
+    assert len(made.state) == len(list(model.parameters()))
+    lazy = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    assert not lazy.state
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for m, opt in ((model, made), (twin, lazy)):
+            opt.zero_grad(set_to_none=True)
+            m[:3](x).square().sum().backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        if q in lazy.state:
+            ours, theirs = made.state[p], lazy.state[q]
+            assert ours.keys() == theirs.keys()
+            for k in theirs:
+                assert (ours[k].dtype, ours[k].device, ours[k].shape) == (theirs[k].dtype, theirs[k].device,
+                                                                          theirs[k].shape)
+                assert torch.equal(ours[k], theirs[k]), k
+        else:
+            assert int(made.state[p]["step"]) == 0 and not made.state[p]["exp_avg"].any()
+
+
 def test_old_logprobs_from_the_rollout_give_the_recomputed_run(tmp_path, monkeypatch):
     """old_logprobs=rollout (auto on an fp32/fp64 local run) takes the later mini-batches' old log-probs from the
     rollout's own logits: no learner pass, and the same run as recomputing them (fp64, to 1e-9)."""
