@@ -40,13 +40,13 @@ GB = 1e9
 
 
 # Written after the trace of the committed run (fp32, AVX2 host): what was examined and kept
-LOOKED_AT = ('Looked at, nothing more to drop at fp32 (a finer trace of the same run): gradients are freed after e'
-    "very optimizer step already; the optimizer is torch's fused AdamW, whose step added no memory (no pa"
-    'rameter-sized temporaries); at fp32 the rollout samples from the policy itself, so there is no rollo'
-    'ut copy to release (in bf16-mixed each weight sync builds a 0.27 GB bf16 copy: not measured, this CP'
-    "U has no bf16 instructions); the update's growth is mostly one micro-batch's activations (~0.83 GB),"
-    ' which only checkpointing removes (smaller micro-batches would change the gradient sums); the refere'
-    'nce (0.54 GB at fp32) is read by the KL term every step; evaluation is not at the peak.')
+LOOKED_AT = ('Looked at, nothing more to drop at fp32 (a finer trace of the same run): gradients are freed after every'
+             " optimizer step already; the optimizer is torch's fused AdamW, whose step added no memory (no parameter-"
+             'sized temporaries); at fp32 the rollout samples from the policy itself, so there is no rollout copy to '
+             'release (in bf16-mixed each weight sync builds a 0.27 GB bf16 copy: not measured, this CPU has no bf16 '
+             "instructions); the update's growth is mostly one micro-batch's activations (~0.83 GB), which only "
+             'checkpointing removes (smaller micro-batches would change the gradient sums); the reference (0.54 GB at '
+             'fp32) is read by the KL term every step; evaluation is not at the peak.')
 
 
 def rss() -> int:
