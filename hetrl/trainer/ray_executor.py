@@ -1246,7 +1246,9 @@ class RayEngine:
         if not ray.is_initialized():
             return
         if self.rollout_engine == "vllm":   # each actor's exported weights (about a model's fp32 size each)
-            ray.wait([a.close.remote() for a in self.actors.get("rollout", [])], timeout=60)
+            closing = [a.close.remote() for a in self.actors.get("rollout", [])]
+            if closing:   # every actor's close, not the first one's (ray.wait returns after num_returns of them)
+                ray.wait(closing, num_returns=len(closing), timeout=60)
         if self._started:
             self._end_own_ray()
         else:  # a Ray session the caller owns: leave it, free the names
