@@ -287,7 +287,7 @@ def _nvlink_type(cluster, ids):
         return None
     node = cluster.node(next(iter(nodes)))
     t = cluster.gpus[ids[0]].type
-    return t if node.intra_node == "nvlink" and node.intra_node_gbps is None and t.mfu is None else None
+    return t if node.intra_node == "nvlink" and node.intra_node_gbps is None else None
 
 
 @functools.lru_cache(maxsize=20_000)   # pure in (cluster, groups)
@@ -366,17 +366,16 @@ def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple,
     out = []
     for node, local in by_node.items():
         t = cluster.gpus[local[0]].type
-        table = ep and t.mfu is None and t.decode_mfu_by_rows is None
         lat_in, bw_in = slowest_link(cluster, local) if len(local) > 1 else (0.0, math.inf)
         if cluster.node(node).intra_node == "nvlink" and cluster.node(node).intra_node_gbps is None:
-            f = optables.ep_link_fraction(t, k, "nvlink") if table else None
+            f = optables.ep_link_fraction(t, k, "nvlink") if ep else None
             bw_in *= NVLINK_BUS_EFFICIENCY if f is None else f   # NCCL's protocol overhead on NVLink, or the EP table's
         inside = (len(local) - 1) / k / bw_in if len(local) > 1 else 0.0
         outside, lat = 0.0, lat_in
         if len(local) < k:
             other = next(i for i in ids if cluster.gpus[i].node != node)
             lat_out, bw_out = slowest_link(cluster, [local[0], other])
-            f = optables.ep_link_fraction(t, k, "rdma") if table and lat_out <= INTRA_REGION_LATENCY_S else None
+            f = optables.ep_link_fraction(t, k, "rdma") if ep and lat_out <= INTRA_REGION_LATENCY_S else None
             outside = (k - len(local)) / k / (bw_out * (1.0 if f is None else f) / busy_of.get(node, len(local)))
             lat = max(lat, lat_out)
         out.append((max(inside, outside), lat))
@@ -403,7 +402,7 @@ def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int)
     k = len(ids)
     k_node = max(len(v) for v in nodes.values())
     t = cluster.gpus[ids[0]].type
-    if (t.mfu is None and messages >= 1 and link[0] <= INTRA_REGION_LATENCY_S   # one region: the tables' setting
+    if (messages >= 1 and link[0] <= INTRA_REGION_LATENCY_S   # one region: the tables' setting
             and all(cluster.gpus[i].type == t for i in ids)):
         gbps = min(cluster.node(n).network_gbps / cluster.node(n).count for n in nodes)   # each GPU's NIC share
         one = optables.allreduce_s(t, nbytes / messages, k, len(nodes), gbps, link[0])
@@ -768,10 +767,9 @@ def _generation(cluster, w: WorkloadSpec, model: ModelSpec, group: Group, free_b
 
 
 def _tables_price(cluster, ids) -> bool:
-    """Whether the operator tables price the GPUs `ids` (every type without a measured mfu of its own, and a GEMM
-    table in reach: HETRL_OPERATOR_TABLES=off turns them off)."""
-    return all(t.mfu is None and t.decode_mfu_by_rows is None and optables.nearest_measured(t, "gemm") is not None
-               for t in {cluster.gpus[i].type for i in ids})
+    """Whether the operator tables price the GPUs `ids`: every type has a GEMM table in reach (none for a device
+    measured whole, or with HETRL_OPERATOR_TABLES=off)."""
+    return all(optables.nearest_measured(t, "gemm") is not None for t in {cluster.gpus[i].type for i in ids})
 
 
 def _decode_attention_s(cluster, ids, model: ModelSpec, kv_bytes: float, steps: float) -> float | None:
@@ -811,8 +809,6 @@ def _decode_ops_s(cluster, ids, model: ModelSpec, par: Parallelism, rows: float,
     from the operator tables; None where a GPU has none (a device type with its own measured `mfu`, as CPU cores:
     those keep the roofline constants)."""
     types = {cluster.gpus[i].type for i in ids}
-    if any(t.mfu is not None or t.decode_mfu_by_rows is not None for t in types):
-        return None
     got = [_step_ops_s(t, model, par.tp, par.ep, round(rows, 3), vb) for t in types]
     return None if any(g is None for g in got) else max(got, key=sum)
 

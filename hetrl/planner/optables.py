@@ -91,7 +91,6 @@ def reload() -> None:
     _medians.cache_clear()
     _values.cache_clear()
     _moe_series.cache_clear()
-    _ep_rates.cache_clear()
     _decode_attention_series.cache_clear()
     for clear in _RELOAD:
         clear()
@@ -129,8 +128,12 @@ def measured_gpus(op: str) -> list[str]:
 def nearest_measured(gpu, op: str, where=None) -> str | None:
     """The GPU whose `op` table prices `gpu`: a catalog GPU's own, its architecture's, else the measured GPU with
     the closest peak-FLOP/s-to-HBM-bandwidth ratio; a cluster's own type the one it names (`operator_tables`);
-    None when there is none (the roofline constants price it). `where`: only tables with a row it accepts."""
+    None when there is none (the roofline constants price it), and for a device measured whole (its own `mfu` or
+    `decode_mfu_by_rows`, as CPU cores: those keep their measurements). `where`: only tables with a row it
+    accepts."""
     from .catalog import GPUS
+    if gpu.mfu is not None or gpu.decode_mfu_by_rows is not None:
+        return None
     have = [g for g in measured_gpus(op) if where is None or any(where(r) for r in tables()[g][op])]
     if GPUS.get(gpu.name) != gpu:   # a type of the cluster's own: the tables it names, else none
         return gpu.operator_tables if gpu.operator_tables in have else None
@@ -228,13 +231,14 @@ def gemm_s(gpu, m: float, n: float, k: float, vb: float = 2) -> float | None:
 
 
 @functools.cache
-def _medians(src: str, op: str, x: str, **select) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """`src`'s `op` rows that match `select` (field=value): the measured `x` values, sorted, and the median
-    seconds of the repeats at each (the planner looks these up per plan it scores: computed once per table)."""
+def _medians(src: str, op: str, x: str, y: str = "seconds", **select) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`src`'s `op` rows that match `select` (field=value): the measured `x` values, sorted, and the median `y`
+    (seconds, or another measured field such as `rate`) of the repeats at each (the planner looks these up per
+    plan it scores: computed once per table)."""
     pts: dict[float, list[float]] = {}
     for r in tables()[src][op]:
         if all(r[k] == v for k, v in select.items()):
-            pts.setdefault(r[x], []).append(r["seconds"])
+            pts.setdefault(r[x], []).append(r[y])
     xs = tuple(sorted(pts))
     return xs, tuple(float(np.median(pts[v])) for v in xs)
 
@@ -290,14 +294,6 @@ def moe_layer_s(gpu, m_e: float, n_touched: float, n: float, k: float, vb: float
 EP_MEASURED_LINK_BYTES_PER_S = {("H800", "nvlink"): 200e9, ("H800", "rdma"): 50e9}
 
 
-@functools.cache
-def _ep_rates(src: str, op: str, link: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-    """(spans, rates, seconds) of `src`'s `op` rows on `link`, sorted by span (seconds 0 where not measured)."""
-    rows = sorted((r for r in tables()[src][op] if r["link"] == link), key=lambda r: r["group"])
-    return (tuple(float(r["group"]) for r in rows), tuple(float(r["rate"]) for r in rows),
-            tuple(float(r["seconds"] or 0.0) for r in rows))
-
-
 def ep_link_fraction(gpu, span: int, link: str) -> float | None:
     """The fraction of a link's one-way line rate an expert-parallel all-to-all over `span` GPUs keeps on its
     bottleneck `link` ('nvlink' inside a node, 'rdma' across nodes): the EP tables' dispatch and combine bandwidths
@@ -310,7 +306,7 @@ def ep_link_fraction(gpu, span: int, link: str) -> float | None:
         return None
     rates = []
     for op in ("ep_dispatch", "ep_combine"):
-        spans, rs, _ = _ep_rates(src, op, link)
+        spans, rs = _medians(src, op, "group", y="rate", link=link)
         if not spans:
             return None
         j = min(range(len(spans)), key=lambda i: abs(math.log(spans[i] / max(span, 2))))
@@ -332,7 +328,8 @@ def ep_lowlatency_s(gpu, span: int, dispatch_bytes: float, combine_bytes: float,
     scale = net_bytes_per_s / line if net_bytes_per_s and line else 1.0
     total = 0.0
     for op, nbytes in (("ep_dispatch_ll", dispatch_bytes), ("ep_combine_ll", combine_bytes)):
-        spans, rates, secs = _ep_rates(src, op, "rdma")
+        spans, secs = _medians(src, op, "group", link="rdma")
+        rates = _medians(src, op, "group", y="rate", link="rdma")[1]
         t = _interp_loglog(max(span, 2), spans, secs)
         rate = _interp_loglog(max(span, 2), spans, rates) * scale
         total += max(t, nbytes / rate)
