@@ -1,0 +1,43 @@
+"""benchmarks.studies.default_recipe: the sweep keeps prior rows, --max-runs stops after that many new runs, and no
+recipe is chosen until every (recipe, precision) side has its seeds. Runs are faked (no training)."""
+
+import json
+
+from benchmarks.studies import default_recipe as study
+
+
+def _fake(monkeypatch, accuracy):
+    started = []
+
+    def run_one(work, recipe, precision, seed):
+        started.append((recipe, precision, seed))
+        return (recipe, precision, seed)
+
+    def read_run(key, precision):
+        recipe, _, seed = key
+        return {"run_dir": "x", "precision": precision, "seed": seed, "steps": 16, "eval_accuracy_before": 0.13,
+                "eval_accuracy_after": accuracy[(recipe, precision)], "gained": 1, "lost": 0, "sign_test_p": 0.5,
+                "median_s": {"step_s": 1.0}, "per_step_s": []}
+    monkeypatch.setattr(study, "run_one", run_one)
+    monkeypatch.setattr(study, "read_run", read_run)
+    monkeypatch.setattr(study, "revision", lambda: "abc1234")
+    monkeypatch.setattr(study, "machine", lambda: {"model": "cpu", "flags": ["avx2"], "cpus": 2, "torch": "2.13"})
+    return started
+
+
+def test_max_runs_then_resume_then_choose(tmp_path, monkeypatch):
+    acc = {("grpo-kl0.001", "fp32"): 0.43, ("grpo-kl0.001", "bf16-mixed"): 0.40,
+           ("grpo-nokl", "fp32"): 0.48, ("grpo-nokl", "bf16-mixed"): 0.35}
+    started = _fake(monkeypatch, acc)
+    out = tmp_path / "default_recipe"
+    args = ["--out", str(out), "--work", str(tmp_path / "runs")]
+    study.main([*args, "--precisions", "bf16-mixed", "--max-runs", "1"])
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert started == [("grpo-kl0.001", "bf16-mixed", 0)] and len(res["runs"]) == 1
+    assert res["chosen"] is None and "Not chosen yet" in out.with_suffix(".md").read_text()
+    study.main(args)   # the rest: the first run's row is kept, not rerun
+    assert len(started) == 12 and started.count(("grpo-kl0.001", "bf16-mixed", 0)) == 1
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert len(res["runs"]) == 12
+    # the highest mean on its worse precision: kl 0.40 beats nokl 0.35
+    assert res["chosen"] == "grpo-kl0.001" and res["worse_precision_mean"]["grpo-nokl"] == 0.35
