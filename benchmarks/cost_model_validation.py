@@ -353,19 +353,24 @@ ANALYSIS = """## With operator tables (issue 44)
 Decode steps are now priced from measured operator tables (hetrl/planner/data/operators: Vidur's GEMM, small-kernel
 and NCCL tables on H100 / A100 and its engine per-step CPU overheads; vLLM PR #44818's fused-MoE layer on H200),
 expert-parallel all-to-alls from DeepEP's measured bandwidths and low-latency calls (H800), and decode attention
-from FlashAttention-2 / -3 paged-decode measurements on H100 (time per layer call by KV bytes), nothing fitted to
+from FlashAttention-2 / -3 paged-decode measurements on H100 (time per layer call by KV bytes), decode's TP
+all-reduces inside an NVLink node from vLLM's own measured kernels (vLLM PR #24111, H100), nothing fitted to
 these runs. Where the error stands, by group (published lengths unless said):
 
-- **NeMo-RL dense (Llama-3.1-8B/70B, Qwen3-32B; H100 and GB200; 14 runs)**: -36% .. +7%, and +129% (the
+- **NeMo-RL dense (Llama-3.1-8B/70B, Qwen3-32B; H100 and GB200; 14 runs)**: -36% .. +7%, and +123% (the
   Llama-70B DTensor run, an input gap: below). The rollout, half the measured at its HBM roofline before, now
   carries the engine's per-step time and the GEMMs' measured efficiency at the step's rows (`decode_ops`,
   `engine_step`) and decode attention at the measured paged kernels' time by KV bytes (`hbm`); what is left is
   the engine overheads with CUDA graphs (Vidur's table is an engine without them) and what no table measures.
-- **NeMo-RL Megatron MoE (18 runs)**: -59% .. +37%, mostly under. The routed experts are the measured fused
+- **NeMo-RL Megatron MoE (18 runs)**: -66% .. -1%, all under. The routed experts are the measured fused
   kernel; vLLM's routing around it, its all-to-alls under expert parallelism and the long decode tail at small
   batches are not priced. A first version priced each touched expert as its own cuBLAS launch and scored these
   runs near zero (published-lengths median 24%): the launch floors were standing in for those missing costs,
-  and the fused layer was kept because it is how the engines run.
+  and the fused layer was kept because it is how the engines run. The same happened with decode's TP
+  all-reduces inside a node: the ring's 2(k-1) x 5 us latency charged a TP-8 call ~70 us where vLLM's kernels
+  take 10-30 us; with the measured kernels the Qwen3-235B rollouts at TP 8 lose 88 s of `tp_comm` (H100 1-off
+  +43% -> -1%, the GB200 rows -20% .. -40% -> -53% .. -66%) and the published-lengths median goes from 29% to
+  34%: more of what the rollouts cost is in overheads no table measures.
 - **Assumed lengths (31 runs)**: unchanged in kind (verl DAPO on H20 +134% .. +414%, 2024-era OpenRLHF /
   DeepSpeed-Chat -74% .. -94%, GSM8K -74% .. -80%): their error is the assumed lengths and the unpriced
   systems' overheads below, not the decode step.

@@ -132,9 +132,9 @@ v0.5 / v0.6 rows publish only the step; the model's split puts 70-95% of it in t
 is mostly the rollout (decode per-step overhead, as the dense rows with phases show) and the update. DSv3 DAPO
 generates with dynamic sampling (batch_multiplier 3: at least 3x the trained prompts are generated, NeMo-RL
 `grpo.py`; priced since: -67% -> -61%), and vLLM TP 64 with enforce_eager; the file trains the recipe's 256 x 16
-responses in 8 steps where the table's G-GBS / T-GBS say 512 (an input question it leaves open). Qwen3-235B 1-off
-(+48%) and v0.6 235B (+19%) are over: their rollouts are priced with `tp_comm` of decode all-reduces over 2-4 nodes
-(NCCL tree latency), the one place the model's latency per call is larger than what vLLM pays.""",
+responses in 8 steps where the table's G-GBS / T-GBS say 512 (an input question it leaves open). The rollouts'
+decode all-reduces inside an NVLink node are vLLM's measured kernels (10-30 us a call); over 2-4 nodes (TP 16-64)
+they are NCCL's tree from the two-node table, the largest term of the DeepSeek-V3 and Qwen3-235B TP-16 rollouts.""",
     "NeMo-RL dense": """\
 The rollout is ~2x its HBM roofline per decode step (v0.3 8B: 58 s measured = 16 ms per step of R_max 3,584 vs 8 ms
 priced); update and log-probs are within -36% .. +7% except where noted. The Llama-70B DTensor run (+127%) is

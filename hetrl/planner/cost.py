@@ -383,13 +383,13 @@ def _alltoall_coeffs(cluster: ClusterSpec, ids: tuple[int, ...], busy: tuple,
 
 
 def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int) -> float:
-    """Decode's TP all-reduces: `messages` calls moving `nbytes` in all. Inside one node a ring (allreduce_s): not the
-    NCCL collective tables, because vLLM and SGLang all-reduce decode's small messages inside an NVLink node with
-    their own one-shot kernel (vLLM's CustomAllreduce, up to 8 MiB), which those tables do not measure. A TP
-    group that spans nodes sends messages of a few KB, for which NCCL picks its tree algorithm with the LL
-    protocol (NCCL's tuning model; Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the
-    node plus 2 ceil(log2 nodes) alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the
-    slowest link; bandwidth as the ring. Where a collective table measured NCCL across nodes (Vidur's DGX A100
+    """Decode's TP all-reduces: `messages` calls moving `nbytes` in all. Inside one NVLink node each call as vLLM
+    runs it (optables.decode_allreduce_s: its own kernels, measured, up to the largest size measured, NCCL's table
+    above); without that table, or on another link, a ring (allreduce_s). A TP group that spans nodes sends
+    messages of a few KB, for which NCCL picks its tree algorithm with the LL protocol (NCCL's tuning model;
+    Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the node plus 2 ceil(log2 nodes)
+    alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the slowest link; bandwidth as the
+    ring. Where a collective table measured NCCL across nodes (Vidur's DGX A100
     pairs), each call's time comes from it instead (optables.allreduce_s: the bandwidth part by the network share
     per GPU, the tree's further levels by the link's latency): decode's cross-node all-reduces are NCCL's."""
     ids = list(ids)
@@ -398,7 +398,10 @@ def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int)
     for i in ids:
         nodes.setdefault(cluster.gpus[i].node, []).append(i)
     if len(nodes) == 1:
-        return allreduce_s(nbytes, len(ids), link, messages)
+        t = _nvlink_type(cluster, ids)
+        one = optables.decode_allreduce_s(t, nbytes / messages, len(ids)) if t is not None and messages >= 1 \
+            else None
+        return messages * one if one is not None else allreduce_s(nbytes, len(ids), link, messages)
     k = len(ids)
     k_node = max(len(v) for v in nodes.values())
     t = cluster.gpus[ids[0]].type

@@ -397,25 +397,26 @@ MEASURED_GBPS_PER_GPU = {"A100-80G": 200}   # DGX A100: one 200 Gb/s HDR InfiniB
 
 
 def allreduce_s(gpu, nbytes: float, group: int, nodes: int = 1, gbps_per_gpu: float | None = None,
-                inter_latency_s: float = 0.0) -> float | None:
+                inter_latency_s: float = 0.0, op: str = "all_reduce") -> float | None:
     """Seconds of one NCCL all-reduce of `nbytes` over `group` GPUs, from the collective tables; None without one.
     One node (`nodes` 1): its GPUs joined by NVLink. Several: `group` GPUs spread evenly over `nodes` nodes, each
     GPU with `gbps_per_gpu` of its node's network. Another group size than measured: the nearest measured
     one's time (by GPUs per node), its bandwidth part scaled by the ring's 2(k-1)/k; another GPU: the bandwidth
     part (above the smallest message's time, the latency floor) scaled by the ratio of NVLink bandwidths (one
     node) or of network bandwidth per GPU (several); more than the two nodes measured: NCCL's tree adds two
-    inter-node latencies per level, 2 (ceil(log2 nodes) - 1) x `inter_latency_s`."""
+    inter-node latencies per level, 2 (ceil(log2 nodes) - 1) x `inter_latency_s`. `op`: which table
+    (`decode_all_reduce`: vLLM's own all-reduce kernels, decode_allreduce_s)."""
     if group <= 1 or nbytes <= 0:
         return 0.0
     link = "nvlink" if nodes <= 1 else "nvlink+ib"
-    src = nearest_measured(gpu, "all_reduce", lambda r: r["link"] == link)
+    src = nearest_measured(gpu, op, lambda r: r["link"] == link)
     if src is None:
         return None
     from .catalog import gpu as gpu_type
     per_node = group / max(nodes, 1)
     per = 2 if link != "nvlink" else 1              # the measured groups' nodes
-    g = min(_values(src, "all_reduce", "group", link=link), key=lambda v: abs(math.log(v / per / per_node)))
-    xs, ys = _medians(src, "all_reduce", "bytes", link=link, group=g)
+    g = min(_values(src, op, "group", link=link), key=lambda v: abs(math.log(v / per / per_node)))
+    xs, ys = _medians(src, op, "bytes", link=link, group=g)
     floor = min(ys)
     t = _interp_loglog(nbytes, xs, ys, proportional_above=True)
     ring = (2 * (group - 1) / group) / (2 * (g - 1) / g)
@@ -426,6 +427,27 @@ def allreduce_s(gpu, nbytes: float, group: int, nodes: int = 1, gbps_per_gpu: fl
     scale = s_bw / t_bw if s_bw > 0 and t_bw > 0 and (src != gpu.name or nodes > 1) else 1.0
     levels = max(math.ceil(math.log2(nodes)) - 1, 0) if nodes > 1 else 0
     return floor + max(t - floor, 0.0) * ring * scale + 2 * levels * inter_latency_s
+
+
+VLLM_CUSTOM_ALLREDUCE_MAX_RANKS = 8   # vLLM's CustomAllreduce: world sizes 2, 4, 6, 8 (custom_all_reduce.py)
+
+
+def decode_allreduce_s(gpu, nbytes: float, group: int) -> float | None:
+    """Seconds of one decode all-reduce of `nbytes` over `group` GPUs of one NVLink node as vLLM runs it: its own
+    kernels (custom all-reduce, symmetric memory; `decode_all_reduce` rows, the fastest backend at each size, which
+    vLLM dispatches by size) up to the largest size measured, priced by allreduce_s's rules (another group size
+    by the ring's 2(k-1)/k on the bandwidth part, another GPU by its NVLink bandwidth); above it vLLM falls back
+    to NCCL, so the NCCL table prices it (never below the largest measured call). None without the table, and for
+    groups above VLLM_CUSTOM_ALLREDUCE_MAX_RANKS (vLLM's own kernels serve at most 8 ranks; NCCL does the rest)."""
+    src = nearest_measured(gpu, "decode_all_reduce", lambda r: r["link"] == "nvlink")
+    if src is None or group > VLLM_CUSTOM_ALLREDUCE_MAX_RANKS or not gpu.nvlink_bytes_per_s:
+        return None
+    largest = max(_values(src, "decode_all_reduce", "bytes", link="nvlink"))
+    if nbytes <= largest:
+        return allreduce_s(gpu, nbytes, group, op="decode_all_reduce")
+    top = allreduce_s(gpu, largest, group, op="decode_all_reduce")
+    nccl = allreduce_s(gpu, nbytes, group)
+    return max(top, nccl) if nccl is not None else allreduce_s(gpu, nbytes, group, op="decode_all_reduce")
 
 
 def pricing(types, moe: bool = False) -> dict[str, dict[str, str]]:
@@ -445,4 +467,6 @@ def pricing(types, moe: bool = False) -> dict[str, dict[str, str]]:
             out[t.name]["ep_all_to_all"] = source_of(t, "ep_dispatch")
         out[t.name]["all_reduce"] = source_of(t, "all_reduce") if t.nvlink_bytes_per_s else \
             "no NVLink: alpha-beta over PCIe"
+        if t.nvlink_bytes_per_s and nearest_measured(t, "decode_all_reduce") is not None:
+            out[t.name]["decode_all_reduce"] = source_of(t, "decode_all_reduce")
     return out

@@ -284,3 +284,43 @@ def test_decode_attention_from_the_table_in_the_rollout():
         gpu("H100"), kv_bytes / (steps * m.full_attention_layers))
     assert hbm_s == pytest.approx(want, rel=1e-9)
     assert hbm_s > kv_bytes / (gpu("H100").hbm_bytes_per_s * HBM_EFF)   # the measured kernel is below the roofline
+
+
+def test_decode_allreduce_is_vllms_measured_kernels_up_to_8_ranks_then_nccl():
+    """vllm-allreduce_H100.csv (vLLM PR #24111's H100 TP=4 benchmark, the fastest backend per size): measured points
+    come back; another group size scales the part above the floor by the ring's 2(k-1)/k; above the largest size
+    measured vLLM falls back to NCCL, whose table prices it (never below the largest measured call); more than 8
+    ranks (beyond vLLM's own kernels) and GPUs without NVLink get no price from it."""
+    h100 = gpu("H100")
+    rows = sorted(optables.tables()["H100"]["decode_all_reduce"], key=lambda r: r["bytes"])
+    assert [r["group"] for r in rows] == [4] * 6
+    for r in rows:
+        assert optables.decode_allreduce_s(h100, r["bytes"], 4) == pytest.approx(r["seconds"], rel=1e-9)
+    floor, top = rows[0], rows[-1]
+    assert optables.decode_allreduce_s(h100, floor["bytes"] / 8, 4) == pytest.approx(floor["seconds"])
+    k8 = optables.decode_allreduce_s(h100, top["bytes"], 8)
+    assert k8 == pytest.approx(floor["seconds"] + (top["seconds"] - floor["seconds"]) * (14 / 8) / (6 / 4))
+    big = 4 * top["bytes"]
+    assert optables.decode_allreduce_s(h100, big, 4) == pytest.approx(
+        max(top["seconds"], optables.allreduce_s(h100, big, 4)))
+    assert optables.decode_allreduce_s(h100, top["bytes"], 16) is None
+    assert optables.decode_allreduce_s(gpu("L20"), top["bytes"], 4) is None   # PCIe: no NVLink
+
+
+def test_a_rollouts_tp_allreduces_in_one_node_are_vllms_measured_calls():
+    """A TP-4 rollout inside one H100 node: its tp_comm is steps x layers x 2 calls of decode_allreduce_s at each
+    call's bytes (the rows a replica decodes per step x hidden x 2 bytes), not the ring's 2(k-1) latencies."""
+    from hetrl.planner.cost import allreduce_s, task_costs
+    from hetrl.planner.plan import Parallelism
+    from tests.planner.test_moe_long_megatron import _group, _h100, _workload
+    c = _h100()
+    w = _workload(actor="qwen3-8b", models={"actor": "qwen3-8b", "reference": "qwen3-8b"})
+    group = _group(c, w, Parallelism(1, 1, 8), gen=Parallelism(4, 1, 2))
+    tp_comm = task_costs(c, w, group)["actor_gen"].terms["tp_comm"]
+    m = w.actor
+    steps = w.response_tokens.max
+    calls = 2 * m.layers * steps
+    nbytes = 2 * m.layers * (w.generated_samples / 2) * w.response_tokens.mean * m.hidden * 2
+    want = calls * optables.decode_allreduce_s(gpu("H100"), nbytes / calls, 4)
+    assert tp_comm == pytest.approx(want, rel=1e-9)
+    assert tp_comm < allreduce_s(nbytes, 4, (5e-6, gpu("H100").nvlink_bytes_per_s), calls)
