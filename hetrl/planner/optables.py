@@ -158,7 +158,7 @@ def source_of(gpu, op: str) -> str:
         return ", ".join(files)
     if op == "engine_step":   # host work: the engine's CPU time is not scaled by the GPU
         return f"{', '.join(files)} ({src}'s host time, not scaled)"
-    if op == "all_reduce":
+    if op in ("all_reduce", "decode_all_reduce"):
         return f"{', '.join(files)}, scaled from {src} by NVLink bandwidth"
     if op == "attention_decode":
         return f"{', '.join(files)}, scaled from {src} by HBM bandwidth"

@@ -305,6 +305,8 @@ def test_decode_allreduce_is_vllms_measured_kernels_up_to_8_ranks_then_nccl():
         max(top["seconds"], optables.allreduce_s(h100, big, 4)))
     assert optables.decode_allreduce_s(h100, top["bytes"], 16) is None
     assert optables.decode_allreduce_s(gpu("L20"), top["bytes"], 4) is None   # PCIe: no NVLink
+    assert optables.pricing([gpu("A100-80G")])["A100-80G"]["decode_all_reduce"] == \
+        "vllm-allreduce_H100.csv, scaled from H100 by NVLink bandwidth"
 
 
 def test_a_rollouts_tp_allreduces_in_one_node_are_vllms_measured_calls():
