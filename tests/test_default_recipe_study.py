@@ -34,7 +34,10 @@ def test_max_runs_then_resume_then_choose(tmp_path, monkeypatch):
     study.main([*args, "--precisions", "bf16-mixed", "--max-runs", "1"])
     res = json.loads(out.with_suffix(".json").read_text())
     assert started == [("grpo-kl0.001", "bf16-mixed", 0)] and len(res["runs"]) == 1
-    assert res["chosen"] is None and "Not chosen yet" in out.with_suffix(".md").read_text()
+    page = out.with_suffix(".md").read_text()
+    assert res["chosen"] is None and "Not chosen yet" in page
+    assert "| grpo-kl0.001 | bf16-mixed | 1 of 3 seeds so far: 0.40 | |" in page
+    assert "| grpo-nokl | fp32 | not run yet | |" in page
     study.main(args)   # the rest: the first run's row is kept, not rerun
     assert len(started) == 12 and started.count(("grpo-kl0.001", "bf16-mixed", 0)) == 1
     res = json.loads(out.with_suffix(".json").read_text())

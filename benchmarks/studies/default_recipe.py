@@ -74,7 +74,9 @@ def markdown(res: dict) -> str:
     for name, sides in res["sides"].items():
         for p, s in sides.items():
             if s is None:
-                lines.append(f"| {name} | {p} | not run yet | |")
+                got = [r["eval_accuracy_after"] for r in res["runs"] if r["recipe"] == name and r["precision"] == p]
+                lines.append(f"| {name} | {p} | " + (f"{len(got)} of {res.get('seeds_asked', 3)} seeds so far: "
+                             + ", ".join(f"{a:.2f}" for a in got) if got else "not run yet") + " | |")
                 continue
             lines.append(f"| {name} | {p} | {s['accuracy_after_mean']:.3f} ({s['accuracy_after_min']:.2f}-"
                          f"{s['accuracy_after_max']:.2f}) | {s['median_s_mean']['step_s']:.2f} |")
@@ -119,7 +121,8 @@ def main(argv=None) -> None:
     chosen = max(args.recipes, key=lambda n: (worse[n], -args.recipes.index(n))) if done else None
     notes = (json.loads(out.with_suffix(".json").read_text()).get("notes", []) if prior else []) + \
         ([args.note] if args.note else [])
-    res = {"runs": rows, "sides": sides, "worse_precision_mean": worse, "chosen": chosen, "notes": notes}
+    res = {"runs": rows, "sides": sides, "worse_precision_mean": worse, "chosen": chosen, "notes": notes,
+           "seeds_asked": len(args.seeds)}
     out = ROOT / args.out
     write_results(out.parent, out.name, res, markdown(res))
     print(markdown(res))
