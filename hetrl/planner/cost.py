@@ -389,9 +389,9 @@ def _decode_allreduce_s(cluster: ClusterSpec, ids, nbytes: float, messages: int)
     messages of a few KB, for which NCCL picks its tree algorithm with the LL protocol (NCCL's tuning model;
     Sanders et al.'s double binary tree): latency 2 (k_node - 1) alpha inside the node plus 2 ceil(log2 nodes)
     alpha between nodes per call, instead of a ring's 2 (k - 1) alpha over the slowest link; bandwidth as the
-    ring. Where a collective table measured NCCL across nodes (Vidur's DGX A100
-    pairs), each call's time comes from it instead (optables.allreduce_s: the bandwidth part by the network share
-    per GPU, the tree's further levels by the link's latency): decode's cross-node all-reduces are NCCL's."""
+    ring. Where a collective table measured NCCL across nodes (Vidur's DGX A100 pairs), each call's time comes from
+    it instead (optables.allreduce_s: the bandwidth part by the network share per GPU, the tree's further levels by
+    the link's latency): decode's cross-node all-reduces are NCCL's."""
     ids = list(ids)
     link = slowest_link(cluster, ids)
     nodes: dict[str, list[int]] = {}

@@ -314,6 +314,7 @@ def test_a_rollouts_tp_allreduces_in_one_node_are_vllms_measured_calls():
     call's bytes (the rows a replica decodes per step x hidden x 2 bytes), not the ring's 2(k-1) latencies."""
     from hetrl.planner.cost import allreduce_s, task_costs
     from hetrl.planner.plan import Parallelism
+    from hetrl.planner.spec import INTRA_NODE_LATENCY_S
     from tests.planner.test_moe_long_megatron import _group, _h100, _workload
     c = _h100()
     w = _workload(actor="qwen3-8b", models={"actor": "qwen3-8b", "reference": "qwen3-8b"})
@@ -325,4 +326,4 @@ def test_a_rollouts_tp_allreduces_in_one_node_are_vllms_measured_calls():
     nbytes = 2 * m.layers * (w.generated_samples / 2) * w.response_tokens.mean * m.hidden * 2
     want = calls * optables.decode_allreduce_s(gpu("H100"), nbytes / calls, 4)
     assert tp_comm == pytest.approx(want, rel=1e-9)
-    assert tp_comm < allreduce_s(nbytes, 4, (5e-6, gpu("H100").nvlink_bytes_per_s), calls)
+    assert tp_comm < allreduce_s(nbytes, 4, (INTRA_NODE_LATENCY_S, gpu("H100").nvlink_bytes_per_s), calls)
