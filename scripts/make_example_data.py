@@ -17,7 +17,7 @@ import datasets
 import reasoning_gym
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data"
-# The default run's task (2-term + and -, numbers up to 99), so the results compare with benchmarks/results/train_default.
+# The default run's task (2-term + and -, numbers up to 99): results compare with benchmarks/results/train_default.
 OPTIONS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=["+", "-"], allow_negation=False,
                allow_parentheses=False)
 ROWS, SEED = 600, 20261123

@@ -194,3 +194,14 @@ def test_the_layer_benchmark_on_cuda_without_a_gpu_is_one_line(capsys):
 
     assert main(["bench", "dualkv", "--layer", "tiny", "--device", "cuda"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_no_packed_kernel_is_registered_under_a_name_transformers_reads_as_flash_attention():
+    """transformers loads any attention name containing "flash" as a flash-attn hub kernel; the first lent GPU
+    found `packed_varlen` registered as `hetrl_bench_flash_varlen` and every cell of it failed that way."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    from hetrl.bench import dualkv_layer
+
+    for layout, name in dualkv_layer._PACKED_ATTN.items():
+        assert not is_flash_attention_requested(requested_attention_implementation=name), (layout, name)

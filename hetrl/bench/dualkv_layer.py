@@ -179,11 +179,11 @@ def _flash_varlen(module, query, key, value, attention_mask, dropout=0.0, scalin
     return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **_varlen_kwargs(varlen_attn))[None], None
 
 
-for _name, _fn in (("hetrl_bench_flex_document", _flex_document), ("hetrl_bench_flash_varlen", _flash_varlen)):
+for _name, _fn in (("hetrl_bench_flex_document", _flex_document), ("hetrl_bench_torch_varlen", _flash_varlen)):
     AttentionInterface.register(_name, _fn)
     AttentionMaskInterface.register(_name, lambda **_: None)
 _PACKED_ATTN = {"packed_sdpa": "hetrl_bench_varlen", "packed_flex": "hetrl_bench_flex_document",
-                "packed_varlen": "hetrl_bench_flash_varlen"}
+                "packed_varlen": "hetrl_bench_torch_varlen"}
 
 
 def unavailable(layout: str, device) -> str | None:

@@ -44,3 +44,30 @@ def test_the_layer_benchmark_runs_on_cuda_in_bf16():
             assert e["peak_bytes"] > 0 and e["seconds"] > 0, k
             if k != "dualkv":
                 assert e["max_abs_logprob_diff"] < 0.1, k       # bf16 log-probs over a 256-token vocabulary
+
+
+def test_flex_trains_on_a_stream_shorter_than_one_tile_in_bf16():
+    """A 98-token bf16 stream at head dim 16 (the tiny layer's 64-token prompt and two responses): flex's own
+    choice, its decoding kernel, failed to compile this pass on the first lent GPU (NoValidChoicesError);
+    `attend` asks for the standard kernel. Forward and gradients against eager SDPA with the same tree mask."""
+    from hetrl.dualkv.impl import flex
+
+    torch.manual_seed(0)
+    n, d = 98, 16
+    group = torch.zeros(n, dtype=torch.long, device="cuda")
+    seg = torch.zeros(n, dtype=torch.long, device="cuda")
+    seg[64:80], seg[80:] = 1, 2
+    mask = flex.block_mask_from_ids(group, seg)
+    q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = flex.attend(q, k, v, mask, d ** -0.5)
+    out.float().square().sum().backward()
+    got = [out.detach().float()] + [x.grad.float() for x in (q, k, v)]
+    idx = torch.arange(n, device="cuda")
+    seen = (idx[None] <= idx[:, None]) & ((seg[None] == 0) | (seg[None] == seg[:, None]))   # [q, kv]
+    q2, k2, v2 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q2, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1),
+                                                           attn_mask=seen, scale=d ** -0.5)
+    ref.square().sum().backward()
+    for g, want in zip(got, [ref.detach(), q2.grad, k2.grad, v2.grad]):
+        assert torch.isfinite(g).all() and (g - want).norm() <= 2e-2 * want.norm()

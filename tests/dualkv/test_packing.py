@@ -94,3 +94,24 @@ def test_budget_errors_say_what_to_change():
         split_by_token_budget([([1] * 10, [[2] * 5])], 12)
     with pytest.raises(ValueError, match="positive int"):
         split_by_token_budget([([1], [[2]])], 0)
+
+
+def test_cuda_flex_asks_for_the_standard_triton_kernel_at_every_length(monkeypatch):
+    """Left to choose, flex sends a stream under 128 tokens to its decoding kernel, which failed to compile a bf16
+    training pass at head dim 16 on the first lent GPU; `attend` names the standard kernel in a form this torch
+    knows. (The compile itself: tests/dualkv/test_gpu.py.)"""
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    from hetrl.dualkv.impl import flex
+
+    options = flex._kernel_options()
+    assert set(options) <= set(FlexKernelOptions.__annotations__) and options in (
+        {"BACKEND": "TRITON"}, {"FORCE_USE_FLEX_ATTENTION": True})
+    seen = {}
+
+    class CudaLike:           # a query that says it is on CUDA, so attend takes the compiled branch
+        is_cuda, shape = True, (1, 4, 98, 16)
+
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: lambda *a, **kw: seen.update(kw))
+    flex.attend(CudaLike(), CudaLike(), CudaLike(), block_mask=None, scale=0.25)
+    assert seen["kernel_options"] == options

@@ -8,8 +8,11 @@ block-sparse kernel. On CUDA the kernel is
 compiled with automatic dynamic shapes: a kernel for the first packed length, then one kernel with a
 symbolic length for every later one (each micro-batch packs to another length; a shape-specialised
 compile recompiled per length and, past dynamo's recompile limit, fell back to eager flex, which
-materialises the whole score matrix). On CPU torch runs flex forward only (it refuses the backward),
-so the caller must not ask for gradients there.
+materialises the whole score matrix). The kernel is flex's standard Triton one at every length: left to
+choose, flex sends a stream under 128 tokens to its decoding kernel, which has no config for a training
+pass at small head dims (measured on an H200, torch 2.11: a 98-token bf16 stream at head dim 16 failed to
+compile with NoValidChoicesError; benchmarks/results/gpu/README.md). On CPU torch runs flex forward only
+(it refuses the backward), so the caller must not ask for gradients there.
 """
 
 from __future__ import annotations
@@ -101,6 +104,16 @@ def block_mask_from_visibility(visible_until: torch.Tensor) -> BlockMask:
                                     seq_lengths=(n, n))
 
 
+def _kernel_options() -> dict:
+    """flex's standard Triton kernel at every length, never its decoding kernel (see the module docstring):
+    `BACKEND` where this torch has it, the older `FORCE_USE_FLEX_ATTENTION` knob otherwise."""
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if "BACKEND" in getattr(FlexKernelOptions, "__annotations__", {}):
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 @functools.cache
 def _compiled_flex():
     return torch.compile(flex_attention, dynamic=None)      # automatic dynamic: see the module docstring
@@ -110,7 +123,8 @@ def attend(query, key, value, block_mask: BlockMask, scale: float) -> torch.Tens
     """query [1, H, T, d], key/value [1, H_kv, T, d] -> [1, H, T, d] over the packed stream."""
     gqa = query.shape[1] != key.shape[1]
     if query.is_cuda:
-        return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                kernel_options=_kernel_options())
     with warnings.catch_warnings():  # eager flex is the intended CPU path (forward-only checks), not a mistake
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
