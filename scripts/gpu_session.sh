@@ -11,7 +11,7 @@
 #
 # Single stages (checks, train, paper, qwen3, ops) run alone, with the whole call's budget each.
 # Before the call, here: `bash scripts/gpu_wheels.sh` (writes the git-ignored .whl/). The call:
-#   device run, carry [".whl"], timeout_s 560, command "bash scripts/gpu_session.sh all"
+#   device run, carry [".whl"], timeout_s 580, command "bash scripts/gpu_session.sh all"
 # Then copy what came back under benchmarks/results/gpu/ and commit it. The CPU smoke run (tests/test_gpu_call.py):
 # `OUT=/tmp/o GPU_SESSION_DEVICE=cpu bash scripts/gpu_session.sh all` (tiny sizes, a minute).
 set -uo pipefail
@@ -97,10 +97,10 @@ ops() {
 
 all() {   # the prepared call: a-d with their budgets (seconds), then at most 8 files: the tables, the rest tarred
   local t0=$SECONDS
-  BUDGET=${A_S:-100} checks
-  BUDGET=${B_S:-170} train
+  BUDGET=${A_S:-110} checks
+  BUDGET=${B_S:-200} train
   BUDGET=${C_S:-110} LAYER_CASES="8Kx8 16Kx8" layer paper
-  BUDGET=${D_S:-80} ops
+  BUDGET=${D_S:-60} ops
   ( cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude 'train_split_*.json' --exclude 'dualkv_layer_*.json' \
       --exclude 'operators_*.csv' --exclude 'operators_*.json' --exclude machine.txt --exclude summary.txt \
       --remove-files -- * 2>/dev/null )

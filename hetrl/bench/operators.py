@@ -10,8 +10,17 @@ an MoE layer's routed experts (`moe_layer`: top-k routing, the tokens sorted by 
 bandwidth. Written as operators_DEVICE.csv (the catalog's table form,
 hetrl.planner.optables.FIELDS) and .json; on a catalog GPU also as hetrl-measured_GPU.csv, which the cost model
 loads from a folder named by HETRL_OPERATOR_TABLES ahead of the published tables. Rows are measured cheapest first and
-the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), warm-up calls first,
-CUDA events on a GPU (hetrl.bench.harness.seconds), the median of `repeats`.
+the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), a warm-up pass first,
+the median of `repeats` passes.
+
+A row's time is one kernel's, not one launch's: each pass runs the operator CALLS times back to back over inputs
+rotated through enough copies that together exceed any catalog GPU's L2 cache (ROTATE_BYTES; a model's layers read
+different weights, so a decode GEMM must not find its weight in L2), between two CUDA events, and the row is the
+pass over CALLS. On CUDA the pass is captured once as a CUDA graph and replayed, as an inference engine's decode
+runs, so no host launch sits inside the time; an operator that syncs with the host (the MoE layer's routing) is
+launched back to back instead. Each row's source says which. (The first lent GPU timed one call between two events:
+small GEMMs read 37-46 us where Vidur's H100 profile reads 16-30 us, the wait for Python to launch them;
+benchmarks/results/gpu/README.md.)
 
 Hand-written because no library measures these tables in this form: Vidur's profiler (the cost model's published
 source) needs its own GPU setup and Sarathi's kernels; this is its minimal subset on plain torch.
@@ -55,9 +64,44 @@ def gemm_shapes(models: list[str], tp: int = 1) -> list[tuple[str, int, int]]:
     return out
 
 
-def _median(fn, device, repeats: int) -> float:
-    fn()   # warm-up (and any lazy initialisation)
-    return statistics.median(seconds(fn, device) for _ in range(repeats))
+CALLS = 8                   # calls per timed pass, at least
+ROTATE_BYTES = 256 << 20    # inputs rotated per pass: more than any catalog GPU's L2 (H100 50 MiB, B200 126 MiB)
+MAX_COPIES = 64
+
+
+def copies_for(nbytes: int) -> int:
+    """How many copies of inputs of `nbytes` a pass rotates through so that together they exceed ROTATE_BYTES."""
+    return max(1, min(MAX_COPIES, -(-ROTATE_BYTES // max(1, nbytes))))
+
+
+def _per_call(calls: list, device: torch.device, repeats: int, graph: bool = True) -> tuple[float, str]:
+    """-> (seconds of one call, how it was timed): `calls` (closures, each over its own inputs) run back to back,
+    repeated to at least CALLS per pass; the median over `repeats` passes of a pass's time over its calls. On CUDA
+    with `graph` the pass is captured as a CUDA graph and replayed; where capture fails, or without `graph`, the
+    calls are launched back to back."""
+    calls = [calls[i % len(calls)] for i in range(max(CALLS, len(calls)))]
+
+    def run_pass():
+        for f in calls:
+            f()
+
+    how = f"{len(calls)} calls back to back"
+    run_pass()   # warm-up (and any lazy initialisation)
+    if device.type == "cuda" and graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):     # warm-up on a side stream, as torch.cuda.graph asks
+                run_pass()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run_pass()
+            run_pass, how = g.replay, f"a CUDA graph of {len(calls)} calls"
+            run_pass()
+        except RuntimeError:
+            torch.cuda.synchronize()
+    return statistics.median(seconds(run_pass, device) for _ in range(repeats)) / len(calls), how
 
 
 def moe_layer(x, router, w13, w2, topk: int):
@@ -102,49 +146,69 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
     def rand(*shape):
         return torch.randn(*shape, device=dev, dtype=dtype, generator=g)
 
-    def row(**kw):
-        rows.append({k: kw.get(k) for k in FIELDS} | {"dtype": kw.get("dtype", name), "source": source})
+    def row(how: str, **kw):
+        rows.append({k: kw.get(k) for k in FIELDS} | {"dtype": kw.get("dtype", name), "source": f"{source}; {how}"})
+
+    def timed(nbytes: int, make, graph: bool = True) -> tuple[float, str]:
+        """Seconds of one call over fresh inputs: `make()` -> a closure over its own inputs of about `nbytes`."""
+        return _per_call([make() for _ in range(copies_for(nbytes))], dev, repeats, graph)
 
     jobs = []
     a = torch.randn(1 << (16 if quick else 28), device=dev, generator=g)   # 256 KiB or 1 GiB of fp32
     b = torch.empty_like(a)
-    jobs.append(lambda: row(op="copy", dtype="float32", seconds=(s := _median(lambda: b.copy_(a), dev, repeats)),
-                            rate=2 * a.numel() * 4 / s))
+
+    def copy():
+        s, how = _per_call([lambda: b.copy_(a)], dev, repeats)
+        row(op="copy", dtype="float32", seconds=s, rate=2 * a.numel() * 4 / s, how=how)
+    jobs.append(copy)
     for what, n, k in (QUICK_GEMMS if quick else gemm_shapes(models)):
         for m in tokens:
             def gemm(m=m, n=n, k=k):
-                x, w = rand(m, k), rand(k, n)
-                s = _median(lambda: x @ w, dev, repeats)
-                row(op="gemm", m=m, n=n, k=k, seconds=s, rate=2 * m * n * k / s)
+                x = rand(m, k)
+
+                def make():
+                    w = rand(k, n)
+                    return lambda: x @ w
+                s, how = timed(k * n * 2, make)
+                row(op="gemm", m=m, n=n, k=k, seconds=s, rate=2 * m * n * k / s, how=how)
             jobs.append(gemm)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for name_ in models:
         p = PRESETS[name_]
         for batch, ctx in decode:
             def attn_decode(batch=batch, ctx=ctx, p=p):
-                q = rand(batch, p.heads, 1, p.head_dim)
-                k, v = rand(batch, p.kv_heads, ctx, p.head_dim), rand(batch, p.kv_heads, ctx, p.head_dim)
-                f = torch.nn.functional.scaled_dot_product_attention
-                s = _median(lambda: f(q, k, v, enable_gqa=True), dev, repeats)
+                def make():
+                    q = rand(batch, p.heads, 1, p.head_dim)
+                    k, v = rand(batch, p.kv_heads, ctx, p.head_dim), rand(batch, p.kv_heads, ctx, p.head_dim)
+                    return lambda: sdpa(q, k, v, enable_gqa=True)
+                kv_bytes = 2 * batch * ctx * p.kv_heads * p.head_dim * 2
+                s, how = timed(kv_bytes, make)
                 row(op="attention_decode", batch=batch, context=ctx, heads=p.heads, kv_heads=p.kv_heads,
-                    head_dim=p.head_dim, seconds=s, rate=2 * batch * ctx * p.kv_heads * p.head_dim * 2 / s)
+                    head_dim=p.head_dim, seconds=s, rate=kv_bytes / s, how=how)
             jobs.append(attn_decode)
         for length in prefill:
             def attn_prefill(length=length, p=p):
-                q = rand(1, p.heads, length, p.head_dim)
-                k, v = rand(1, p.kv_heads, length, p.head_dim), rand(1, p.kv_heads, length, p.head_dim)
-                f = torch.nn.functional.scaled_dot_product_attention
-                s = _median(lambda: f(q, k, v, is_causal=True, enable_gqa=True), dev, repeats)
+                def make():
+                    q = rand(1, p.heads, length, p.head_dim)
+                    k, v = rand(1, p.kv_heads, length, p.head_dim), rand(1, p.kv_heads, length, p.head_dim)
+                    return lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True)
+                s, how = timed(2 * length * (p.heads + 2 * p.kv_heads) * p.head_dim, make)
                 row(op="attention_prefill", batch=1, context=length, heads=p.heads, kv_heads=p.kv_heads,
-                    head_dim=p.head_dim, seconds=s, rate=2 * 2 * p.heads * p.head_dim * length * length / 2 / s)
+                    head_dim=p.head_dim, seconds=s, rate=2 * 2 * p.heads * p.head_dim * length * length / 2 / s,
+                    how=how)
             jobs.append(attn_prefill)
     for e, f, h, topk in moe_shapes(list(moe_models), quick):
         for m in tokens:
             def moe(m=m, e=e, f=f, h=h, topk=topk):
                 x, router = rand(m, h), rand(h, e)
-                w13, w2 = rand(e, h, 2 * f) / h ** 0.5, rand(e, f, h) / f ** 0.5
-                s = _median(lambda: moe_layer(x, router, w13, w2, topk), dev, repeats)
+
+                def make():
+                    w13, w2 = rand(e, h, 2 * f) / h ** 0.5, rand(e, f, h) / f ** 0.5
+                    return lambda: moe_layer(x, router, w13, w2, topk)
+                # routing syncs with the host (bincount): launched back to back, not captured
+                s, how = timed(e * 3 * f * h * 2, make, graph=False)
                 row(op="moe_layer", m=m, n=f, k=h, experts=e, topk=topk, tp=1, seconds=s,
-                    rate=2 * m * topk * 3 * f * h / s)
+                    rate=2 * m * topk * 3 * f * h / s, how=how)
             jobs.append(moe)
     stopped = False
     for job in jobs:

@@ -207,6 +207,41 @@ def test_the_measured_moe_layer_is_the_routed_experts_it_says():
     assert torch.allclose(got, want, atol=0.03 * want.abs().max().item())
 
 
+def test_an_operator_row_is_a_pass_of_calls_over_rotated_inputs_divided_by_its_calls():
+    """hetrl.bench.operators times kernels, not launches: every timed pass runs at least CALLS calls, cycling over
+    the input copies; the row is a pass's median over its calls. Copies together exceed any catalog GPU's L2."""
+    import torch
+
+    from hetrl.bench import operators
+
+    counts = [0, 0, 0]
+
+    def call(i):
+        def f():
+            counts[i] += 1
+        return f
+
+    s, how = operators._per_call([call(0), call(1), call(2)], torch.device("cpu"), repeats=3)
+    assert how == f"{operators.CALLS} calls back to back" and s > 0
+    # a warm-up pass and 3 timed passes of 8 calls cycling over 3 copies: 3 + 3 + 2 calls each per pass
+    assert counts == [4 * 3, 4 * 3, 4 * 2]
+    assert operators.copies_for(32 << 20) * (32 << 20) >= operators.ROTATE_BYTES > 50 << 20   # H100's L2: 50 MiB
+    assert operators.copies_for(8 << 30) == 1 and operators.copies_for(16) == operators.MAX_COPIES
+
+
+@pytest.mark.gpu
+def test_operator_rows_on_cuda_replay_a_cuda_graph_except_the_moe_layer(tmp_path):
+    """On a GPU, GEMM and attention rows are CUDA graph replays (no host launch in the time); the MoE layer, whose
+    routing syncs with the host, is launched back to back; every row says which."""
+    from hetrl.bench import operators
+
+    res = operators.measure("cuda", tmp_path, ["qwen3-4b"], budget_s=60, quick=True)
+    assert res["rows"] and not res["stopped_at_budget"]
+    for r in res["rows"]:
+        want = "back to back" if r["op"] == "moe_layer" else "a CUDA graph of"
+        assert want in r["source"] and r["seconds"] > 0, r
+
+
 def test_ep_tables_keep_the_measured_fractions_and_latencies():
     """DeepEP's published numbers (hetrl/planner/data/operators/deepep_H800.csv) come back as measured: the normal
     kernels' bandwidth as a fraction of the H800's line rate by span (nearest measured), the low-latency kernels'
