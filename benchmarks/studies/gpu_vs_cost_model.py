@@ -1,0 +1,191 @@
+"""The cost model's predictions beside what the first lent GPU measured (issue 46 item 3): stage b (`hetrl train`'s
+phases on one H100) and stage d (the operator rows). Stage c's comparison is in its own page (the layer benchmark
+prints the cost model's compute term beside each cell). Nothing is fitted: the committed GPU files are read, the
+cost model prices the same shapes, and the ratio is printed.
+
+    python -m benchmarks.studies.gpu_vs_cost_model      # -> benchmarks/results/gpu/cost_model.md
+
+Stage b: each run's planner workload is `placement.run_workload` of its own config (model shape, batch, lengths,
+precision, old log-prob passes), on one H100 with every task on GPU 0 at TP = PP = DP = 1, scored by
+`hetrl.planner.evaluate`: actor_gen against the measured rollout, actor_infer (+ ref_infer) against log-probs,
+actor_train against the update. Stage d: GEMMs against `optables.gemm_s` (Vidur's H100 profile where it measured the
+shape, else interpolated by weight size) and the bare roofline at the catalog's datasheet peaks; decode attention
+against `optables.attention_decode_s` (the committed decode-attention table); prefill attention against the roofline
+(the cost model prices prefill at its compute MFU, no table).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+import statistics
+
+import transformers
+
+from hetrl.models import SHAPES
+from hetrl.planner import evaluate, optables, plan_from_dict
+from hetrl.planner.catalog import gpu
+from hetrl.planner.spec import TokenLengths, cluster_from_dict
+from hetrl.trainer.config import RunConfig
+from hetrl.trainer.placement import model_spec_from_hf, run_workload
+
+GPU_DIR = pathlib.Path(__file__).resolve().parents[1] / "results" / "gpu"
+H100 = {"name": "one-h100", "nodes": [{"name": "n", "region": "local", "gpu": "H100", "count": 1,
+                                       "intra_node": "nvlink", "network_gbps": 100}]}
+
+
+def _spec(model: str):
+    cls_name, shape = SHAPES[model.removeprefix("config:")]
+    config = getattr(transformers, cls_name).config_class(**shape)
+    return model_spec_from_hf(config, model)
+
+
+def train_rows(split: dict) -> list[dict]:
+    """Stage b: per run, the measured phase seconds beside the cost model's task times on one H100."""
+    cluster = cluster_from_dict(H100)
+    out = []
+    for model, run in split["runs"].items():
+        cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
+        timed = run["metrics"][1:] or run["metrics"]
+        packed = statistics.median(r["packed_tokens"] for r in timed)
+        generated = statistics.median(r["response_len_mean"] for r in timed) * cfg.prompts_per_step \
+            * cfg.responses_per_prompt
+        prompt = (packed - generated) / cfg.prompts_per_step        # each group's prompt once in the packed stream
+        precision = "bf16" if run["precision"] == "bf16-mixed" else "fp32"
+        w = run_workload(cfg, _spec(model), TokenLengths(math.ceil(prompt), prompt), precision)
+        tasks = ["actor_gen", "actor_infer", "actor_train"] + (["ref_infer"] if w.reference is not None else [])
+        one = {"tp": 1, "pp": 1, "dp": 1}
+        plan = plan_from_dict({"groups": [{"tasks": tasks, "gpus": ["n:0"], "parallelism": {t: one for t in tasks}}]},
+                              cluster, w)
+        est = evaluate(cluster, w, plan)
+        t = est.task_times_s
+        ph = run["phases"]
+        for phase, predicted in (("rollout", t["actor_gen"]),
+                                 ("log-probs", t["actor_infer"] + t.get("ref_infer", 0.0)),
+                                 ("update", t["actor_train"])):
+            measured = ph[{"log-probs": "logprobs"}.get(phase, phase)]["seconds"]
+            out.append({"model": model, "phase": phase, "measured_s": measured, "predicted_s": predicted})
+        out.append({"model": model, "phase": "step", "measured_s": ph["step_s"], "predicted_s": est.iteration_time_s})
+    return out
+
+
+def operator_rows(rows: list[dict]) -> list[dict]:
+    """Stage d: each measured row beside the table the cost model prices H100 from, and the roofline."""
+    h100 = gpu("H100")
+    out = []
+    for r in rows:
+        op, s = r["op"], float(r["seconds"])
+        if op == "gemm":
+            m, n, k = (int(r[x]) for x in "mnk")
+            table = optables.gemm_s(h100, m, n, k)
+            roof = optables._roofline(h100, m, n, k, 2)
+            what = f"{m} x {n} x {k}"
+        elif op == "attention_decode":
+            b, c, kvh, d = (int(r[x]) for x in ("batch", "context", "kv_heads", "head_dim"))
+            kv_bytes = 2 * b * c * kvh * d * 2
+            table = optables.attention_decode_s(h100, kv_bytes)
+            roof = kv_bytes / h100.hbm_bytes_per_s
+            what = f"batch {b} x context {c}"
+        elif op == "attention_prefill":
+            c, h, d = (int(r[x]) for x in ("context", "heads", "head_dim"))
+            table = None
+            roof = 2 * 2 * h * d * c * c / 2 / h100.dense_bf16_flops
+            what = f"length {c}"
+        else:
+            continue
+        out.append({"op": op, "shape": what, "measured_s": s, "table_s": table, "roofline_s": roof})
+    return out
+
+
+def _dedupe(rows: list[dict]) -> list[dict]:
+    """Rows measured twice (qwen3-8b and qwen3-4b share their attention shape): the median of the measurements."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["op"], r["shape"]), []).append(r)
+    return [group[0] | {"measured_s": statistics.median(g["measured_s"] for g in group), "n": len(group)}
+            for group in by.values()]
+
+
+ANALYSIS = """## What it says
+
+- **Stage b: hetrl's trainer on an H100 is 7-27x slower per phase, 9-10x per step, than the cost model prices the
+  same job** (step 1.61 s measured, 0.18 s predicted at qwen2.5-1.5b's shape). The job is a toy for an H100 (64
+  sequences of ~50 tokens, 1,312 packed tokens a step), so every phase is launch-bound (MFU 0.2-3.7%), and the cost
+  model prices none of that: generation as vLLM runs it (CUDA graphs, the engine's measured step overhead: 6.4 ms a
+  decode step predicted against the HF loop's 55 ms), training and log-prob passes at the measured MFU of large
+  passes. The rollout's gap is issue 1's case (a real engine); the update's and log-probs' (0.42 s and 0.17 s
+  against 0.06 s and 0.01 s) are hetrl's own learner at small batch: every kernel launched from Python, autocast
+  casting each fp32 master weight per linear, the optimizer's step. Not profiled yet: the next lent GPU's stage b
+  should carry a torch.profiler summary. The cost model's validation (cost_model_validation.md) judges it at the
+  scale it is built for; these rows are not part of it.
+- **Stage d: Vidur's H100 GEMM profile, which prices every H100 GEMM, is confirmed where kernels dominate**: at M >=
+  4096 the cost model's table is within -10% .. +17% of this H100 (median 2.5%), 1024 within -26% .. +18%. Below
+  that the first call's rows carry the host's launch (single-call timing; the benchmark now replays CUDA graphs), so
+  they say nothing about the table.
+- **Decode attention: the committed table is slower than SDPA here by 41-66% at 268 MB and more of K/V**: its
+  largest measured point is FlashAttention-3's paged decode at 16 sequences (1 GB in 567 us, 1.77 TB/s), held
+  proportional above that, while contiguous SDPA at 32-256 sequences reads 2.4-3.07 TB/s on this H100 (the copy
+  rate). The table is kept: vLLM runs the paged FlashAttention kernel the table measured, not contiguous SDPA. A
+  paged measurement at large batch (FlashInfer's or FA3's own benchmark on a lent GPU) would settle it.
+- Prefill attention (causal SDPA) runs at 1.5-1.7x its roofline at 8-16K tokens (590-654 TFLOP/s); the cost model
+  prices it inside the pass's MFU, no table.
+"""
+
+
+def _us(x):
+    return "-" if x is None else f"{x * 1e6:,.1f}"
+
+
+def _err(pred, meas):
+    return "-" if pred is None else f"{(pred - meas) / meas:+.0%}"
+
+
+def markdown(train: list[dict], ops: list[dict], split: dict) -> str:
+    lines = ["# The cost model beside the first lent GPU (one H100 80GB HBM3, 2026-11-28)", "",
+             f"`python -m benchmarks.studies.gpu_vs_cost_model` over the committed files in this folder "
+             f"({split['device_name']}, torch {split['torch']}). Nothing fitted; error = (predicted - measured) / "
+             f"measured.", "",
+             "## Stage b: `hetrl train`'s phases (the default job, random weights of real shapes)", "",
+             "The planner's workload of each run (`placement.run_workload`: its model, batch, lengths, bf16, old "
+             "log-prob passes) on one H100, every task on GPU 0, scored by `hetrl.planner.evaluate`. The cost model "
+             "prices generation as vLLM runs it (measured kernels, CUDA graphs, the engine's measured step "
+             "overhead); hetrl's rollout is still its own HF loop, launched from Python.", "",
+             "| model | phase | measured s | predicted s | error |", "|---|---|---:|---:|---:|"]
+    for r in train:
+        lines.append(f"| {r['model']} | {r['phase']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+                     f"{_err(r['predicted_s'], r['measured_s'])} |")
+    lines += ["", "## Stage d: operators", "",
+              "Each measured row (the first call timed one call between two CUDA events, so rows under ~50 us carry "
+              "the host's launch: see README.md) beside the table the cost model prices an H100 from "
+              "(`optables.gemm_s`: Vidur's H100 profile; `optables.attention_decode_s`: decode-attention_H100.csv) "
+              "and the roofline at the catalog's datasheet peaks (989 TFLOP/s, 3.35 TB/s).", "",
+              "| op | shape | measured us | cost model's table us | error | roofline us | measured / roofline |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in ops:
+        lines.append(f"| {r['op']} | {r['shape']} | {_us(r['measured_s'])} | {_us(r['table_s'])} | "
+                     f"{_err(r['table_s'], r['measured_s'])} | {_us(r['roofline_s'])} | "
+                     f"{r['measured_s'] / r['roofline_s']:.1f}x |")
+    big = [r for r in ops if r["table_s"] is not None and r["measured_s"] >= 2e-4]
+    if big:
+        errs = sorted(abs(r["table_s"] - r["measured_s"]) / r["measured_s"] for r in big)
+        lines += ["", f"Rows measured at 200 us or more (kernel-bound, {len(big)}): the cost model's tables are "
+                      f"within a median {statistics.median(errs):.0%} (largest {errs[-1]:.0%})."]
+    return "\n".join(lines) + "\n\n" + ANALYSIS
+
+
+def main() -> None:
+    split = json.loads((GPU_DIR / "train_split_cuda.json").read_text())
+    with open(GPU_DIR / "operators_cuda.csv", newline="") as f:
+        measured = list(csv.DictReader(f))
+    train = train_rows(split)
+    ops = _dedupe(operator_rows(measured))
+    text = markdown(train, ops, split)
+    (GPU_DIR / "cost_model.md").write_text(text)
+    (GPU_DIR / "cost_model.json").write_text(json.dumps({"train": train, "operators": ops}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
