@@ -20,6 +20,9 @@ Per phase, from metrics.jsonl, the median over the steps after the first (the fi
   decode     decode_s per decode step (every row runs to max_new_tokens), against its memory floor: the weights
              and the KV cache one step reads (each group's prompt once, each row's own tokens) over the copy
              bandwidth measured in the run (#20 item 5's HBM floor on a GPU)
+With 3 or more steps the last runs under torch.profiler (`profile_step`; --no-profile: not) and is left out of
+the medians: the table lists the operators with the most device time (CPU time on a CPU), and torch's operator
+table is written beside the results (train_split_DEVICE_profile_MODEL.txt).
 Attention FLOPs are left out (short sequences here). MFU = FLOP/s over the device's bf16 peak: the planner
 catalog's entry for a GPU it names (hetrl.planner.catalog), or this CPU's bf16 (fp32 for an fp32 run) matmul
 peak measured in the run (hetrl.bench.harness).
@@ -44,18 +47,25 @@ MODELS = ("config:smollm2-135m", "config:qwen2.5-0.5b")
 JOB = {"eval_size": 8, "checkpoint_every": 0}
 
 
-def run_job(model: str, device: str, steps: int, work: pathlib.Path, extra: list[str]) -> tuple[dict, list[dict]]:
+def run_job(model: str, device: str, steps: int, work: pathlib.Path, extra: list[str],
+            profile: bool = True) -> tuple[dict, list[dict]]:
+    """One model's run; with `profile` and at least 3 steps, its last step under torch.profiler (profile_step),
+    left out of the medians."""
     out = work / model.replace(":", "_")
+    profile_step = steps if profile and steps >= 3 else 0
     cmd = [sys.executable, "-m", "hetrl", "train", f"model={model}", f"device={device}", f"steps={steps}",
-           f"out_dir={out}"] + [f"{k}={v}" for k, v in JOB.items()] + extra
+           f"out_dir={out}"] + [f"{k}={v}" for k, v in JOB.items()] + [f"profile_step={profile_step}"] + extra
     proc, wall = harness.timed(lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True))
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads(json.dumps(summary.get("config", {})))
-    return {"command": " ".join(cmd[1:]), "wall_s": wall, "precision": summary.get("precision"),
-            "config": config}, rows
+    run = {"command": " ".join(cmd[1:]), "wall_s": wall, "precision": summary.get("precision"), "config": config}
+    if profile_step:
+        run["profile"] = json.loads((out / f"profile_step_{profile_step}.json").read_text())
+        run["profile_table"] = (out / f"profile_step_{profile_step}.txt").read_text()
+    return run, rows
 
 
 def peak_flops(device: str, precision: str) -> tuple[float, str]:
@@ -98,7 +108,7 @@ def phases(model: str, rows: list[dict], run: dict, peak: float, bandwidth: floa
     cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
     passes = (1.0 if cfg.kl_coef > 0 else 0.0) + old_logprob_share(cfg, "bf16" if run["precision"] == "bf16-mixed"
                                                                       else "fp32")
-    timed = rows[1:] or rows
+    timed = [r for r in rows[1:] if not r.get("profiled")] or rows     # the profiled step's times carry its overhead
 
     def med(key):
         return statistics.median(r[key] for r in timed)
@@ -131,7 +141,7 @@ def markdown(res: dict) -> str:
              f"({res['peak_source']}); memory bandwidth {res['copy_bytes_per_s'] / 1e9:.0f} GB/s (a 1 GiB copy, read + "
              "written). Decode per step against its memory floor: weights and KV cache read once per step over that "
              f"bandwidth (decode_floor). Default job (GRPO, 8 x 8 samples, 16 new tokens), random-weight models of "
-             "real shapes (speed only); medians over the steps after the first.", "",
+             "real shapes (speed only); medians over the steps after the first (and before a profiled one).", "",
              "| model | precision | step s | rollout s | tok/s | MFU | log-probs s | tok/s | MFU | update s | tok/s | "
              "MFU | decode ms/step | memory floor ms | x floor |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -150,6 +160,16 @@ def markdown(res: dict) -> str:
         d = p.get("decode")
         cells += [f"{d['step_s'] * 1e3:.1f}", f"{d['floor_s'] * 1e3:.2f}", f"{d['over_floor']:.1f}"] if d else ["-"] * 3
         lines.append("| " + " | ".join(cells) + " |")
+    for m, r in res["runs"].items():
+        prof = r.get("profile")
+        if not prof:
+            continue
+        busy = (f"; the device busy {prof['device_busy_s']:.3f} s ({prof['device_busy_s'] / prof['wall_s']:.0%})"
+                if prof["on_device"] else "")
+        lines += ["", f"{m}, step {prof['step']} under torch.profiler: {prof['wall_s']:.3f} s wall{busy}; the host's "
+                      f"operators {prof['host_s']:.3f} s. Most {'device' if prof['on_device'] else 'CPU'} time:", ""]
+        key = "self_device_s" if prof["on_device"] else "self_cpu_s"
+        lines += [f"- `{e['name']}`: {e[key] * 1e3:.1f} ms in {e['calls']} calls" for e in prof["top"][:8]]
     lines += ["", "Commands:", ""] + [f"- `{r['command']}` ({r['wall_s']:.0f} s wall)" for r in res["runs"].values()]
     return "\n".join(lines) + "\n"
 
@@ -162,6 +182,8 @@ def main() -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="key=value", help="more overrides for every run")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--work", help="directory for the runs (default: a temporary one)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="do not run the last step under torch.profiler (it is by default, from 3 steps)")
     args = ap.parse_args()
 
     import torch
@@ -177,7 +199,11 @@ def main() -> int:
            else f"CPU ({info['model']}, {info['torch_threads']} threads)", "runs": {}}
     name = f"train_split_{args.device.split(':')[0]}"
     for model in args.models:
-        run, rows = run_job(model, args.device, args.steps, work, args.set)
+        run, rows = run_job(model, args.device, args.steps, work, args.set, profile=not args.no_profile)
+        table = run.pop("profile_table", None)
+        if table:       # torch's operator table beside the results (the GPU call tars it into logs.tgz)
+            pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(args.out) / f"{name}_profile_{model.replace(':', '_')}.txt").write_text(table)
         if "peak_flops" not in res:       # measured after the first run, on an otherwise idle device
             res["peak_flops"], res["peak_source"] = peak_flops(args.device, run["precision"])
             res["copy_bytes_per_s"] = harness.copy_bytes_per_s(args.device)

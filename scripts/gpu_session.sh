@@ -81,7 +81,7 @@ EOF
 
 train() {
   local models=(config:qwen2.5-1.5b config:qwen2.5-0.5b) steps=4
-  if [ "$DEVICE" = cpu ]; then models=(tiny); steps=2; fi
+  if [ "$DEVICE" = cpu ]; then models=(tiny); steps=3; fi   # 3: the last one profiled
   timeout "$BUDGET" $PY -m benchmarks.train_split --device "$DEVICE" --models "${models[@]}" --steps $steps \
     --out "$OUT" --work /tmp/split_runs_$$ > "$OUT/train_split.log" 2>&1
   echo "train_split: exit $? (124: cut at ${BUDGET} s; the models finished are kept)"; tail -8 "$OUT/train_split.log"

@@ -21,7 +21,8 @@ def test_the_prepared_gpu_call_runs_every_stage_on_cpu(tmp_path):
     assert {"machine.txt", "summary.txt", "logs.tgz", "train_split_cpu.json", "dualkv_layer_tiny_cpu.json",
             "operators_cpu.csv", "operators_cpu.json"} <= set(files), files
     assert "gpu_session all:" in done.stdout     # the summary, printed last
-    assert json.loads((out / "train_split_cpu.json").read_text())["runs"]          # stage b: a run finished
+    runs = json.loads((out / "train_split_cpu.json").read_text())["runs"]          # stage b: a run finished
+    assert runs and all(r["profile"]["top"] for r in runs.values())                  # its last step profiled
     assert json.loads((out / "dualkv_layer_tiny_cpu.json").read_text())["rows"]    # stage c: its cells
     rows = list(csv.DictReader((out / "operators_cpu.csv").open()))               # stage d: the tables
     assert {r["op"] for r in rows} == {"copy", "gemm", "attention_decode", "attention_prefill", "moe_layer"}

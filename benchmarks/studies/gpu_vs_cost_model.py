@@ -117,9 +117,9 @@ ANALYSIS = """## What it says
   decode step predicted against the HF loop's 55 ms), training and log-prob passes at the measured MFU of large
   passes. The rollout's gap is issue 1's case (a real engine); the update's and log-probs' (0.42 s and 0.17 s
   against 0.06 s and 0.01 s) are hetrl's own learner at small batch: every kernel launched from Python, autocast
-  casting each fp32 master weight per linear, the optimizer's step. Not profiled yet: the next lent GPU's stage b
-  should carry a torch.profiler summary. The cost model's validation (cost_model_validation.md) judges it at the
-  scale it is built for; these rows are not part of it.
+  casting each fp32 master weight per linear, the optimizer's step. Not profiled on the first GPU; stage b now runs
+  its last step under torch.profiler (`profile_step`) for the next one. The cost model's validation
+  (cost_model_validation.md) judges it at the scale it is built for; these rows are not part of it.
 - **Stage d: Vidur's H100 GEMM profile, which prices every H100 GEMM, is confirmed where kernels dominate**: at M >=
   4096 the cost model's table is within -10% .. +17% of this H100 (median 2.5%), 1024 within -26% .. +18%. Below
   that the first call's rows carry the host's launch (single-call timing; the benchmark now replays CUDA graphs), so

@@ -188,6 +188,7 @@ class RunConfig:
     eval_every: int = rule(0, ge=0)       # 0: only before and after training
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
+    profile_step: int = rule(0, ge=0)     # >0: that step under torch.profiler (out_dir/profile_step_N.*; local only)
     out_dir: str = "runs/default"
     report_to: str = rule("none", choices=REPORT_TO)   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
     # a non-finite reward total, advantage, loss or gradient norm (hetrl/trainer/guards.py): stop the run before
@@ -251,6 +252,12 @@ class RunConfig:
         if self.executor == "ray" and self.device != "auto":
             raise ValueError(f"device={self.device} is for the local executor; on Ray the plan puts each role on its "
                              "GPUs (or CPU cores): leave device=auto")
+        if self.executor == "ray" and self.profile_step:
+            raise ValueError("profile_step profiles this process, and on Ray the step runs in other processes: use it "
+                             "with executor=local (or profile a Ray actor with Ray's own tools)")
+        if self.profile_step > self.steps:
+            raise ValueError(f"profile_step={self.profile_step} is after the last step (steps={self.steps}); "
+                             f"give a step from 1 to {self.steps}, or 0 for none")
         self._check_rollout_correction()
         if self.executor == "local":
             given = [k for k in ("plan", "cluster", "emulate_cluster") if getattr(self, k) is not None]
@@ -500,9 +507,9 @@ _TYPES = typing.get_type_hints(RunConfig)
 # Fields a resumed run may change without changing what it computes: how long it runs, where it writes, how
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
-RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "memory_limit_gib", "executor", "plan", "cluster",
-                     "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers", "report_to", "device",
-                     "nonfinite", "reward_errors", "reward_timeout_s", "strict")
+RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "profile_step", "memory_limit_gib", "executor", "plan",
+                     "cluster", "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers", "report_to",
+                     "device", "nonfinite", "reward_errors", "reward_timeout_s", "strict")
 
 
 def _check_keys(keys, where: str) -> None:

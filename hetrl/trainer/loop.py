@@ -48,7 +48,7 @@ from hetrl.algo.advantages import options_of
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source
 from hetrl.data.containment import UserAbort
 from hetrl.data.rewards import TrainerState
-from hetrl.trainer import episodes, files, guards
+from hetrl.trainer import episodes, files, guards, profiling
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine, Episodes
@@ -62,6 +62,7 @@ from hetrl.trainer.evaluation import (
     score_name,
 )
 from hetrl.trainer.metrics import MetricsLog, plot_curves
+from hetrl.trainer.precision import driver_device
 from hetrl.trainer.rollout import Sample
 
 log = logging.getLogger(__name__)
@@ -376,29 +377,32 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
         while step < cfg.steps and not stop.requested:
-            t0 = time.perf_counter()
-            rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
-            kept, sampled, next_problem, reward_stats = stream.next()
-            t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
-            row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
-            if isinstance(source, RowSource):
-                row["epoch"] = source.epoch(next_problem - 1)
-            versions = [s.version for r in kept for s in r.samples if s.version is not None]
-            if versions:
-                row["staleness"] = version - min(versions)
-                assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
-            skipped: list[str] = []
-            if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
-                row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
-            if kept:
-                row |= update_policy(cfg, engine.learner, kept, engine.reference, engine.critic,
-                                     train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl,
-                                     correction=engine.correction)
-                version += 1
-                row |= engine.sync_weights(version)
-            step += 1
-            row["step_s"] = time.perf_counter() - t0
-            row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
+            with profiling.profiled(step + 1, cfg.profile_step, run_dir, driver_device(cfg)) as profiled_now:
+                t0 = time.perf_counter()
+                rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
+                kept, sampled, next_problem, reward_stats = stream.next()
+                t_gen = time.perf_counter() - t0  # async: only the wait for rollouts the update did not hide
+                row = {"step": step + 1, **reward_stats, **_rollout_stats(sampled, kept), "gen_s": t_gen}
+                if isinstance(source, RowSource):
+                    row["epoch"] = source.epoch(next_problem - 1)
+                versions = [s.version for r in kept for s in r.samples if s.version is not None]
+                if versions:
+                    row["staleness"] = version - min(versions)
+                    assert row["staleness"] <= (cfg.max_staleness if cfg.mode == "async" else 0), row
+                skipped: list[str] = []
+                if kept and guards.act(cfg.nonfinite, guards.check_rewards(step + 1, kept), skipped):
+                    row["skipped"], kept = skipped, []     # nonfinite=skip: no update from this step's rewards
+                if kept:
+                    row |= update_policy(cfg, engine.learner, kept, engine.reference, engine.critic,
+                                         train_policy=step >= cfg.critic_warmup_steps, step=step + 1, kl_ctrl=kl_ctrl,
+                                         correction=engine.correction)
+                    version += 1
+                    row |= engine.sync_weights(version)
+                step += 1
+                row["step_s"] = time.perf_counter() - t0
+                row["tokens_per_s"] = row["sample_tokens"] / row["step_s"]
+            if profiled_now:
+                row["profiled"] = True      # the profiler's overhead is in this row's times
             metrics.write(row)
             for reason in row.get("skipped", []):
                 tqdm.write(f"nonfinite=skip: {reason}")
