@@ -25,7 +25,8 @@ def test_the_prepared_gpu_call_runs_every_stage_on_cpu(tmp_path):
     assert runs and all(r["profile"]["top"] for r in runs.values())                  # its last step profiled
     assert json.loads((out / "dualkv_layer_tiny_cpu.json").read_text())["rows"]    # stage c: its cells
     rows = list(csv.DictReader((out / "operators_cpu.csv").open()))               # stage d: the tables
-    assert {r["op"] for r in rows} == {"copy", "gemm", "attention_decode", "attention_prefill", "moe_layer"}
+    assert {r["op"] for r in rows} == {"copy", "gemm", "attention_decode", "attention_prefill", "attention_train",
+                                       "moe_layer", "decode_step"}
     assert all(float(r["seconds"]) > 0 and r["source"].startswith("measured: CPU") for r in rows)
 
 

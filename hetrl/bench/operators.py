@@ -4,10 +4,13 @@
 
 One row per measurement, each naming its source (this device, the torch version, the date): dense GEMM seconds
 by (M, N, K) at the projection shapes of the planner's model presets (qkv, o, gate+up, down), M from 1 to 16K
-tokens; attention (SDPA) by batch x context for decode (one query token) and by length for prefill (causal);
-an MoE layer's routed experts (`moe_layer`: top-k routing, the tokens sorted by expert, gate+up and down as
-`torch._grouped_mm`, the weighted sum back) at the MoE presets' shapes by tokens; a device-to-device copy's
-bandwidth. Written as operators_DEVICE.csv (the catalog's table form,
+tokens; attention (SDPA) by batch x context for decode (one query token), by length for prefill (causal) and
+for training (`attention_train`: causal forward + backward; `rate` counts 3x the forward's FLOPs); an MoE layer's
+routed experts (`moe_layer`: top-k routing, the tokens sorted by expert, gate+up and down as `torch._grouped_mm`,
+the weighted sum back) at the MoE presets' shapes by tokens; a device-to-device copy's bandwidth; and the HF decode
+step (`decode_step`: one new token per row over a DynamicCache, eager, as hetrl's own rollout loop runs it, on
+config:qwen2.5-1.5b with random weights; `k` its hidden size, `rate` rows per second) by batch x context. An
+attention shape two models share is measured once. Written as operators_DEVICE.csv (the catalog's table form,
 hetrl.planner.optables.FIELDS) and .json; on a catalog GPU also as hetrl-measured_GPU.csv, which the cost model
 loads from a folder named by HETRL_OPERATOR_TABLES ahead of the published tables. Rows are measured cheapest first and
 the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), a warm-up pass first,
@@ -47,6 +50,12 @@ TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 DECODE = ((1, 1024), (8, 1024), (32, 2048), (64, 4096), (128, 8192), (256, 8192))   # (batch, context)
 PREFILL = (512, 2048, 8192, 16384)
 QUICK = dict(tokens=(1, 8, 32), decode=((1, 64), (4, 128)), prefill=(64, 128))
+# the HF decode step (hetrl's own rollout loop, eager): (batch, context) on a config-built model of a real shape
+DECODE_STEP = ((1, 512), (8, 512), (32, 512), (64, 512), (64, 2048))
+DECODE_STEP_MODEL = "qwen2.5-1.5b"
+QUICK_DECODE_STEP = ((2, 16),)
+QUICK_DECODE_STEP_MODEL = "tiny"      # hetrl.models.tiny_model: a smoke run's
+DECODE_STEPS = 8   # decode steps per timed pass (the cache grows by them: negligible against the context)
 QUICK_MOE = (8, 32, 64, 2)   # experts, intermediate, hidden, top-k: a CPU smoke run's MoE layer
 # a CPU smoke run's GEMMs: small, as a CPU without bf16 instructions runs a real shape's bf16 GEMM ~150x slower
 QUICK_GEMMS = (("quick", 256, 128), ("quick", 128, 256))
@@ -76,10 +85,12 @@ def copies_for(nbytes: int) -> int:
 
 def _per_call(calls: list, device: torch.device, repeats: int, graph: bool = True) -> tuple[float, str]:
     """-> (seconds of one call, how it was timed): `calls` (closures, each over its own inputs) run back to back,
-    repeated to at least CALLS per pass; the median over `repeats` passes of a pass's time over its calls. On CUDA
-    with `graph` the pass is captured as a CUDA graph and replayed; where capture fails, or without `graph`, the
-    calls are launched back to back."""
-    calls = [calls[i % len(calls)] for i in range(max(CALLS, len(calls)))]
+    on CUDA repeated to at least CALLS per pass; the median over `repeats` passes of a pass's time over its calls.
+    On CUDA with `graph` the pass is captured as a CUDA graph and replayed; where capture fails, or without
+    `graph`, the calls are launched back to back. On a CPU, where a call returns when its work is done, a pass is
+    the calls given (no launch to amortise)."""
+    if device.type == "cuda":
+        calls = [calls[i % len(calls)] for i in range(max(CALLS, len(calls)))]
 
     def run_pass():
         for f in calls:
@@ -121,6 +132,46 @@ def moe_layer(x, router, w13, w2, topk: int):
     return out
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _decode_model(name: str, dev: torch.device, dtype: torch.dtype):
+    """hetrl.models.SHAPES[name] (or the tiny test model) with random weights, built on `dev` in `dtype`, in eval
+    mode."""
+    import transformers
+
+    from hetrl.models import SHAPES, tiny_model, tiny_tokenizer
+
+    if name == "tiny":
+        return tiny_model(tiny_tokenizer(), dtype).to(dev).eval()
+    cls_name, shape = SHAPES[name]
+    cls = getattr(transformers, cls_name)
+    with torch.device(dev):
+        model = cls(cls.config_class(**shape)).to(dtype)
+    return model.eval()
+
+
+def decode_step_s(model, batch: int, context: int, dev: torch.device, repeats: int, g) -> tuple[float, str]:
+    """Seconds of one HF decode step (the model's forward of one new token per row over a DynamicCache, eager, as
+    hetrl's own rollout loop runs it) at `batch` rows of `context` cached tokens: the median over `repeats` passes
+    of DECODE_STEPS steps each, after a prefill and one untimed step."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        ids = torch.randint(vocab, (batch, context), device=dev, generator=g)
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        token = torch.randint(vocab, (batch, 1), device=dev, generator=g)
+
+        def one_pass():
+            for _ in range(DECODE_STEPS):
+                model(input_ids=token, past_key_values=cache, use_cache=True)
+        model(input_ids=token, past_key_values=cache, use_cache=True)
+        times = [seconds(one_pass, dev) / DECODE_STEPS for _ in range(repeats)]
+    return statistics.median(times), f"{DECODE_STEPS} eager steps launched back to back"
+
+
 def moe_shapes(models: list[str], quick: bool) -> list[tuple[int, int, int, int]]:
     """(experts, intermediate, hidden, top-k) of the MoE presets among `models` (TP 1)."""
     if quick:
@@ -150,8 +201,11 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
         rows.append({k: kw.get(k) for k in FIELDS} | {"dtype": kw.get("dtype", name), "source": f"{source}; {how}"})
 
     def timed(nbytes: int, make, graph: bool = True) -> tuple[float, str]:
-        """Seconds of one call over fresh inputs: `make()` -> a closure over its own inputs of about `nbytes`."""
-        return _per_call([make() for _ in range(copies_for(nbytes))], dev, repeats, graph)
+        """Seconds of one call over fresh inputs: `make()` -> a closure over its own inputs of about `nbytes`. On a
+        CPU one copy: its rows price nothing (the cost model measures CPU cores whole), and rotating 64 copies of a
+        smoke run's small inputs only made the smoke run slow."""
+        copies = copies_for(nbytes) if dev.type == "cuda" else 1
+        return _per_call([make() for _ in range(copies)], dev, repeats, graph)
 
     jobs = []
     a = torch.randn(1 << (16 if quick else 28), device=dev, generator=g)   # 256 KiB or 1 GiB of fp32
@@ -173,8 +227,12 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
                 row(op="gemm", m=m, n=n, k=k, seconds=s, rate=2 * m * n * k / s, how=how)
             jobs.append(gemm)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen_attention = set()
     for name_ in models:
         p = PRESETS[name_]
+        if (p.heads, p.kv_heads, p.head_dim) in seen_attention:   # qwen3-8b and qwen3-4b share theirs
+            continue
+        seen_attention.add((p.heads, p.kv_heads, p.head_dim))
         for batch, ctx in decode:
             def attn_decode(batch=batch, ctx=ctx, p=p):
                 def make():
@@ -197,6 +255,24 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
                     head_dim=p.head_dim, seconds=s, rate=2 * 2 * p.heads * p.head_dim * length * length / 2 / s,
                     how=how)
             jobs.append(attn_prefill)
+        for length in prefill:
+            def attn_train(length=length, p=p):
+                def make():
+                    q = rand(1, p.heads, length, p.head_dim).requires_grad_()
+                    k = rand(1, p.kv_heads, length, p.head_dim).requires_grad_()
+                    v = rand(1, p.kv_heads, length, p.head_dim).requires_grad_()
+                    grad = rand(1, p.heads, length, p.head_dim)
+
+                    def fwd_bwd():
+                        out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+                        return torch.autograd.grad(out, (q, k, v), grad)
+                    return fwd_bwd
+                # autograd's backward is launched back to back (not captured); its kernels take milliseconds
+                s, how = timed(2 * length * (p.heads + 2 * p.kv_heads) * p.head_dim, make, graph=False)
+                fwd = 2 * 2 * p.heads * p.head_dim * length * length / 2
+                row(op="attention_train", batch=1, context=length, heads=p.heads, kv_heads=p.kv_heads,
+                    head_dim=p.head_dim, seconds=s, rate=3 * fwd / s, how=how)
+            jobs.append(attn_train)
     for e, f, h, topk in moe_shapes(list(moe_models), quick):
         for m in tokens:
             def moe(m=m, e=e, f=f, h=h, topk=topk):
@@ -210,6 +286,21 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
                 row(op="moe_layer", m=m, n=f, k=h, experts=e, topk=topk, tp=1, seconds=s,
                     rate=2 * m * topk * 3 * f * h / s, how=how)
             jobs.append(moe)
+    model_name = QUICK_DECODE_STEP_MODEL if quick else DECODE_STEP_MODEL
+    # a CPU smoke run's decode step in fp32 (bf16 without bf16 instructions is emulated, ~150x slower)
+    step_dtype = torch.float32 if quick else dtype
+    held: dict = {}
+    for batch, ctx in (QUICK_DECODE_STEP if quick else DECODE_STEP):
+        def decode_step(batch=batch, ctx=ctx):
+            if "model" not in held:     # built once, on the device, by the first of these rows
+                held["model"] = _decode_model(model_name, dev, step_dtype)
+            s, how = decode_step_s(held["model"], batch, ctx, dev, repeats, g)
+            c = held["model"].config
+            row(op="decode_step", dtype=str(step_dtype).removeprefix("torch."), batch=batch, context=ctx,
+                heads=c.num_attention_heads,
+                kv_heads=c.num_key_value_heads, k=c.hidden_size, seconds=s, rate=batch / s,
+                how=f"{how}, {model_name} (random weights), transformers {transformers_version()}")
+        jobs.append(decode_step)
     stopped = False
     for job in jobs:
         if time.monotonic() > t_end:

@@ -15,7 +15,7 @@ not apply):
   attention_decode  one layer's decode attention over a batch's KV cache: `batch` sequences of `context` tokens,
                 `heads` / `kv_heads` of `head_dim`; `bytes` the K and V it reads (default: bf16 K and V of every
                 token and KV head)
-  attention_prefill  (hetrl.bench.operators' own measurements)
+  attention_prefill, attention_train, decode_step  (hetrl.bench.operators' own measurements; not priced from)
   ep_dispatch / ep_combine  an expert-parallel all-to-all's bottleneck bandwidth (`rate`, bytes/s) over `group`
                 GPUs whose bottleneck is `link` (nvlink inside a node, rdma across), the normal (training and
                 prefill) kernels: no `seconds`

@@ -207,7 +207,7 @@ def test_the_measured_moe_layer_is_the_routed_experts_it_says():
     assert torch.allclose(got, want, atol=0.03 * want.abs().max().item())
 
 
-def test_an_operator_row_is_a_pass_of_calls_over_rotated_inputs_divided_by_its_calls():
+def test_an_operator_row_is_a_pass_of_calls_over_rotated_inputs_divided_by_its_calls(monkeypatch):
     """hetrl.bench.operators times kernels, not launches: every timed pass runs at least CALLS calls, cycling over
     the input copies; the row is a pass's median over its calls. Copies together exceed any catalog GPU's L2."""
     import torch
@@ -222,23 +222,31 @@ def test_an_operator_row_is_a_pass_of_calls_over_rotated_inputs_divided_by_its_c
         return f
 
     s, how = operators._per_call([call(0), call(1), call(2)], torch.device("cpu"), repeats=3)
-    assert how == f"{operators.CALLS} calls back to back" and s > 0
-    # a warm-up pass and 3 timed passes of 8 calls cycling over 3 copies: 3 + 3 + 2 calls each per pass
+    assert how == "3 calls back to back" and s > 0
+    assert counts == [4, 4, 4]          # on a CPU a pass is the calls given: a warm-up pass and 3 timed ones
+    counts[:] = [0, 0, 0]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(operators, "seconds", lambda fn, device: (fn(), 1.0)[1])
+    s, how = operators._per_call([call(0), call(1), call(2)], torch.device("cuda"), repeats=3, graph=False)
+    # on CUDA every pass runs at least CALLS calls, cycling over the copies: 3 + 3 + 2 of 8; the row is a pass / 8
+    assert how == f"{operators.CALLS} calls back to back" and s == 1.0 / operators.CALLS
     assert counts == [4 * 3, 4 * 3, 4 * 2]
     assert operators.copies_for(32 << 20) * (32 << 20) >= operators.ROTATE_BYTES > 50 << 20   # H100's L2: 50 MiB
     assert operators.copies_for(8 << 30) == 1 and operators.copies_for(16) == operators.MAX_COPIES
 
 
 @pytest.mark.gpu
-def test_operator_rows_on_cuda_replay_a_cuda_graph_except_the_moe_layer(tmp_path):
-    """On a GPU, GEMM and attention rows are CUDA graph replays (no host launch in the time); the MoE layer, whose
-    routing syncs with the host, is launched back to back; every row says which."""
+def test_operator_rows_on_cuda_replay_a_cuda_graph_where_they_can(tmp_path):
+    """On a GPU, GEMM, copy and inference attention rows are CUDA graph replays (no host launch in the time); the
+    MoE layer (its routing syncs with the host), training attention (autograd) and the HF decode step (eager, as
+    hetrl's loop runs it) are launched back to back; every row says which."""
     from hetrl.bench import operators
 
     res = operators.measure("cuda", tmp_path, ["qwen3-4b"], budget_s=60, quick=True)
     assert res["rows"] and not res["stopped_at_budget"]
     for r in res["rows"]:
-        want = "back to back" if r["op"] == "moe_layer" else "a CUDA graph of"
+        graphed = r["op"] in ("copy", "gemm", "attention_decode", "attention_prefill")
+        want = "a CUDA graph of" if graphed else "back to back"
         assert want in r["source"] and r["seconds"] > 0, r
 
 
