@@ -100,8 +100,8 @@ def unknown_model(name: str) -> str | None:
             f"({', '.join(SHAPES)}: random weights) nor a local Hugging Face model directory with a config.json")
 
 
-def config_model(name: str, tokenizer, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """`SHAPES[name]`'s architecture with random weights from `seed`, its special tokens the tokenizer's."""
+def config_of(name: str, tokenizer=None):
+    """-> (the transformers model class, its config) of `SHAPES[name]`; special tokens the tokenizer's, if given."""
     import transformers
 
     why = unknown_model(CONFIG + name)
@@ -109,9 +109,18 @@ def config_model(name: str, tokenizer, dtype: torch.dtype = torch.float32, seed:
         raise ValueError(why)
     cls_name, shape = SHAPES[name]
     model_cls = getattr(transformers, cls_name)
-    config = model_cls.config_class(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng():
+    special = {} if tokenizer is None else dict(bos_token_id=tokenizer.bos_token_id,
+                                                  eos_token_id=tokenizer.eos_token_id,
+                                                  pad_token_id=tokenizer.pad_token_id)
+    return model_cls, model_cls.config_class(**shape, **special)
+
+
+def config_model(name: str, tokenizer, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 device: torch.device | str = "cpu"):
+    """`SHAPES[name]`'s architecture with random weights from `seed`, its special tokens the tokenizer's, built on
+    `device` (a GPU's random init takes seconds where a CPU's of a 1.5B model takes minutes)."""
+    model_cls, config = config_of(name, tokenizer)
+    with torch.random.fork_rng(), torch.device(device):
         torch.manual_seed(seed)
         model = model_cls(config)
     return model.to(dtype)

@@ -22,9 +22,7 @@ import math
 import pathlib
 import statistics
 
-import transformers
-
-from hetrl.models import SHAPES
+from hetrl.models import CONFIG, config_of
 from hetrl.planner import evaluate, optables, plan_from_dict
 from hetrl.planner.catalog import gpu
 from hetrl.planner.spec import TokenLengths, cluster_from_dict
@@ -37,9 +35,7 @@ H100 = {"name": "one-h100", "nodes": [{"name": "n", "region": "local", "gpu": "H
 
 
 def _spec(model: str):
-    cls_name, shape = SHAPES[model.removeprefix("config:")]
-    config = getattr(transformers, cls_name).config_class(**shape)
-    return model_spec_from_hf(config, model)
+    return model_spec_from_hf(config_of(model.removeprefix(CONFIG))[1], model)
 
 
 def train_rows(split: dict) -> list[dict]:

@@ -1,9 +1,9 @@
 """Why a bf16-mixed run's KL to its reference is not 0 at step 1 (issue 45, the one precision decision): the policy
 scores under bf16 autocast with fp32 master weights, the reference is the pure-bf16 frozen copy `build.frozen` makes.
 This scores the same sampled responses (the embedded SmolLM2-135M, temperature 1, as a rollout samples) with the
-policy and with each candidate reference, and reports the k3 KL (verl's low_var_kl before its clamp) between them:
-0 is what a KL to an untrained policy's own copy should read. It also reads the step-1 `kl` of the default_recipe
-study's runs where their folders are here (runs/default_recipe, not committed).
+policy and with each candidate reference, and reports the k3 KL between them (`kl_penalty`'s low_var_kl, what a
+run's `kl` logs): 0 is what a KL to an untrained policy's own copy should read. It also reads the step-1 `kl` of
+the default_recipe study's runs where their folders are here (runs/default_recipe, not committed).
 
     python -m benchmarks.studies.reference_precision
 
@@ -18,6 +18,7 @@ import pathlib
 
 import torch
 
+from hetrl.algo.losses import kl_penalty
 from hetrl.bench.harness import machine, revision, utc_now, write_results
 from hetrl.models import load_model
 from hetrl.trainer.build import frozen
@@ -34,11 +35,6 @@ def token_logprobs(model, ids, mask, start: int, amp: RunPrecision) -> torch.Ten
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     return lp[:, start - 1:][mask[:, start:].bool()]
-
-
-def k3(policy: torch.Tensor, ref: torch.Tensor) -> float:
-    r = ref - policy
-    return (r.exp() - r - 1).mean().item()
 
 
 def step1_kl() -> dict:
@@ -66,7 +62,8 @@ def main() -> None:
         "bf16 copy (build.frozen, today)": frozen(copy.deepcopy(model), mixed),
         "fp32 copy under the same autocast": copy.deepcopy(model).requires_grad_(False),
     }
-    rows = [{"reference": name, "k3_kl": k3(policy, token_logprobs(m, ids, mask, start, mixed)),
+    rows = [{"reference": name, "k3_kl": kl_penalty(policy, token_logprobs(m, ids, mask, start, mixed),
+                                                                "low_var_kl").mean().item(),
              "weight_dtype": str(next(m.parameters()).dtype)} for name, m in candidates.items()]
     res = {"rows": rows, "tokens": int(policy.numel()), "step1_kl": step1_kl(), "machine": machine(),
            "revision": revision(), "date": utc_now()}

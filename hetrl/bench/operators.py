@@ -132,26 +132,14 @@ def moe_layer(x, router, w13, w2, topk: int):
     return out
 
 
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
 def _decode_model(name: str, dev: torch.device, dtype: torch.dtype):
-    """hetrl.models.SHAPES[name] (or the tiny test model) with random weights, built on `dev` in `dtype`, in eval
-    mode."""
-    import transformers
-
-    from hetrl.models import SHAPES, tiny_model, tiny_tokenizer
+    """config:`name` (hetrl.models.SHAPES), or the tiny test model, with random weights, built on `dev` in `dtype`,
+    in eval mode."""
+    from hetrl.models import config_model, tiny_model, tiny_tokenizer
 
     if name == "tiny":
         return tiny_model(tiny_tokenizer(), dtype).to(dev).eval()
-    cls_name, shape = SHAPES[name]
-    cls = getattr(transformers, cls_name)
-    with torch.device(dev):
-        model = cls(cls.config_class(**shape)).to(dtype)
-    return model.eval()
+    return config_model(name, tiny_tokenizer(), dtype, device=dev).eval()
 
 
 def decode_step_s(model, batch: int, context: int, dev: torch.device, repeats: int, g) -> tuple[float, str]:
@@ -292,6 +280,8 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
     held: dict = {}
     for batch, ctx in (QUICK_DECODE_STEP if quick else DECODE_STEP):
         def decode_step(batch=batch, ctx=ctx):
+            import transformers
+
             if "model" not in held:     # built once, on the device, by the first of these rows
                 held["model"] = _decode_model(model_name, dev, step_dtype)
             s, how = decode_step_s(held["model"], batch, ctx, dev, repeats, g)
@@ -299,7 +289,7 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
             row(op="decode_step", dtype=str(step_dtype).removeprefix("torch."), batch=batch, context=ctx,
                 heads=c.num_attention_heads,
                 kv_heads=c.num_key_value_heads, k=c.hidden_size, seconds=s, rate=batch / s,
-                how=f"{how}, {model_name} (random weights), transformers {transformers_version()}")
+                how=f"{how}, {model_name} (random weights), transformers {transformers.__version__}")
         jobs.append(decode_step)
     stopped = False
     for job in jobs:

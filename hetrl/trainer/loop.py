@@ -62,7 +62,6 @@ from hetrl.trainer.evaluation import (
     score_name,
 )
 from hetrl.trainer.metrics import MetricsLog, plot_curves
-from hetrl.trainer.precision import driver_device
 from hetrl.trainer.rollout import Sample
 
 log = logging.getLogger(__name__)
@@ -377,7 +376,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     with _StopAfterStep(resume_command(cfg)) as stop, contextlib.closing(bar):    # an error's line starts below the bar
         while step < cfg.steps and not stop.requested:
-            with profiling.profiled(step + 1, cfg.profile_step, run_dir, driver_device(cfg)) as profiled_now:
+            with profiling.profiled(step + 1, cfg, run_dir) as profiled_now:
                 t0 = time.perf_counter()
                 rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # TRL's reward kwarg
                 kept, sampled, next_problem, reward_stats = stream.next()

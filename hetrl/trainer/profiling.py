@@ -27,14 +27,17 @@ def _device_s(event) -> float:
 
 
 @contextlib.contextmanager
-def profiled(step: int, profile_step: int, run_dir: pathlib.Path, device: torch.device | str):
-    """Run the body under torch.profiler when `step` == `profile_step` (else plainly); -> yields whether it did."""
-    if step != profile_step:
+def profiled(step: int, cfg, run_dir: pathlib.Path):
+    """Run the body under torch.profiler when `step` is the run's `profile_step` (else plainly); -> yields whether
+    it did."""
+    if step != cfg.profile_step:
         yield False
         return
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.device(device).type == "cuda"
+    from hetrl.trainer.precision import driver_device
+
+    cuda = driver_device(cfg).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
