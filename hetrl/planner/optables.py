@@ -2,8 +2,9 @@
 
 The tables are data, one CSV per source and GPU in `hetrl/planner/data/operators/` (`<source>_<GPU>.csv`, the GPU as
 the catalog names it), plus any folder named by `HETRL_OPERATOR_TABLES` (a user's own measurements, e.g. from
-`python -m hetrl.bench.operators`; they come first). Each row names its source. Rows (FIELDS; blank where it does
-not apply):
+`python -m hetrl.bench.operators`; they come first: a series they measured, such as one GEMM shape, replaces the
+same series of a later file, and the later file's other series stay, SERIES). Each row names its source. Rows
+(FIELDS; blank where it does not apply):
 
   gemm          seconds of one M x K by K x N matrix product (M = tokens, N x K a projection's weight per TP shard)
   norm/rope/act/add  seconds of a per-token elementwise kernel over M tokens of width N
@@ -47,6 +48,15 @@ DATA = pathlib.Path(__file__).resolve().parent / "data" / "operators"
 FIELDS = ("op", "dtype", "m", "n", "k", "batch", "context", "heads", "kv_heads", "head_dim", "experts", "topk", "tp",
           "bytes", "group", "link", "seconds", "rate", "source")
 SMALL_OPS = ("norm", "norm", "rope", "act", "add")   # per layer, as Vidur composes a block (two norms, one add)
+
+# What names one measured series of an op, as its pricing function keys it (the swept axis left out: M, bytes,
+# batch): a later file's series joins an earlier file's table of the same op and GPU unless the earlier file measured
+# that series (a user's 8 GEMM shapes replace those 8 of Vidur's 100+, not all of them). An op not named here is
+# priced as one curve over every shape (decode attention by bytes, the fused MoE layer by tokens per expert, EP by
+# span), so one file's kernel prices it whole: the first file with it
+SERIES = {"gemm": ("n", "k"), "norm": ("n",), "rope": ("n",), "act": ("n",), "add": ("n",),
+          "all_reduce": ("link", "group"), "decode_all_reduce": ("link", "group"), "send_recv": ("link", "group"),
+          "engine_step": ("tp",)}
 
 # GPU types whose kernels are priced from another GPU's tables (same architecture, different clocks, SMs or HBM);
 # the rest without tables of their own take the measured GPU whose FLOP/s-to-HBM ratio is closest
@@ -98,7 +108,8 @@ def reload() -> None:
 
 @functools.cache
 def tables() -> dict[str, dict[str, list[dict]]]:
-    """{GPU name: {op: rows}}, the first folder's (and, within one, the first file's) rows of an op winning."""
+    """{GPU name: {op: rows}}: folders in order (a user's first), files by name within one; an op's rows from the
+    first file that has it, joined by a later file's series (SERIES) that no earlier file measured."""
     out: dict[str, dict[str, list[dict]]] = {}
     for folder in _folders():
         if not folder.is_dir():
@@ -117,7 +128,11 @@ def tables() -> dict[str, dict[str, list[dict]]]:
                     by_op.setdefault(row["op"], []).append(row)
             have = out.setdefault(gpu, {})
             for op, rows in by_op.items():
-                have.setdefault(op, rows)
+                if op not in have:
+                    have[op] = rows
+                elif op in SERIES:
+                    taken = {tuple(r[f] for f in SERIES[op]) for r in have[op]}
+                    have[op] = have[op] + [r for r in rows if tuple(r[f] for f in SERIES[op]) not in taken]
     return out
 
 

@@ -113,11 +113,39 @@ def test_a_users_own_tables_come_first_and_must_name_their_source(own_tables):
                 {"op": "gemm", "m": 4096, "n": 4096, "k": 4096, "seconds": 2e-3, "source": "my H100, 2026-11-26"}])
     h100 = gpu("H100")
     assert optables.gemm_s(h100, 1, 4096, 4096) == pytest.approx(1e-3)
-    assert optables.source_of(h100, "gemm") == "mine_H100.csv"
+    assert optables.source_of(h100, "gemm") == "mine_H100.csv, vidur_H100.csv"   # its shape, Vidur's others
     assert optables.source_of(h100, "engine_step").startswith("vidur")    # ops it lacks come from the others
     own_tables([{"op": "gemm", "m": 1, "n": 8, "k": 8, "seconds": 1e-3, "source": ""}], name="bad_H100.csv")
     with pytest.raises(ValueError, match="no source"):
         optables.tables()
+
+
+def test_a_users_series_replace_the_same_series_and_join_the_rest(own_tables):
+    vidur = [r for r in optables.tables()["H100"]["gemm"]]
+    shapes = {(r["n"], r["k"]) for r in vidur}
+    mine_shape = (4096, 4096)
+    assert mine_shape in shapes
+    mine = [{"op": "gemm", "dtype": "bfloat16", "m": m, "n": 4096, "k": 4096, "seconds": s, "source": "my H100"}
+            for m, s in ((1, 5e-6), (4096, 2e-4))]
+    mine.append({"op": "gemm", "dtype": "bfloat16", "m": 64, "n": 3, "k": 5, "seconds": 1e-6, "source": "my H100"})
+    mine.append({"op": "attention_decode", "dtype": "bfloat16", "batch": 1, "context": 64, "heads": 8, "kv_heads": 8,
+                 "head_dim": 64, "seconds": 7e-6, "source": "my H100"})
+    h100 = gpu("H100")
+    other = next(s for s in sorted(shapes) if s != mine_shape)
+    before = optables.gemm_s(h100, 256, *other)
+    own_tables(mine, name="hetrl-measured_H100.csv")
+    rows = optables.tables()["H100"]["gemm"]
+    by_shape = {}
+    for r in rows:
+        by_shape.setdefault((r["n"], r["k"]), set()).add(r["file"])
+    assert by_shape[mine_shape] == {"hetrl-measured_H100.csv"}          # the same series: mine only
+    assert by_shape[(3, 5)] == {"hetrl-measured_H100.csv"}              # a new series joins
+    assert set(by_shape) == shapes | {(3, 5)}                           # and every other Vidur series stays
+    assert len(rows) == 3 + sum((r["n"], r["k"]) != mine_shape for r in vidur)
+    assert optables.gemm_s(h100, 4096, 4096, 4096) == pytest.approx(2e-4)
+    assert optables.gemm_s(h100, 256, *other) == pytest.approx(before, rel=1e-12)   # Vidur's series as it was
+    # decode attention is one curve over every shape (by bytes): a file's kernel prices it whole, never mixed
+    assert {r["file"] for r in optables.tables()["H100"]["attention_decode"]} == {"hetrl-measured_H100.csv"}
 
 
 def test_a_missing_folder_is_refused(monkeypatch, tmp_path):
