@@ -859,7 +859,10 @@ class RolloutPool:
         return not any(all(res.get(k, 0) > 0 for k in self.homes[a]) for res in alive)
 
     def _failed(self, a: int, error) -> None:
-        """Actor `a` died (seen by a chunk, a weight load or a ping): counted in `failures`."""
+        """Actor `a` died (seen by a chunk, a weight load or a ping): counted in `failures`, once per death."""
+        if a in set(self.recovering.values()):   # its restart is awaited: another call it had in flight failed
+            self.stale.add(a)
+            return
         self.failures += 1
         self.failures_of[a] += 1
         self.epoch += 1     # a restarted actor is a new process: the weight-sync group is made again
@@ -867,7 +870,10 @@ class RolloutPool:
         if self.failures_of[a] > ROLLOUT_RESTARTS or self._home_gone(a):   # Ray will not restart it
             self._lose(a, error)
         else:
-            self.recovering[self.actors[a].whereabouts.remote()] = a
+            # the ping waits for the restart (retried while Ray restarts the actor; ActorDiedError once it will
+            # not): without retries a call to a restarting actor fails at once (ActorUnavailableError), and
+            # counting those burned the restart budget in milliseconds while the actor was loading its model
+            self.recovering[self.actors[a].whereabouts.options(max_task_retries=-1).remote()] = a
 
     def _lose(self, a: int, error) -> None:
         self.gone.add(a)

@@ -793,6 +793,38 @@ def _state_of(actor, attr="policy"):
         lambda a: {k: v.clone() for k, v in getattr(a, attr).module.state_dict().items()}))
 
 
+def test_a_slow_restart_is_awaited_not_counted_as_more_deaths(local_ray):
+    """One death is one failure, however long Ray takes to restart the actor: calls to a restarting actor fail at
+    once (ActorUnavailableError), and counting each as a death had the pool give up on an actor that was only
+    loading its model (a CI run under load lost one this way)."""
+    class SlowToRestart:   # defined here so Ray ships it by value; a rollout actor whose restart takes seconds
+        def __init__(self, restart_s: float):
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                time.sleep(restart_s)
+
+        def whereabouts(self) -> dict:
+            return {"pid": os.getpid()}
+
+        def generate(self, prompts, n, *args):
+            return [[list(p)] * n for p in prompts]
+
+    actors = [ray.remote(SlowToRestart).options(num_cpus=0, max_restarts=3, max_task_retries=0).remote(3.0)
+              for _ in range(2)]
+    try:
+        ray.get([a.whereabouts.remote() for a in actors])
+        pool = RolloutPool(actors, batch_size=8, seed=0)
+        ray.kill(actors[0], no_restart=False)
+        prompts = [[5], [6, 7], [8], [9]]
+        assert pool.generate(prompts, 2, 4) == [[p] * 2 for p in prompts]
+        while pool.recovering:
+            pool.generate(prompts, 2, 4)
+        assert pool.failures == 1 and not pool.gone
+        assert ray.get(actors[0].whereabouts.remote())["pid"]    # back
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
 def test_collective_weight_sync_lands_and_a_restarted_actor_catches_up_from_the_object_store(local_ray, tmp_path):
     """Learner rank 0 broadcasts to two rollout actors (the pool's weight-sync group): both hold the learner's
     weights bit-exact. One is killed and restarted between syncs: before its next chunk it loads the version it
