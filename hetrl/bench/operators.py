@@ -11,10 +11,11 @@ the weighted sum back) at the MoE presets' shapes by tokens; a device-to-device 
 step (`decode_step`: one new token per row over a DynamicCache, eager, as hetrl's own rollout loop runs it, on
 config:qwen2.5-1.5b with random weights; `k` its hidden size, `rate` rows per second) by batch x context. An
 attention shape two models share is measured once. Written as operators_DEVICE.csv (the catalog's table form,
-hetrl.planner.optables.FIELDS) and .json; on a catalog GPU also as hetrl-measured_GPU.csv, which the cost model
-loads from a folder named by HETRL_OPERATOR_TABLES ahead of the published tables. Rows are measured cheapest first and
-the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), a warm-up pass first,
-the median of `repeats` passes.
+hetrl.planner.optables.FIELDS) and .json; on a catalog GPU the rows that price what an inference engine runs
+(`engine_rows`: CUDA-graph GEMMs of whole series) also as hetrl-measured_GPU.csv, which the cost model loads from a
+folder named by HETRL_OPERATOR_TABLES ahead of the published tables, series by series. Rows are measured cheapest
+first and the stage stops at `budget_s`, keeping every row it finished. Random inputs (never zeros), a warm-up pass
+first, the median of `repeats` passes.
 
 A row's time is one kernel's, not one launch's: each pass runs the operator CALLS times back to back over inputs
 rotated through enough copies that together exceed any catalog GPU's L2 cache (ROTATE_BYTES; a model's layers read
@@ -306,10 +307,28 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
         w.writeheader()
         w.writerows(rows)
     (out / f"operators_{dev.type}.json").write_text(json.dumps(res, indent=1))
-    if dev.type == "cuda" and (name := catalog_name(torch.cuda.get_device_name(dev))):
-        # the same rows named as the cost model loads them: put the file in a folder named by HETRL_OPERATOR_TABLES
-        (out / f"hetrl-measured_{name}.csv").write_text((out / f"operators_{dev.type}.csv").read_text())
+    priced = engine_rows(rows, tokens)
+    if dev.type == "cuda" and priced and (name := catalog_name(torch.cuda.get_device_name(dev))):
+        # the rows that price the engine's kernels, named as the cost model loads them (HETRL_OPERATOR_TABLES)
+        with open(out / f"hetrl-measured_{name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, FIELDS)
+            w.writeheader()
+            w.writerows(priced)
     return res
+
+
+def engine_rows(rows: list[dict], tokens=TOKENS) -> list[dict]:
+    """The rows that price an inference engine's kernels as it runs them, for the cost model's tables: GEMMs (the
+    engine's are cuBLAS's too) timed as a CUDA graph (as the engine replays its decode steps), of a shape measured at
+    every M in `tokens` (a shape the budget cut part-way would hold its largest measured M's efficiency up to 16K).
+    Not these: decode attention here is contiguous SDPA, not the engine's paged kernel (the decode-attention table's);
+    the MoE layer is torch's grouped GEMMs, not the engine's fused kernel (vllm-fused-moe); prefill and training
+    attention and the HF decode step price nothing. They stay in operators_DEVICE.csv, to compare."""
+    graphed = [r for r in rows if r["op"] == "gemm" and "CUDA graph" in r["source"]]
+    ms: dict[tuple, set] = {}
+    for r in graphed:
+        ms.setdefault((r["n"], r["k"]), set()).add(r["m"])
+    return [r for r in graphed if ms[(r["n"], r["k"])] >= set(tokens)]
 
 
 def catalog_name(device_name: str) -> str | None:

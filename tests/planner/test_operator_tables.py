@@ -148,6 +148,20 @@ def test_a_users_series_replace_the_same_series_and_join_the_rest(own_tables):
     assert {r["file"] for r in optables.tables()["H100"]["attention_decode"]} == {"hetrl-measured_H100.csv"}
 
 
+def test_only_graph_timed_gemms_of_whole_series_price_the_engine():
+    """hetrl-measured_GPU.csv holds what prices an inference engine's kernels: CUDA-graph GEMMs of shapes measured at
+    every M; a shape the budget cut part-way, launch-timed rows, and torch's SDPA decode and grouped-GEMM MoE (not
+    the engine's paged and fused kernels) stay out."""
+    from hetrl.bench.operators import engine_rows
+
+    graph, launched = "measured: H100; a CUDA graph of 8 calls", "measured: H100; 8 calls back to back"
+    whole = [dict(op="gemm", m=m, n=8, k=4, seconds=1e-5, source=graph) for m in (1, 64)]
+    cut = [dict(op="gemm", m=1, n=16, k=4, seconds=1e-5, source=graph)]
+    slow = [dict(op="gemm", m=m, n=32, k=4, seconds=1e-5, source=launched) for m in (1, 64)]
+    others = [dict(op=op, m=1, n=8, k=4, seconds=1e-5, source=graph) for op in ("attention_decode", "moe_layer")]
+    assert engine_rows(whole + cut + slow + others, tokens=(1, 64)) == whole
+
+
 def test_a_missing_folder_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("HETRL_OPERATOR_TABLES", str(tmp_path / "nowhere"))
     optables.reload()
