@@ -1,7 +1,9 @@
 """benchmarks.studies.default_recipe: the sweep keeps prior rows, --max-runs stops after that many new runs, and no
-recipe is chosen until every (recipe, precision) side has its seeds. Runs are faked (no training)."""
+recipe is chosen until every (recipe, precision) side has its seeds; a run cut short continues from its checkpoint.
+Runs are faked (no training)."""
 
 import json
+import pathlib
 
 from benchmarks.studies import default_recipe as study
 
@@ -44,3 +46,30 @@ def test_max_runs_then_resume_then_choose(tmp_path, monkeypatch):
     assert len(res["runs"]) == 12
     # the highest mean on its worse precision: kl 0.40 beats nokl 0.35
     assert res["chosen"] == "grpo-kl0.001" and res["worse_precision_mean"]["grpo-nokl"] == 0.35
+
+
+def test_a_run_cut_short_continues_from_its_checkpoint(tmp_path, monkeypatch):
+    """A finished run is read; one with a checkpoint and no summary resumes (its files kept); anything else starts
+    afresh in an emptied folder."""
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd[3:])
+        out = pathlib.Path(cmd[-1].removeprefix("out_dir="))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text("{}")
+    monkeypatch.setattr(study.subprocess, "run", run)
+    work = tmp_path / "runs"
+    fresh = work / "grpo-nokl-fp32-s0"
+    fresh.mkdir(parents=True)
+    (fresh / "metrics.jsonl").write_text("half a run without a checkpoint")
+    assert study.run_one(work, "grpo-nokl", "fp32", 0) == fresh
+    assert calls[-1] == ["train", "kl_coef=0", "precision=fp32", "seed=0", f"out_dir={fresh}"]
+    assert not (fresh / "metrics.jsonl").exists()
+    cut = work / "grpo-nokl-bf16-mixed-s1"
+    (cut / "checkpoints" / "step_000008").mkdir(parents=True)
+    (cut / "metrics.jsonl").write_text("eight steps")
+    study.run_one(work, "grpo-nokl", "bf16-mixed", 1)
+    assert calls[-1] == ["train", "--resume", f"out_dir={cut}"] and (cut / "metrics.jsonl").exists()
+    study.run_one(work, "grpo-nokl", "bf16-mixed", 1)   # finished now: read, not run again
+    assert len(calls) == 2

@@ -5,8 +5,9 @@ benchmarks/results/default_recipe.md.
     python -m benchmarks.studies.default_recipe [--seeds 0 1 2] [--work runs/default_recipe]
 
 Runs `hetrl train` (the default job, plus each recipe's overrides, `precision=`, `seed=`) one at a time in a
-subprocess; a run whose summary.json exists is read, not rerun (the sweep resumes after an interruption), and its
-checkpoints are deleted once it finishes (3 GB each). Each run's numbers are read as
+subprocess; a run whose summary.json exists is read, not rerun, one cut short continues from its last checkpoint
+(`hetrl train --resume`, exact; the default job checkpoints at step 8), and its checkpoints are deleted once it
+finishes (3 GB each). Each run's numbers are read as
 `benchmarks.studies.precision_seeds` reads them, with the commit and CPU it ran on. Rows already in the results
 JSON are kept (`--precisions` runs one side on a machine where it is practical: bf16-mixed wants a CPU with bf16
 instructions or a GPU; without them a run takes over an hour), so the two sides can come from two machines. The
@@ -42,9 +43,12 @@ def run_one(work: pathlib.Path, recipe: str, precision: str, seed: int) -> pathl
     out = work / f"{recipe}-{precision}-s{seed}"
     if (out / "summary.json").exists():
         return out
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "hetrl.cli", "train", *RECIPES[recipe][0], f"precision={precision}",
-           f"seed={seed}", f"out_dir={out}"]
+    if any((out / "checkpoints").glob("step_*")):   # cut short (a session's end): continue from its last checkpoint
+        cmd = [sys.executable, "-m", "hetrl.cli", "train", "--resume", f"out_dir={out}"]
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "hetrl.cli", "train", *RECIPES[recipe][0], f"precision={precision}",
+               f"seed={seed}", f"out_dir={out}"]
     print(" ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "HETRL_CPU_BF16": "0"})
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
