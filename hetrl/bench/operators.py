@@ -77,6 +77,7 @@ def gemm_shapes(models: list[str], tp: int = 1) -> list[tuple[str, int, int]]:
 CALLS = 8                   # calls per timed pass, at least
 ROTATE_BYTES = 256 << 20    # inputs rotated per pass: more than any catalog GPU's L2 (H100 50 MiB, B200 126 MiB)
 MAX_COPIES = 64
+GRAPHED = "CUDA graph"      # a row's source says so when its pass was captured and replayed (engine_rows keeps those)
 
 
 def copies_for(nbytes: int) -> int:
@@ -109,7 +110,7 @@ def _per_call(calls: list, device: torch.device, repeats: int, graph: bool = Tru
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 run_pass()
-            run_pass, how = g.replay, f"a CUDA graph of {len(calls)} calls"
+            run_pass, how = g.replay, f"a {GRAPHED} of {len(calls)} calls"
             run_pass()
         except RuntimeError:
             torch.cuda.synchronize()
@@ -324,11 +325,11 @@ def engine_rows(rows: list[dict], tokens=TOKENS) -> list[dict]:
     Not these: decode attention here is contiguous SDPA, not the engine's paged kernel (the decode-attention table's);
     the MoE layer is torch's grouped GEMMs, not the engine's fused kernel (vllm-fused-moe); prefill and training
     attention and the HF decode step price nothing. They stay in operators_DEVICE.csv, to compare."""
-    graphed = [r for r in rows if r["op"] == "gemm" and "CUDA graph" in r["source"]]
+    graphed = [r for r in rows if r["op"] == "gemm" and GRAPHED in r["source"]]
     ms: dict[tuple, set] = {}
     for r in graphed:
-        ms.setdefault((r["n"], r["k"]), set()).add(r["m"])
-    return [r for r in graphed if ms[(r["n"], r["k"])] >= set(tokens)]
+        ms.setdefault(optables.series_of(r), set()).add(r["m"])
+    return [r for r in graphed if ms[optables.series_of(r)] >= set(tokens)]
 
 
 def catalog_name(device_name: str) -> str | None:

@@ -58,6 +58,11 @@ SERIES = {"gemm": ("n", "k"), "norm": ("n",), "rope": ("n",), "act": ("n",), "ad
           "all_reduce": ("link", "group"), "decode_all_reduce": ("link", "group"), "send_recv": ("link", "group"),
           "engine_step": ("tp",)}
 
+def series_of(row: dict) -> tuple:
+    """The series an operator row belongs to (SERIES: its fields other than the swept axis)."""
+    return (row["op"], *(row.get(f) for f in SERIES.get(row["op"], ())))
+
+
 # GPU types whose kernels are priced from another GPU's tables (same architecture, different clocks, SMs or HBM);
 # the rest without tables of their own take the measured GPU whose FLOP/s-to-HBM ratio is closest
 SAME_ARCHITECTURE = {"H200": "H100", "H20": "H100", "H800": "H100", "GB200": "H100", "B200": "H100",
@@ -131,8 +136,8 @@ def tables() -> dict[str, dict[str, list[dict]]]:
                 if op not in have:
                     have[op] = rows
                 elif op in SERIES:
-                    taken = {tuple(r[f] for f in SERIES[op]) for r in have[op]}
-                    have[op] = have[op] + [r for r in rows if tuple(r[f] for f in SERIES[op]) not in taken]
+                    taken = {series_of(r) for r in have[op]}
+                    have[op] = have[op] + [r for r in rows if series_of(r) not in taken]
     return out
 
 
