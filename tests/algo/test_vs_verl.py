@@ -5,6 +5,8 @@ core_algos needs ray, tensordict and omegaconf to import."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -62,8 +64,8 @@ CASES = [(gr, m, d) for gr in GROUPINGS for m in ("plain", "holes") for d in (Fa
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg",
                                   "grpo_passk", "reinforce_plus_plus", "remax", "gae"])
 def test_advantages_equal_verl(name, grouping, masks, discrete):
-    index, rewards, mask, g = _batch(grouping, masks, seed=hash((name, grouping, masks, discrete)) % 1000,
-                                     discrete=discrete)
+    seed = zlib.crc32(repr((name, grouping, masks, discrete)).encode()) % 1000   # hash() varies with PYTHONHASHSEED
+    index, rewards, mask, g = _batch(grouping, masks, seed=seed, discrete=discrete)
     if name == "grpo_passk" and grouping == "ragged":   # both refuse a group of one
         with pytest.raises(ValueError, match="at least 2"):
             core_algos.compute_grpo_passk_outcome_advantage(rewards, mask, index, config=AlgoConfig())
@@ -99,9 +101,10 @@ def test_advantages_equal_verl(name, grouping, masks, discrete):
     assert ours.shape == rewards.shape
     if name in ("grpo", "gpg") and grouping == "ragged":
         # verl's group of one gets mean torch.tensor(0.0) and std torch.tensor(1.0), float32 tensors, so it divides
-        # by 1 + epsilon rounded to float32; hetrl keeps the scores' dtype. Other rows to 1e-10, that row to 1e-7.
+        # by 1 + epsilon rounded to float32 (1 + 9.5e-7, 4.6e-8 relative from 1 + 1e-6); hetrl keeps the scores' dtype.
+        # Other rows to 1e-10, that row to 1e-7 relative.
         single = torch.tensor([list(index).count(i) == 1 for i in index])
-        assert float((ours[single] - theirs[single]).abs().max()) <= 1e-7
+        assert float(((ours[single] - theirs[single]).abs() / theirs[single].abs().clamp_min(1.0)).max()) <= 1e-7
         ours, theirs = ours[~single], theirs[~single]
     assert _diff(name, ours, theirs) <= TOL
 
