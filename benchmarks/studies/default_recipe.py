@@ -29,11 +29,12 @@ from benchmarks.studies.precision_seeds import read_run, side_summary
 from hetrl.bench.harness import machine, revision, write_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# name -> (overrides, what it is). The default job's recipe is the grpo preset: verl's GRPO (low_var_kl to a
-# frozen reference at kl_coef 0.001, seq-mean-token-mean). The alternative drops the KL (and so the reference):
+# name -> (overrides, what it is). Each names its KL coefficient, so the study means the same runs whichever one
+# the default job ships. The grpo preset is verl's GRPO (low_var_kl to a frozen reference at kl_coef 0.001,
+# seq-mean-token-mean). The alternative drops the KL (and so the reference):
 # TRL's GRPOConfig default (beta 0.0) and DAPO's / Dr. GRPO's choice.
 RECIPES = {
-    "grpo-kl0.001": ([], "the grpo preset: low_var_kl (k3, clamped) at kl_coef 0.001, lr 2e-5"),
+    "grpo-kl0.001": (["kl_coef=0.001"], "the grpo preset: low_var_kl (k3, clamped) at kl_coef 0.001, lr 2e-5"),
     "grpo-nokl": (["kl_coef=0"], "the grpo preset without the KL term (no reference model), lr 2e-5"),
 }
 PRECISIONS = ("fp32", "bf16-mixed")
