@@ -67,6 +67,7 @@ def test_prefix_grouper_inner_attention_skips_padding_like_flash_attn():
     assert (got.transpose(1, 2) - want).abs().max() < 1e-12
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_memory_is_measured_per_variant_in_fresh_processes_side_by_side():
     mem = dualkv_grid.measure_memory(Case("qwen3-shaped", 2, 16, 8), jobs=2)
     assert set(mem) == set(dualkv_grid.VARIANTS)

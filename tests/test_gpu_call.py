@@ -7,9 +7,12 @@ import os
 import pathlib
 import subprocess
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_the_prepared_gpu_call_runs_every_stage_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), GPU_SESSION_DEVICE="cpu", A_S="90", B_S="150", C_S="90", D_S="40")

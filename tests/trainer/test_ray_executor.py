@@ -278,6 +278,7 @@ def test_local_learners_listen_on_loopback_only(local_ray, tmp_path):
         ray.kill(a)
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_path):
     """PPO, so that the critic roles run asynchronously too (planned on the fly: no plan given). The reward is the
     response's length mod 3 (the tiny model's arithmetic answers score 0 on most seeds and plans: no signal)."""
@@ -297,6 +298,7 @@ def test_async_run_stays_within_the_staleness_bound_and_trains(local_ray, tmp_pa
     assert pathlib.Path(summary["checkpoint"]).is_dir()
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
     """The rollout actors hold the base weights: each weight sync carries the adapter's tensors alone, and the
     merged model comes back from learner rank 0."""
@@ -327,6 +329,7 @@ def test_weight_sync_arrays_load_by_their_own_dtype():
     assert all(torch.equal(v, sent[k].float()) for k, v in other.module.state_dict().items())
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_a_mixed_run_on_ray_samples_from_bf16_weights_and_sends_half_the_bytes(local_ray, tmp_path):
     """bf16-mixed on Ray: the rollout actors hold bf16 weights (precision.samples_in_bf16), and each weight sync
     carries the learner's weights in bf16, half of fp32's bytes."""
@@ -683,6 +686,7 @@ def test_tool_episodes_run_on_the_rollout_actor_as_they_do_locally(local_ray, tm
     assert all(s.episode.environment.get_reward() == 0.0 for s in mine)
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_a_tools_run_on_ray_logs_tool_metrics_and_the_environments_reward(local_ray, tmp_path):
     """`hetrl train ... executor=ray environment=FILE.py:Class tools=...` trains (sync and async): the metrics carry
     the tool metrics, and the environment's reward is that of instances reset in the rollout actors."""
@@ -825,6 +829,7 @@ def test_a_slow_restart_is_awaited_not_counted_as_more_deaths(local_ray):
             ray.kill(a)
 
 
+@pytest.mark.slow   # a minute of processes; the slow tier runs it
 def test_collective_weight_sync_lands_and_a_restarted_actor_catches_up_from_the_object_store(local_ray, tmp_path):
     """Learner rank 0 broadcasts to two rollout actors (the pool's weight-sync group): both hold the learner's
     weights bit-exact. One is killed and restarted between syncs: before its next chunk it loads the version it
