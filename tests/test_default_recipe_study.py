@@ -73,3 +73,24 @@ def test_a_run_cut_short_continues_from_its_checkpoint(tmp_path, monkeypatch):
     assert calls[-1] == ["train", "--resume", f"out_dir={cut}"] and (cut / "metrics.jsonl").exists()
     study.run_one(work, "grpo-nokl", "bf16-mixed", 1)   # finished now: read, not run again
     assert len(calls) == 2
+
+
+def test_a_call_limited_to_one_recipe_still_judges_every_recipe(tmp_path, monkeypatch):
+    """--recipes limits what runs: the page and the choice still weigh the other recipe's rows, so a call that ran
+    only the KL recipe cannot choose it over a better recipe already in the results (or over one not run yet)."""
+    acc = {("grpo-kl0.001", "fp32"): 0.43, ("grpo-kl0.001", "bf16-mixed"): 0.41,
+           ("grpo-nokl", "fp32"): 0.48, ("grpo-nokl", "bf16-mixed"): 0.48}
+    _fake(monkeypatch, acc)
+    out = tmp_path / "default_recipe"
+    args = ["--out", str(out), "--work", str(tmp_path / "runs")]
+    study.main([*args, "--recipes", "grpo-kl0.001"])
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["chosen"] is None and "| grpo-nokl | fp32 | not run yet | |" in out.with_suffix(".md").read_text()
+    study.main([*args, "--recipes", "grpo-nokl", "--precisions", "fp32"])
+    assert json.loads(out.with_suffix(".json").read_text())["chosen"] is None
+    study.main([*args, "--recipes", "grpo-kl0.001"])   # nothing left to run for it: the page is rewritten
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["chosen"] is None and "grpo-nokl" in res["sides"]
+    study.main([*args, "--recipes", "grpo-nokl"])
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["chosen"] == "grpo-nokl" and res["worse_precision_mean"] == {"grpo-kl0.001": 0.41, "grpo-nokl": 0.48}

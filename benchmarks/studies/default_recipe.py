@@ -120,10 +120,12 @@ def main(argv=None) -> None:
     def side(n, p):
         got = [r for r in rows if r["recipe"] == n and r["precision"] == p]
         return side_summary(got) if len(got) >= len(args.seeds) else None
-    sides = {n: {p: side(n, p) for p in PRECISIONS} for n in args.recipes}
+    # every candidate is judged, not only the ones this call ran (--recipes limits what runs, not what competes)
+    names = list(RECIPES)
+    sides = {n: {p: side(n, p) for p in PRECISIONS} for n in names}
     done = all(s is not None for n in sides for s in sides[n].values())
-    worse = {n: min(s["accuracy_after_mean"] for s in sides[n].values()) for n in args.recipes} if done else {}
-    chosen = max(args.recipes, key=lambda n: (worse[n], -args.recipes.index(n))) if done else None
+    worse = {n: min(s["accuracy_after_mean"] for s in sides[n].values()) for n in names} if done else {}
+    chosen = max(names, key=lambda n: (worse[n], -names.index(n))) if done else None
     notes = (json.loads(out.with_suffix(".json").read_text()).get("notes", []) if prior else []) + \
         ([args.note] if args.note else [])
     res = {"runs": rows, "sides": sides, "worse_precision_mean": worse, "chosen": chosen, "notes": notes,
