@@ -818,6 +818,15 @@ def test_a_slow_restart_is_awaited_not_counted_as_more_deaths(local_ray):
         ray.get([a.whereabouts.remote() for a in actors])
         pool = RolloutPool(actors, batch_size=8, seed=0)
         ray.kill(actors[0], no_restart=False)
+        deadline = time.monotonic() + 60   # ray.kill returns before the actor is dead: under load a call right
+        while time.monotonic() < deadline:   # after it could still be served (a CI run saw no death at all)
+            try:
+                ray.get(actors[0].whereabouts.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break   # dead or restarting (the restart sleeps 3 s)
+            time.sleep(0.02)
+        else:
+            pytest.fail("the killed actor still answered after 60 s")
         prompts = [[5], [6, 7], [8], [9]]
         assert pool.generate(prompts, 2, 4) == [[p] * 2 for p in prompts]
         while pool.recovering:
