@@ -28,10 +28,10 @@ def test_overrides_parse_numbers_and_nested_task_options():
 def test_algorithm_presets_fill_unset_knobs():
     grpo, dapo = RunConfig(algorithm="grpo"), RunConfig(algorithm="dapo")
     assert (grpo.clip_high, grpo.kl_coef, grpo.loss_agg, grpo.dynamic_sampling) == \
-        (0.2, 0.001, "seq-mean-token-mean", False)
+        (0.2, 0.0, "seq-mean-token-mean", False)
     assert (dapo.clip_high, dapo.kl_coef, dapo.loss_agg, dapo.dynamic_sampling, dapo.overlong_filter) == \
         (0.28, 0.0, "token-mean", True, True)
-    assert RunConfig(algorithm="grpo", kl_coef=0.0).kl_coef == 0.0
+    assert RunConfig(algorithm="grpo", kl_coef=0.001).kl_coef == 0.001 and RunConfig(algorithm="ppo").kl_coef == 0.001
 
 
 @pytest.mark.parametrize("kwargs, match", [

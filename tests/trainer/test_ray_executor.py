@@ -55,6 +55,7 @@ PLAN = {"groups": [
     {"tasks": ["actor_infer", "ref_infer", "actor_train"], "gpus": ["node-b:0", "node-b:1"],
      "parallelism": {"actor_infer": {"tp": 1, "pp": 1, "dp": 2}, "ref_infer": {"tp": 2, "pp": 1, "dp": 1},
                      "actor_train": {"tp": 1, "pp": 1, "dp": 2}}}]}
+KL = "kl_coef=0.001"   # PLAN places a reference, so its runs have a KL (the grpo preset has none)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def _groups(seed=0, shapes=((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (
 def test_replicas_follow_the_plan_groups_and_share_colocated_gpus():
     cluster = load_cluster(CLUSTER)
     model, _ = load_model("tiny")
-    cfg = load_config(TINY, [])
+    cfg = load_config(TINY, [KL])
     w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0), decide(cfg).planner)
     reps = replicas(plan_from_dict(PLAN, cluster, w), cluster, single_node=False)
     got = {(r.role, r.rank): (r.gpus, dict(r.resources), r.sharded) for r in reps}
@@ -108,7 +109,7 @@ def test_actor_threads_are_the_cores_of_the_plan_devices():
     runs one core per data-parallel rank, a replica over both cores gets both; async splits a device's cores
     between the rollout and the learner on it; a real node's cores are split over its own devices."""
     model, _ = load_model("tiny")
-    cfg = load_config(TINY, [])
+    cfg = load_config(TINY, [KL])
     w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0), decide(cfg).planner)
     local = load_cluster(str(ROOT / "examples" / "clusters" / "cpu-local.yaml"))
     tasks = ["actor_gen", "actor_infer", "ref_infer", "actor_train"]
@@ -157,7 +158,7 @@ def test_ray_config_is_refused_without_a_cluster_and_async_needs_ray():
 def test_actors_land_where_the_plan_says(local_ray, tmp_path):
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps({"plan": PLAN}))
-    cfg = _cfg(tmp_path, f"plan={plan_path}")
+    cfg = _cfg(tmp_path, f"plan={plan_path}", KL)
     model, tokenizer = load_model("tiny")
     engine = RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
     try:
@@ -304,7 +305,7 @@ def test_a_lora_run_on_ray_sends_only_the_adapter(local_ray, tmp_path):
     merged model comes back from learner rank 0."""
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(PLAN))
-    cfg = _cfg(tmp_path, "lora_rank=4", "steps=2", "checkpoint_every=0", f"plan={plan_path}")
+    cfg = _cfg(tmp_path, "lora_rank=4", "steps=2", "checkpoint_every=0", f"plan={plan_path}", KL)
     summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     adapter = weights_to_numpy(build.policy(cfg, load_model("tiny", seed=0)[0]))
@@ -514,8 +515,11 @@ def test_the_example_plan_fits_the_example_cpu_cluster():
     w = run_workload(cfg, model_spec_from_hf(model.config), TokenLengths(40, 40.0), decide(cfg).planner)
     data = json.loads((ROOT / "examples" / "plans" / "cpu-local-split.json").read_text())
     reps = replicas(plan_from_dict(data, cluster, w), cluster, single_node=False)
-    assert sorted((r.role, r.gpus) for r in reps) == [
-        ("learner", ("cpu:1",)), ("reference", ("cpu:1",)), ("rollout", ("cpu:0",))]
+    assert sorted((r.role, r.gpus) for r in reps) == [("learner", ("cpu:1",)), ("rollout", ("cpu:0",))]
+    with_kl = run_workload(load_config(TINY, [KL]), model_spec_from_hf(model.config), TokenLengths(40, 40.0),
+                           decide(cfg).planner)
+    with pytest.raises(ValueError, match="ref_infer"):     # a KL run needs a plan that places its reference
+        plan_from_dict(data, cluster, with_kl)
 
 
 def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tmp_path):
@@ -567,7 +571,7 @@ def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_
     plan = json.loads(json.dumps(PLAN))
     plan["groups"][1]["parallelism"]["actor_train"]["zero"] = 3
     (tmp_path / "plan.json").write_text(json.dumps({"plan": plan}))
-    cfg = _cfg(tmp_path, f"plan={tmp_path / 'plan.json'}", "lora_rank=4")
+    cfg = _cfg(tmp_path, f"plan={tmp_path / 'plan.json'}", "lora_rank=4", KL)
     model, tokenizer = load_model("tiny")
     with pytest.raises(InputError, match="zero: 3 .*LoRA"):
         RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
