@@ -15,7 +15,9 @@ lengths, sampling, learning rate and schedule, clip, KL and loss aggregation. `K
 
 Cases:
 - `default`: the default job (examples/runs/default.yaml): reasoning-gym arithmetic, prompts of ~38 tokens, 8 x 8
-  samples of <= 16 tokens.
+  samples of <= 16 tokens. The grpo preset has had no KL since the default_recipe study (TRL beta 0.0, no reference
+  pass on either side); the committed results/train_vs_trl.md rows were measured before, with kl_coef = beta =
+  0.001 (a reference pass on both sides), and say so.
 - `long`: the same problems behind a shared few-shot block of solved problems (prompts of ~512 tokens), N = 8,
   <= 64 new tokens, 2 prompts per step: the prompt dominates. Timing only (exact_match on 4 held-out prompts).
 
@@ -100,10 +102,7 @@ CASES = {
 def job(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, ...] = ()):
     """-> (RunConfig, train rows or None, eval rows or None): the run both systems do (`overrides`: more hetrl
     config key=value, e.g. model=tiny for a smoke test)."""
-    from hetrl.trainer.config import load_config
-
-    cfg = load_config(None, [BENCH_PRECISION, *case.overrides, *overrides, f"seed={seed}", f"steps={steps}",
-                             f"out_dir={out_dir}", "checkpoint_every=0"])
+    cfg = _config(case, seed, steps, out_dir, overrides)
     if not case.few_shot_tokens:
         return cfg, None, None
     from hetrl.data import TaskSource, prompt_ids
@@ -120,6 +119,13 @@ def job(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, .
     rows = [{"prompt": [{"role": "user", "content": shots + p["question"]}], "answer": str(p["answer"])}
             for p in problems[: steps * cfg.prompts_per_step + case.eval_rows]]
     return cfg, rows[case.eval_rows:], rows[: case.eval_rows]
+
+
+def _config(case: Case, seed: int, steps: int, out_dir: str, overrides: tuple[str, ...] = ()):
+    from hetrl.trainer.config import load_config
+
+    return load_config(None, [BENCH_PRECISION, *case.overrides, *overrides, f"seed={seed}", f"steps={steps}",
+                              f"out_dir={out_dir}", "checkpoint_every=0"])
 
 
 def _load(cfg):
@@ -303,8 +309,26 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
 # ----------------------------------------------------------------------------------------------- the table
 
 
+def kl_of(rec: dict) -> float:
+    """The run's KL coefficient (TRL's beta). Records from before it was recorded ran the grpo preset of the time,
+    kl_coef 0.001, unless their overrides set it."""
+    if "kl_coef" in rec:
+        return rec["kl_coef"]
+    for o in rec.get("overrides", ()):
+        if o.startswith(("kl_coef=", "beta=")):
+            return float(o.split("=", 1)[1])
+    return 0.001
+
+
+def label(rec: dict) -> str:
+    """The table a record belongs to: its case, and the KL where it ran one (runs with and without a reference
+    pass are not one comparison)."""
+    kl = kl_of(rec)
+    return rec["case"] if kl == 0 else f"{rec['case']}, kl_coef={kl:g}"
+
+
 def _key(rec: dict) -> tuple:
-    return rec["case"], rec["system"], rec["seed"], rec["steps_asked"], tuple(rec.get("overrides", ()))
+    return rec["case"], rec["system"], rec["seed"], rec["steps_asked"], tuple(rec.get("overrides", ())), kl_of(rec)
 
 
 def latest(records: list[dict]) -> list[dict]:
@@ -321,7 +345,7 @@ def back_to_back(records: list[dict]) -> list[dict]:
     groups: dict = {}
     for r in records:
         if r["system"] in ("hetrl", "trl") and r.get("steps"):
-            key = (r["case"], r["seed"], json.dumps(r["machine"]["matmul_gflops"], sort_keys=True))
+            key = (label(r), r["seed"], json.dumps(r["machine"]["matmul_gflops"], sort_keys=True))
             groups.setdefault(key, {})[r["system"]] = r
     out = []
     for (case, seed, _), pair in groups.items():
@@ -342,7 +366,7 @@ def summarise(records: list[dict]) -> dict:
     Only the latest record of each run counts (`latest`)."""
     out: dict = {}
     for rec in latest(records):
-        out.setdefault(rec["case"], {}).setdefault(rec["system"], []).append(rec)
+        out.setdefault(label(rec), {}).setdefault(rec["system"], []).append(rec)
     table = {}
     for case, systems in out.items():
         table[case] = {}
@@ -371,7 +395,8 @@ def summarise(records: list[dict]) -> dict:
             # start of the run's invocation (GFLOP of peak matmul per step), for ratios across invocations
             row["step_peak_gflop"] = statistics.mean(p["step_s"] * p["peaks"]["fp32"] for p in per_run)
             accs = [p["acc_after"] for p in per_run if p["acc_after"] is not None]
-            if accs and CASES.get(case, Case(case, ())).accuracy:
+            base = case.split(",")[0]
+            if accs and CASES.get(base, Case(base, ())).accuracy:
                 row["accuracy_after"] = {"mean": statistics.mean(accs), "min": min(accs), "max": max(accs),
                                          "runs": accs}
                 row["accuracy_before"] = statistics.mean(p["acc_before"] for p in per_run)
@@ -397,7 +422,9 @@ def markdown(table: dict, records: list[dict]) -> str:
              "after the other; raw per-step numbers in train_vs_trl.jsonl. Step times: each run's median over its "
              "steps after the first, then the mean over seeds. One step = one rollout batch (prompts x N samples) "
              "and its optimizer steps (2 on both systems). Both systems at fp32 (hetrl precision=fp32, TRL bf16=False) "
-             "unless a record's overrides say otherwise.", "",
+             "unless a record's overrides say otherwise. A case named with `kl_coef=...` ran a KL to a frozen "
+             "reference on both systems (TRL's beta; a reference log-prob pass per step): the grpo preset had it "
+             "until 2026-11-28; without it, no KL and no reference.", "",
              "`effective GFLOP/s` counts the model FLOPs of the standard per-sample computation (12 x matmul "
              "weights per sample token: a rollout forward, two log-prob forwards, a forward + backward) over the "
              "step time: the same work for every system, so a system that skips repeated prompt work is credited "
@@ -424,13 +451,15 @@ def markdown(table: dict, records: list[dict]) -> str:
         lines += ["", "Code and dates of these runs: " + "; ".join(
             f"{system} {', '.join(systems[system]['revisions'])} ({', '.join(systems[system]['dates'])})"
             for system in SYSTEMS if system in systems) + ".", ""]
-        superseded = sum(1 for r in records if r["case"] == case) - sum(len(x["seeds"]) for x in systems.values())
+        superseded = sum(1 for r in records if label(r) == case) - sum(len(x["seeds"]) for x in systems.values())
         if superseded:
             lines += [f"{superseded} earlier run(s) of this case were made again after a code change; the table "
                       "shows the latest of each, train_vs_trl.jsonl keeps all.", ""]
     lines += ["## Against issue #17's targets", ""]
-    for case, target in (("default", 4), ("long", 6)):
-        rows = table.get(case, {})
+    for case, rows in table.items():
+        target = {"default": 4, "long": 6}.get(case.split(",")[0])
+        if target is None:
+            continue
         if "hetrl" in rows and "trl" in rows:
             ratio = rows["hetrl"]["step_time_vs_stock_trl"]
             norm = rows["hetrl"]["peak_normalised_vs_stock_trl"]
@@ -455,7 +484,7 @@ def markdown(table: dict, records: list[dict]) -> str:
                   "comparison this VM's varying speed disturbs least:", ""]
         target = {"default": 4, "long": 6}
         for p in pairs:
-            t = target.get(p["case"])
+            t = target.get(p["case"].split(",")[0])
             lines.append(f"- `{p['case']}` seed {p['seed']} ({p['revision']}, {', '.join(p.get('flags', []))}; peaks "
                          f"fp32 {p['fp32_peak_gflops']:.0f}, bf16 {p.get('bf16_peak_gflops', 0):.0f} GFLOP/s): "
                          f"hetrl {p['hetrl_step_s']:.1f} s, stock TRL {p['trl_step_s']:.1f} s: "
@@ -510,7 +539,8 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
         n = steps or (2 if case.few_shot_tokens else 16)
         for seed in seeds:
             for system in systems:
-                if (case_name, system, seed, n, tuple(overrides)) in done:
+                kl = _config(case, seed, n, str(work / "probe"), overrides).kl_coef
+                if (case_name, system, seed, n, tuple(overrides), kl) in done:
                     print(f"{case_name} {system} seed {seed}: in {store} already", flush=True)
                     continue
                 if mach is None:      # measured once per invocation, before its first run
@@ -526,7 +556,7 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
                 else:
                     got = run_trl(case, seed, n, work, system == "trl-dualkv", overrides)
                 rec = {"case": case_name, "system": system, "seed": seed, "steps_asked": n,
-                       "overrides": list(overrides), "machine": mach,
+                       "overrides": list(overrides), "kl_coef": kl, "machine": mach,
                        "matmul_params": params, "wall_s": time.perf_counter() - t0,
                        "date": time.strftime("%Y-%m-%d"), "revision": code, **got}
                 with open(store, "a") as f:

@@ -102,3 +102,20 @@ def test_back_to_back_pairs_only_runs_of_one_invocation():
     assert len(pairs) == 1
     assert (pairs[0]["hetrl_step_s"], pairs[0]["trl_step_s"]) == (11, 42)   # medians of steps 2..
     assert pairs[0]["ratio"] == pytest.approx(11 / 42)
+
+
+def test_runs_with_and_without_the_kl_are_separate_comparisons():
+    """The grpo preset lost its KL on 2026-11-28: a record without `kl_coef` ran 0.001 unless its overrides set one,
+    and a run of the current preset (no KL) is neither skipped as done nor averaged with a KL run of that seed."""
+    def rec(system, **extra):
+        return {"case": "default", "system": system, "seed": 0, "steps_asked": 2, "date": "d", "revision": "r",
+                "matmul_params": 10, "machine": {"matmul_gflops": {"fp32": 100.0, "bf16": 1.0}},
+                "steps": [{"step_s": s, "rollout_s": 1, "logprob_s": 1, "update_s": 1, "sample_tokens": 5}
+                          for s in (9, 10)], **extra}
+    old, old_zero, new = rec("hetrl"), rec("hetrl", overrides=["kl_coef=0"]), rec("hetrl", kl_coef=0.0)
+    assert [train_vs_trl.kl_of(r) for r in (old, old_zero, new)] == [0.001, 0.0, 0.0]
+    assert train_vs_trl._key(old) != train_vs_trl._key(new)
+    table = train_vs_trl.summarise([old, rec("trl"), new])
+    assert set(table) == {"default, kl_coef=0.001", "default"}
+    assert table["default"]["hetrl"]["seeds"] == [0] and "trl" not in table["default"]
+    assert load_config(None, []).kl_coef == 0.0      # what the bench's default case runs today
