@@ -179,9 +179,7 @@ def trl_args(cfg, seed: int, out_dir: str):
         num_generations=n, max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=0, learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=cfg.max_grad_norm,
-        beta=cfg.kl_coef if cfg.kl_coef is not None else 0.001,
-        epsilon=cfg.clip_low if cfg.clip_low is not None else 0.2,
-        epsilon_high=cfg.clip_high if cfg.clip_high is not None else 0.2, loss_type="grpo",
+        beta=cfg.kl_coef, epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, loss_type="grpo",   # the preset's
         scale_rewards="group" if cfg.scale_advantages else "none", mask_truncated_completions=False,
         shuffle_dataset=False, gradient_checkpointing=cfg.gradient_checkpointing, disable_dropout=True,
         logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, log_completions=False,

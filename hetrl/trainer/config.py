@@ -1,7 +1,7 @@
 """RunConfig: every knob of `hetrl train`, validated once; YAML and `key=value` overrides are a thin layer on top.
 
-Algorithm presets fill the knobs left unset (None): GRPO = symmetric clip 0.2, KL (k3) 0.001,
-per-sequence token-mean loss; DAPO = clip-higher 0.2/0.28, token-level loss, no KL, dynamic
+Algorithm presets fill the knobs left unset (None): GRPO = symmetric clip 0.2, no KL (`kl_coef=0.001` adds verl's
+k3), per-sequence token-mean loss; DAPO = clip-higher 0.2/0.28, token-level loss, no KL, dynamic
 sampling and overlong filtering; the others are in docs/algorithms.md. verl's and TRL's names for the
 same knobs are accepted (ALIASES, resolve_aliases). Prompts come from `task` (a reasoning-gym
 generator) unless `data` names the user's rows, which then replace the task (README "Your data and reward").
@@ -51,7 +51,7 @@ _PRESETS = {   # docs/algorithms.md: each one's paper and its verl / TRL setting
     "grpo": _PLAIN | dict(kl_coef=0.0, loss_agg="seq-mean-token-mean"),
     "dapo": _PLAIN | dict(clip_high=0.28, kl_coef=0.0, loss_agg="token-mean", dynamic_sampling=True,
                           overlong_filter=True),
-    # PPO: per-token advantages from a critic (GAE); the KL to the reference as for GRPO
+    # PPO: per-token advantages from a critic (GAE); k3 KL 0.001 to the reference
     "ppo": _PLAIN | dict(adv_estimator="gae", kl_coef=0.001, loss_agg="token-mean"),
     # GSPO: the sequence ratio, clipped at 3e-4 / 4e-4 as the paper (and verl's recipe)
     "gspo": _PLAIN | dict(loss_mode="gspo", clip_low=0.0003, clip_high=0.0004, kl_coef=0.0,
