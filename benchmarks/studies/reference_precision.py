@@ -1,5 +1,6 @@
-"""Why a bf16-mixed run's KL to its reference is not 0 at step 1 (issue 45, the one precision decision): the policy
-scores under bf16 autocast with fp32 master weights, the reference is the pure-bf16 frozen copy `build.frozen` makes.
+"""A bf16-mixed run's KL to its reference at step 1 (issue 45, the one precision decision): the policy scores under
+bf16 autocast with fp32 master weights; `build.frozen` holds the reference's matmul weights in bf16 and the rest in
+fp32 (until 2026-11-28 it held the whole copy in bf16, whose residual stream then ran in bf16).
 This scores the same sampled responses (the embedded SmolLM2-135M, temperature 1, as a rollout samples) with the
 policy and with each candidate reference, and reports the k3 KL between them (`kl_penalty`'s low_var_kl, what a
 run's `kl` logs): 0 is what a KL to an untrained policy's own copy should read. It also reads the step-1 `kl` of
@@ -59,12 +60,15 @@ def main() -> None:
     start = enc["input_ids"].shape[1]
     policy = token_logprobs(model, ids, mask, start, mixed)
     candidates = {
-        "bf16 copy (build.frozen, today)": frozen(copy.deepcopy(model), mixed),
+        "build.frozen: matmul weights bf16, embeddings and norms fp32": frozen(copy.deepcopy(model), mixed),
+        "all bf16 (build.frozen until 2026-11-28)": copy.deepcopy(model).requires_grad_(False).to(torch.bfloat16),
         "fp32 copy under the same autocast": copy.deepcopy(model).requires_grad_(False),
     }
     rows = [{"reference": name, "k3_kl": kl_penalty(policy, token_logprobs(m, ids, mask, start, mixed),
                                                                 "low_var_kl").mean().item(),
-             "weight_dtype": str(next(m.parameters()).dtype)} for name, m in candidates.items()]
+             "weight_dtype": ", ".join(sorted({str(p.dtype) for p in m.parameters()})),
+             "weight_bytes": sum(p.numel() * p.element_size() for p in m.parameters())}
+            for name, m in candidates.items()]
     res = {"rows": rows, "tokens": int(policy.numel()), "step1_kl": step1_kl(), "machine": machine(),
            "revision": revision(), "date": utc_now()}
     text = "\n".join([
@@ -75,9 +79,10 @@ def main() -> None:
         f"({res['tokens']} response tokens), the policy scored under bf16 autocast with fp32 weights; k3 KL of each "
         "reference against it (0 is right for an untrained policy).",
         "",
-        "| reference | weights | k3 KL vs the policy |",
-        "|---|---|---:|",
-        *[f"| {r['reference']} | {r['weight_dtype']} | {r['k3_kl']:.4g} |" for r in rows],
+        "| reference | weights | weight MB | k3 KL vs the policy |",
+        "|---|---|---:|---:|",
+        *[f"| {r['reference']} | {r['weight_dtype']} | {r['weight_bytes'] / 1e6:.0f} | {r['k3_kl']:.4g} |"
+          for r in rows],
         "",
         "Step-1 `kl` logged by the default_recipe study's runs (runs/default_recipe, where present): "
         + (", ".join(f"{k} {v:.4g}" for k, v in res["step1_kl"].items()) or "none here") + ". Not a numerics "

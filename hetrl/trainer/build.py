@@ -261,12 +261,32 @@ def reference(cfg: RunConfig, pol: Policy, load_base, precision: RunPrecision) -
 
 
 def frozen(model, precision: RunPrecision):
-    """`model` as a frozen scorer's copy: eval, no gradients, and bf16 weights where the run autocasts to bf16
-    (it is never trained, so it needs no fp32 master copy)."""
+    """`model` as a frozen scorer's copy: eval, no gradients; where the run autocasts to bf16, its matmul weights
+    (every Linear's, except one tied to the input embeddings) held in bf16 and the rest (embeddings, norms) in fp32.
+    Autocast casts an fp32 Linear weight to exactly these bf16 values before its matmul, so under the same autocast
+    the copy computes what the fp32 policy computes, to the bit: the KL to an untrained policy reads 0. A copy all
+    in bf16 would run its residual stream in bf16 instead (k3 0.0014 at step 1 on SmolLM2-135M,
+    benchmarks/results/reference_precision.md). Never trained, it needs no fp32 master copy of its matmul weights:
+    about half an fp32 copy's memory (`frozen_bytes`)."""
     model = model.eval().requires_grad_(False)
     if precision.autocast and next(model.parameters()).dtype == torch.float32:
-        model = model.to(torch.bfloat16)
+        tied = model.get_input_embeddings().weight
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.weight is not tied:
+                m.weight.data = m.weight.data.to(torch.bfloat16)
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.to(torch.bfloat16)
     return model
+
+
+def frozen_bytes(model, precision: RunPrecision) -> int:
+    """Bytes of `frozen(model, precision)`'s weights, from `model` as it is (fp32 or already frozen)."""
+    if not (precision.autocast and next(model.parameters()).dtype in (torch.float32, torch.bfloat16)):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_input_embeddings().weight
+    matmul = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not tied
+              for p in (m.weight, m.bias) if p is not None}
+    return sum(p.numel() * (2 if id(p) in matmul else 4) for p in model.parameters())
 
 
 def critic_model_problem(cfg: RunConfig) -> None:

@@ -17,6 +17,7 @@ from hetrl.planner.cost import task_memory
 from hetrl.planner.plan import Parallelism
 from hetrl.planner.spec import TokenLengths
 
+from .build import frozen_bytes
 from .placement import model_spec_from_hf, run_workload
 from .precision import RunPrecision, samples_in_bf16
 
@@ -51,8 +52,9 @@ def estimate(cfg, model, prompt_tokens: int, precision: RunPrecision) -> dict[st
     train = task_memory(w, "actor_train", Parallelism(1, 1, 1, recompute=cfg.gradient_checkpointing),
                         micro_batch_tokens=t)
     ref = task_memory(w, "ref_infer", Parallelism(), micro_batch_tokens=t) if w.reference else None
-    # a bf16-mixed run holds its reference in bf16 (build.frozen): half of an fp32 weight
-    ref_scale = 0.5 if b == 4 and precision.autocast else scale
+    # a bf16-mixed run holds its reference's matmul weights in bf16, the rest fp32 (build.frozen)
+    ref_scale = (frozen_bytes(model, precision) / sum(4 * p.numel() for p in model.parameters())
+                 if b == 4 and precision.autocast else scale)
     gen_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.responses_per_prompt)
     if cfg.branches > 1:   # whole tasks per rollout batch, each growing to its leaves' rows (episodes.py)
         gen_rows = min(cfg.prompts_per_step, max(1, cfg.rollout_batch_size // w.leaves)) * w.leaves

@@ -44,9 +44,9 @@ class RunPrecision:
         return "bf16" if self.autocast else "fp32"
 
     def amp(self, model) -> contextlib.AbstractContextManager:
-        """bf16 autocast on `model`'s device where the run autocasts: fp32 weights stay the master copy, a frozen
-        bf16 copy (the reference) runs as it is; else nothing. The log-softmax runs in fp32 either way
-        (hetrl.dualkv promotes the logits)."""
+        """bf16 autocast on `model`'s device where the run autocasts: fp32 weights stay the master copy, the frozen
+        reference's bf16 matmul weights are used as they are (build.frozen); else nothing. The log-softmax runs in
+        fp32 either way (hetrl.dualkv promotes the logits)."""
         if self.autocast:
             return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()

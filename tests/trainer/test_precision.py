@@ -13,6 +13,7 @@ from hetrl.trainer import build
 from hetrl.trainer.config import load_config
 from hetrl.trainer.precision import RunPrecision, cpu_has_fast_bf16, decide
 
+from .test_algorithms import _reward
 from .test_train import TINY, _rows
 
 GROUPS = [([5, 6, 7, 8, 9, 10], [[11, 12, 13], [14, 15], [16, 17, 18, 19]]), ([20, 21, 22], [[23, 24], [25]])]
@@ -99,8 +100,10 @@ def test_ppo_and_lora_runs_complete_under_forced_bf16(tmp_path, path):
     policy (the agent and tree paths: tests/trainer/test_tools_train.py and tests/dualkv/test_trees.py)."""
     from hetrl.cli import main
 
+    # a reward that differs within each group: the tiny model's replies score 0 on the task's, and with an exact
+    # reference (build.frozen) nothing else moves the weights
     assert main(["train", "--config", TINY, "precision=bf16-mixed", "steps=2", "eval_size=4", "checkpoint_every=0",
-                 *path, f"out_dir={tmp_path / 'run'}"]) == 0
+                 *path, _reward(tmp_path), f"out_dir={tmp_path / 'run'}"]) == 0
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
     assert any(r["grad_norm"] > 0 for r in rows)
@@ -222,9 +225,11 @@ def test_mixed_precision_needs_fp32_weights():
         load_config(TINY, ["precision=fp16"])
 
 
-def test_a_mixed_run_holds_its_reference_in_bf16():
-    """The reference is never trained: a bf16-mixed run keeps it in bf16 (half the memory, as the planner and verl
-    hold it), its log-probs as close to fp32's as the policy's own bf16-mixed pass; fp32 keeps it in fp32."""
+def test_a_mixed_run_holds_its_reference_matmul_weights_in_bf16_and_scores_as_the_policy():
+    """The reference is never trained: a bf16-mixed run keeps its matmul weights in bf16 (autocast's own casts of
+    them, held once: about half an fp32 copy's memory) and its embeddings and norms in fp32, so under the same
+    autocast it scores exactly as the untrained policy does (the KL reads 0 at step 1; an all-bf16 copy ran its
+    residual stream in bf16 and did not); fp32 keeps it in fp32."""
     import copy
 
     from hetrl.trainer import memory
@@ -235,14 +240,22 @@ def test_a_mixed_run_holds_its_reference_in_bf16():
         model, _ = load_model("tiny", seed=0)
         pol = build.policy(cfg, model)
         ref = build.reference(cfg, pol, lambda: copy.deepcopy(model), decide(cfg))
-        dtypes = {p.dtype for p in ref.model.parameters()}
-        assert dtypes == {torch.bfloat16 if precision == "bf16-mixed" else torch.float32}
+        linear = {id(m.weight) for m in ref.model.modules() if isinstance(m, torch.nn.Linear)}
+        for p in ref.model.parameters():
+            assert p.dtype == (torch.bfloat16 if precision == "bf16-mixed" and id(p) in linear else torch.float32)
         assert all(p.dtype == torch.float32 for p in pol.trainable())     # the policy keeps its fp32 master copy
         assert not any(p.requires_grad for p in ref.model.parameters())
-        out[precision] = (ref.logprobs(GROUPS), memory.estimate(cfg, model, 16, decide(cfg))["reference_model"])
+        held = sum(p.numel() * p.element_size() for p in ref.model.parameters())
+        assert build.frozen_bytes(model, decide(cfg)) == held
+        out[precision] = (ref.logprobs(GROUPS), memory.estimate(cfg, model, 16, decide(cfg))["reference_model"], held)
     assert torch.equal(out["fp32"][0], out["auto"][0])                     # auto is fp32 on the CPU
-    assert (out["fp32"][0] - out["bf16-mixed"][0]).abs().max() < 0.1
-    assert out["bf16-mixed"][1] * 2 == out["fp32"][1] > 0
+    assert 0 < (out["fp32"][0] - out["bf16-mixed"][0]).abs().max() < 0.1   # bf16 matmuls, close to fp32's
+    mixed = decide(load_config(TINY, ["precision=bf16-mixed"]))
+    policy = build.scorer(load_config(TINY, ["precision=bf16-mixed"]), load_model("tiny", seed=0)[0].eval(), mixed)
+    assert torch.equal(out["bf16-mixed"][0], policy.logprobs(GROUPS))     # the fp32 policy under autocast, to the bit
+    assert 0.5 < out["bf16-mixed"][2] / out["fp32"][2] < 0.75               # matmul weights in bf16, the rest fp32
+    # the estimate's ratio is the held one (the planner's spec leaves the norms out: int-rounded terms)
+    assert out["bf16-mixed"][1] / out["fp32"][1] == pytest.approx(out["bf16-mixed"][2] / out["fp32"][2], rel=1e-4)
 
 
 def test_a_mixed_local_run_samples_from_a_bf16_copy_refreshed_after_each_update():
