@@ -45,8 +45,9 @@ LOOKED_AT = ('Looked at, nothing more to drop at fp32 (a finer trace of the same
              'sized temporaries); at fp32 the rollout samples from the policy itself, so there is no rollout copy to '
              'release (in bf16-mixed each weight sync builds a 0.27 GB bf16 copy: not measured, this CPU has no bf16 '
              "instructions); the update's growth is mostly one micro-batch's activations (~0.83 GB), which only "
-             'checkpointing removes (smaller micro-batches would change the gradient sums); the reference (0.54 GB at '
-             'fp32) is read by the KL term every step; evaluation is not at the peak.')
+             'checkpointing removes (smaller micro-batches would change the gradient sums); the default job has no '
+             'reference since the grpo preset dropped its KL (with kl_coef=0.001 the fp32 copy adds 0.54 GB, read by '
+             'the KL every step: 4.44 GB peak at 50a8b90); evaluation is not at the peak.')
 
 
 def rss() -> int:
@@ -102,13 +103,15 @@ def wrap(sampler: Sampler, owner, attr: str, name: str) -> None:
 def pieces(cfg, precision) -> dict[str, float]:
     """Bytes of the resident pieces and of one micro-batch's logits, by their sizes."""
     from hetrl.models import load_model
+    from hetrl.trainer.build import frozen_bytes
 
     model, _ = load_model(cfg.model)
     params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     bf16 = precision.autocast
     return {"parameters (fp32)": params * 4, "AdamW states (2 x fp32)": params * 8, "gradients (fp32)": params * 4,
-            "reference (bf16 copy)" if bf16 else "reference (fp32 copy)": params * (2 if bf16 else 4),
+            **({"reference (bf16 matmul weights)" if bf16 else "reference (fp32 copy)": frozen_bytes(model, precision)}
+               if cfg.has_reference else {}),
             **({"rollout's bf16 copy": params * 2} if bf16 else {}),
             f"one micro-batch's logits ({cfg.micro_batch_tokens} tokens x {vocab}, fp32)":
                 cfg.micro_batch_tokens * vocab * 4}
