@@ -535,9 +535,9 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
     for case_name in cases:
         case = CASES[case_name]
         n = steps or (2 if case.few_shot_tokens else 16)
+        kl = _config(case, 0, n, str(work / "probe"), overrides).kl_coef   # the case's, whatever the seed
         for seed in seeds:
             for system in systems:
-                kl = _config(case, seed, n, str(work / "probe"), overrides).kl_coef
                 if (case_name, system, seed, n, tuple(overrides), kl) in done:
                     print(f"{case_name} {system} seed {seed}: in {store} already", flush=True)
                     continue

@@ -270,22 +270,23 @@ def frozen(model, precision: RunPrecision):
     about half an fp32 copy's memory (`frozen_bytes`)."""
     model = model.eval().requires_grad_(False)
     if precision.autocast and next(model.parameters()).dtype == torch.float32:
-        tied = model.get_input_embeddings().weight
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and m.weight is not tied:
-                m.weight.data = m.weight.data.to(torch.bfloat16)
-                if m.bias is not None:
-                    m.bias.data = m.bias.data.to(torch.bfloat16)
+        for p in _matmul_parameters(model):
+            p.data = p.data.to(torch.bfloat16)
     return model
+
+
+def _matmul_parameters(model) -> list[torch.nn.Parameter]:
+    """What `frozen` holds in bf16: every Linear's weight and bias, except a weight tied to the input embeddings."""
+    tied = model.get_input_embeddings().weight
+    return [p for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not tied
+            for p in (m.weight, m.bias) if p is not None]
 
 
 def frozen_bytes(model, precision: RunPrecision) -> int:
     """Bytes of `frozen(model, precision)`'s weights, from `model` as it is (fp32 or already frozen)."""
     if not (precision.autocast and next(model.parameters()).dtype in (torch.float32, torch.bfloat16)):
         return sum(p.numel() * p.element_size() for p in model.parameters())
-    tied = model.get_input_embeddings().weight
-    matmul = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not tied
-              for p in (m.weight, m.bias) if p is not None}
+    matmul = {id(p) for p in _matmul_parameters(model)}
     return sum(p.numel() * (2 if id(p) in matmul else 4) for p in model.parameters())
 
 
