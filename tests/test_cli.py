@@ -12,6 +12,20 @@ def test_help_lists_subcommands(capsys):
     assert "bench" in capsys.readouterr().out
 
 
+def test_version_is_one_line_with_what_a_bug_report_needs(capsys):
+    from importlib import metadata
+
+    import hetrl
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"hetrl {hetrl.__version__} (python ")
+    assert f"torch {metadata.version('torch')}" in out and "transformers " in out and "vllm " in out
+    assert metadata.version("hetrl") == hetrl.__version__     # the package's version is read from __version__
+
+
 def test_unknown_subcommand_fails_cleanly(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["frobnicate"])
