@@ -21,8 +21,8 @@ TINY = ["model=tiny", "steps=1", "prompts_per_step=2", "responses_per_prompt=4",
         "max_prompt_tokens=1024", "micro_batch_tokens=2048"]
 
 
-def readme_train_commands(text: str) -> list[str]:
-    """The `hetrl train ...` commands of the README's bash blocks and inline code, comments and continuations
+def train_commands(text: str) -> list[str]:
+    """The `hetrl train ...` commands of a page's bash blocks and inline code, comments and continuations
     removed; placeholders (`...`) and `--resume` (it needs a run to resume) left out."""
     found = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
@@ -46,7 +46,7 @@ def _names_a_users_file(cmd: str) -> bool:
 
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMANDS = [c for page in PAGES for c in readme_train_commands(page.read_text()) if not _names_a_users_file(c)]
+COMMANDS = [c for page in PAGES for c in train_commands(page.read_text()) if not _names_a_users_file(c)]
 COMMANDS = list(dict.fromkeys(COMMANDS))
 
 
@@ -62,7 +62,7 @@ def test_the_documented_commands_are_found():
     assert COMMANDS[0] == "hetrl train"
     assert any("tools.yaml" in c for c in COMMANDS) and any("executor=ray" in c for c in COMMANDS)
     assert not any("RUN.yaml" in c or "my-cluster.yaml" in c for c in COMMANDS)
-    assert readme_train_commands("```bash\nhetrl train a=1 \\\n  b=2   # note\nhetrl train ... x=1\n```\n"
+    assert train_commands("```bash\nhetrl train a=1 \\\n  b=2   # note\nhetrl train ... x=1\n```\n"
                                  "`bash scripts/install.sh && hetrl train c=3`") == \
         ["hetrl train a=1 b=2", "hetrl train c=3"]
 
