@@ -10,6 +10,7 @@ generator) unless `data` names the user's rows, which then replace the task (REA
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 import typing
 from dataclasses import dataclass, field
@@ -371,8 +372,9 @@ class RunConfig:
                 raise ValueError(f"reward {r!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}); a function of "
                                  "yours is given as FILE.py:NAME or package.module:NAME")
             if r in TASK_REWARDS and self.task is None:
+                missing = "" if pathlib.Path(str(self.data)).exists() else " (and that path does not exist)"
                 raise ValueError(f"reward {r!r} is a reasoning-gym task's own check, and this run trains on "
-                                 f"data={self.data}; use exact_match or math_verify (on answer_key="
+                                 f"data={self.data}{missing}; use exact_match or math_verify (on answer_key="
                                  f"{self.answer_key}) or your own function FILE.py:NAME")
         if not isinstance(self.lora_target_modules, str) and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty; name the modules to adapt (e.g. [q_proj, v_proj]) or "

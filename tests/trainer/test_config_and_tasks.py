@@ -37,7 +37,9 @@ def test_algorithm_presets_fill_unset_knobs():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(algorithm="reinforce"),
      r"algorithm must be one of grpo, dapo, ppo, gspo, dr_grpo, rloo, reinforce_pp, cispo, got 'reinforce'"),
-    (dict(data="x.jsonl"), "reward 'verifier' is a reasoning-gym task's own check"),
+    (dict(data="x.jsonl"), r"reward 'verifier' is a reasoning-gym task's own check, and this run trains on "
+                           r"data=x.jsonl \(and that path does not exist\); use exact_match"),
+    (dict(data=__file__), r"test_config_and_tasks.py; use exact_match"),   # a file that exists: no remark
     (dict(reward="exactmatch"), "reward 'exactmatch' is not a built-in"),
     (dict(reward=("verifier", "format"), reward_weights=(1.0,)), "reward_weights has 1 weights for 2 rewards"),
     (dict(eval_data="e.jsonl"), "eval_data is the held-out part of your data"),
