@@ -18,7 +18,9 @@ Tree-shaped sampling (`branches` K > 1): once an episode's tool results are fed,
 whose cache rows repeat its row (no prefill; the tool tokens computed once), while its task has at most
 `max_leaves` leaves. Every leaf is a sample of its task; `path` and `fork_at` say where it forked.
 
-On Ray the same code runs inside each rollout actor (ray_executor.RolloutActor.episodes): tools run there.
+On Ray the same code runs inside each rollout actor (ray_executor.RolloutActor.episodes): tools run there. With
+rollout_engine=vllm the rounds are the same and vLLM samples each turn (`_run_vllm`), the conversation so far as its
+prompt (its prefix cache keeps the computed turns).
 
 Not here yet: the shared-prefix decode attention (hetrl.dualkv.decode reads a prompt's K/V once per step for
 its N rows) handles one token per row per step without holes, so episodes (and forks) decode from repeated
@@ -173,12 +175,14 @@ def _start(agent: Agent, example, tokenizer) -> Episode:
 def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_tokens: int, *,
                       temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, logprobs: bool = False,
                       batch_size: int = 64, precision: RunPrecision = FP32, clock: dict | None = None,
-                      top_k: int = 0) -> list[list[Sample]]:
+                      top_k: int = 0, vllm=None) -> list[list[Sample]]:
     """examples (hetrl.data Example: prompt ids rendered with the tools, the row) -> n episodes each, as Samples
     whose `loss_mask` marks the model's tokens and whose `episode` holds the Episode (environment, counts).
-    `clock`: seconds are added to its prefill_s (the prompts), decode_s (turns and tool tokens) and tool_s."""
+    `clock`: seconds are added to its prefill_s (the prompts), decode_s (turns and tool tokens) and tool_s.
+    `vllm`: a VllmWorker that samples the turns instead of `model` (None there; its sampling settings are the
+    worker's and the arguments'; its seconds go to the worker's generate_s, the tools' to tool_s)."""
     clock = clock if clock is not None else {}
-    for k in ("prefill_s", "decode_s", "tool_s"):
+    for k in ("tool_s",) if vllm is not None else ("prefill_s", "decode_s", "tool_s"):
         clock.setdefault(k, 0.0)
     if logprobs and greedy:
         raise ValueError("logprobs are of a sampled continuation; greedy decoding has none to give")
@@ -197,18 +201,24 @@ def generate_episodes(model, tokenizer, agent: Agent, examples, n: int, max_new_
     cap = leaf_cap(agent.max_leaves, n, agent.branches)
     # forks grow a batch up to `cap` leaves per task: whole tasks per batch, as many as fit batch_size leaves
     per_batch = max(1, batch_size) if branches == 1 else max(1, batch_size // cap) * n
-    warp = None if greedy else warpers(temperature, top_p, top_k)
-    was_training = model.training
-    model.eval()
     leaves: dict[object, list[Episode]] = {}
-    try:
-        for s in range(0, len(episodes), per_batch):
-            for ep in _run_batch(model, tokenizer, agent, episodes[s:s + per_batch], max_new_tokens, warp,
-                                 temperature if logprobs else None, precision, clock, branches, cap):
-                leaves.setdefault(ep.task, []).append(ep)
-    finally:
-        model.train(was_training)
-    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)   # the logits' log-softmax dtype
+    if vllm is not None:
+        for ep in _run_vllm(vllm, tokenizer, agent, episodes, max_new_tokens, temperature, top_p, greedy, logprobs,
+                            clock, branches, cap):
+            leaves.setdefault(ep.task, []).append(ep)
+        dtype = torch.float32
+    else:
+        warp = None if greedy else warpers(temperature, top_p, top_k)
+        was_training = model.training
+        model.eval()
+        try:
+            for s in range(0, len(episodes), per_batch):
+                for ep in _run_batch(model, tokenizer, agent, episodes[s:s + per_batch], max_new_tokens, warp,
+                                     temperature if logprobs else None, precision, clock, branches, cap):
+                    leaves.setdefault(ep.task, []).append(ep)
+        finally:
+            model.train(was_training)
+        dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)   # the logits' log-softmax dtype
     out = []
     for task, example in zip(tasks, examples):
         group = sorted(leaves[task], key=lambda ep: ep.path)    # depth first: a fork's leaves side by side
@@ -348,6 +358,44 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
     return leaves
 
 
+def _run_vllm(worker, tokenizer, agent: Agent, episodes: list[Episode], max_new_tokens: int, temperature: float,
+              top_p: float, greedy: bool, logprobs: bool, clock: dict, branches: int, cap: int) -> list[Episode]:
+    """`_run_batch` on vLLM: a round is one `worker.turns` call over every live episode, each request the episode's
+    whole conversation so far (vLLM's prefix cache holds what earlier rounds computed, the prompt once per group),
+    then the same tool calls, budget and forks (`_answer`, `_fork`); a fork's copies are requests of their own,
+    each sampling its own next turn. -> every leaf."""
+    leaves = list(episodes)
+    count = collections.Counter(ep.task for ep in episodes)   # leaves per task
+    eps = list(episodes)
+    while eps:
+        if any(ep.fork for ep in eps):
+            grown = []
+            for ep in eps:
+                kids = _fork(agent, ep, branches) if ep.fork else [ep]
+                grown += kids
+                leaves += kids[1:]
+            eps = grown
+        for ep in eps:
+            ep.pending, ep.turn_start = [], len(ep.tokens)
+            ep.turns += 1
+        turns = worker.turns([ep.prompt + ep.tokens for ep in eps], [max_new_tokens - len(ep.tokens) for ep in eps],
+                             temperature, top_p, greedy, logprobs)
+        for ep, (tokens, lps) in zip(eps, turns):
+            ep.tokens += tokens
+            ep.model_mask += [True] * len(tokens)
+            if logprobs:
+                ep.logprobs += lps
+        t0 = time.perf_counter()
+        _answer(tokenizer, agent, eps, tokenizer.eos_token_id, max_new_tokens)
+        clock["tool_s"] += time.perf_counter() - t0
+        for ep in eps:     # in order: the task's first episodes to call a tool fork first, as in _run_batch
+            if branches > 1 and ep.pending and count[ep.task] + branches - 1 <= cap:
+                ep.fork = True
+                count[ep.task] += branches - 1
+        eps = [ep for ep in eps if ep.pending]
+    return leaves
+
+
 def _fork(agent: Agent, ep: Episode, k: int) -> list[Episode]:
     """`ep` and k - 1 copies of it, each a child of the fork: the token lists copied, the environment deep-copied
     (each continuation changes its own state from here; its methods are the copy's tools)."""
@@ -469,6 +517,10 @@ class EpisodeWorker:
     def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, logprobs: bool = False) -> list[list[Sample]]:
         w = self.worker
+        if hasattr(w, "turns"):    # rollout_engine=vllm (hetrl.trainer.vllm_engine.VllmWorker)
+            return generate_episodes(None, w.tokenizer, self.agent, examples, n, max_new_tokens,
+                                     temperature=temperature, top_p=top_p, greedy=greedy, logprobs=logprobs,
+                                     clock=w.phase_seconds, vllm=w)
         w.apply_queued()   # a bf16 rollout copy's weight sync (LocalEngine.sync_weights) lands before sampling
         return generate_episodes(w.model, w.tokenizer, self.agent, examples, n, max_new_tokens,
                                  temperature=temperature, top_p=top_p, greedy=greedy, logprobs=logprobs,

@@ -958,7 +958,8 @@ class RayEpisodes:
 
     def generate(self, examples, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, logprobs: bool = False) -> list:
-        assert not logprobs, "the rollout actors decide which samples carry log-probs (RolloutActor)"
+        """`logprobs`: not passed on, as RolloutPool.generate: the actors decide which samples carry them (always on
+        vLLM, which is when the loop asks)."""
         return self.pool.spread("episodes", list(examples), n, max_new_tokens, temperature, top_p, greedy)
 
 

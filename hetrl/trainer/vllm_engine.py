@@ -56,9 +56,6 @@ def choose(cfg, device: torch.device) -> str:
 def check_config(cfg, precision: RunPrecision) -> None:
     """What the vLLM rollout does not run yet, refused up front in one line each."""
     problems = []
-    if cfg.multi_turn:
-        problems.append("tools or an environment (multi-turn episodes run on the hf engine so far; use "
-                        "rollout_engine=hf)")
     if precision.name == "fp64":
         problems.append("dtype=float64 (vLLM samples in fp32 or bf16; use dtype=float32)")
     if problems:
@@ -123,6 +120,26 @@ class VllmWorker:
         """prompts: lists of token ids -> for each prompt, n samples, as RolloutWorker.generate. `logprobs`: each
         sample carries vLLM's log-probs of its tokens (after temperature) in fp32. Each request's seed is drawn
         from torch's generator, so a seeded run samples the same tokens again and two prompts never share draws."""
+        out = []
+        for result in self._generate(prompts, n, [max_new_tokens] * len(prompts), temperature, top_p, greedy,
+                                     logprobs):
+            group = []
+            for tokens, lp in result:
+                group.append(Sample(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                    not (tokens and tokens[-1] == self.eos),
+                                    logprobs=None if lp is None else torch.tensor(lp, dtype=torch.float32)))
+            out.append(group)
+        return out
+
+    def turns(self, contexts: list[list[int]], max_tokens: list[int], temperature: float = 1.0, top_p: float = 1.0,
+              greedy: bool = False, logprobs: bool = False) -> list[tuple[list[int], list[float] | None]]:
+        """One turn of each multi-turn episode (hetrl.trainer.episodes): `contexts` are the episodes' whole
+        conversations so far as token ids (vLLM's prefix cache keeps what earlier turns computed), `max_tokens`
+        what each may still add; -> each turn's tokens (ending in EOS unless the budget ran out) and their log-probs."""
+        return [r[0] for r in self._generate(contexts, 1, max_tokens, temperature, top_p, greedy, logprobs)]
+
+    def _generate(self, prompts, n, max_tokens, temperature, top_p, greedy, logprobs):
+        """-> for each prompt, n (tokens, log-probs or None) pairs."""
         from vllm import SamplingParams
 
         if logprobs and greedy:
@@ -132,23 +149,13 @@ class VllmWorker:
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         params = [SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                  top_k=0 if greedy else self.top_k,
-                                 max_tokens=max_new_tokens, logprobs=0 if logprobs else None, seed=s,
-                                 stop_token_ids=[self.eos], detokenize=False) for s in seeds]
+                                 max_tokens=m, logprobs=0 if logprobs else None, seed=s,
+                                 stop_token_ids=[self.eos], detokenize=False) for s, m in zip(seeds, max_tokens)]
         t0 = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         self.phase_seconds["generate_s"] += time.perf_counter() - t0
-        out = []
-        for result in outputs:
-            group = []
-            for c in result.outputs:
-                tokens = list(c.token_ids)
-                lp = None
-                if logprobs:
-                    lp = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, tokens)], dtype=torch.float32)
-                group.append(Sample(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                    not (tokens and tokens[-1] == self.eos), logprobs=lp))
-            out.append(group)
-        return out
+        return [[(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] if logprobs else None)
+                 for c in result.outputs] for result in outputs]
 
     # --- weight sync --------------------------------------------------------------------------------------------
 

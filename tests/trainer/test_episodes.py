@@ -399,3 +399,63 @@ def test_a_huge_tool_result_is_cut_and_the_cut_said(caplog):
     assert big.content.startswith("y" * TOOL_RESULT_MAX_CHARS) and big.content.endswith(
         f"[cut: {10_000_000 - TOOL_RESULT_MAX_CHARS} more characters]")
     assert any("returned 10000000 characters; cut to" in r.getMessage() for r in caplog.records)
+
+
+class PlainTurns:
+    """A stand-in for VllmWorker.turns (rollout_engine=vllm's side of the episodes): each turn decoded by whole-
+    sequence forwards of the conversation so far, no cache, as vLLM is handed it (the real engine:
+    tests/trainer/test_vllm.py)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.phase_seconds, self.calls = model, tokenizer, {"generate_s": 0.0}, []
+
+    def turns(self, contexts, max_tokens, temperature=1.0, top_p=1.0, greedy=False, logprobs=False):
+        self.calls.append(len(contexts))
+        out = []
+        for ctx, budget in zip(contexts, max_tokens):
+            ids, lps = list(ctx), []
+            while len(ids) - len(ctx) < budget:
+                with torch.no_grad():
+                    logits = self.model(input_ids=torch.tensor([ids]),
+                                        position_ids=torch.arange(len(ids))[None]).logits[0, -1]
+                lp = torch.log_softmax(logits / (1.0 if greedy else temperature), -1)
+                t = int(lp.argmax()) if greedy else int(torch.multinomial(lp.exp(), 1))
+                ids.append(t)
+                lps.append(float(lp[t]))
+                if t == self.tokenizer.eos_token_id:
+                    break
+            out.append((ids[len(ctx):], lps if logprobs else None))
+        return out
+
+
+def test_episodes_on_another_engine_take_the_same_turns_tools_and_forks():
+    """generate_episodes(vllm=worker): the rounds (tool calls, budget, masks, forks) are the local loop's; only the
+    turns come from the engine. Greedy: every episode equals the KV-cache loop's; sampled with forks: the same
+    tree, and each model token's log-prob is the plain forward's (fp64), tool tokens 0."""
+    model, tok, agent, examples, end = _setup()
+    want = generate_episodes(model, tok, agent, examples, 2, end + 4, greedy=True)
+    engine = PlainTurns(model, tok)
+    clock = {}
+    got = generate_episodes(None, tok, agent, examples, 2, end + 4, greedy=True, vllm=engine, clock=clock)
+    key = lambda s: (s.tokens, s.loss_mask, s.text, s.truncated, s.episode.turns, s.episode.calls,   # noqa: E731
+                     s.episode.errors)
+    assert [[key(s) for s in g] for g in got] == [[key(s) for s in g] for g in want]
+    assert [[s.episode.calls for s in g] for g in got] == [[2, 2], [2, 2], [0, 0]]
+    assert engine.calls == [6, 4, 4] and set(clock) == {"tool_s"}   # a round is one call over the live episodes
+
+    forked = dataclasses.replace(agent, branches=2)
+    torch.manual_seed(0)
+    want = generate_episodes(model, tok, forked, examples, 2, end + 4, temperature=1.0, logprobs=True)
+    torch.manual_seed(0)
+    got = generate_episodes(None, tok, forked, examples, 2, end + 4, temperature=1.0, logprobs=True,
+                            vllm=PlainTurns(model, tok))
+    assert [[(s.episode.path, s.episode.fork_at, s.episode.calls) for s in g] for g in got] == \
+        [[(s.episode.path, s.episode.fork_at, s.episode.calls) for s in g] for g in want]
+    assert sum(len(g) for g in got) > 6                               # forks happened
+    for g, example in zip(got, examples):
+        for s in g:
+            mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [True] * len(s.tokens))
+            plain = _plain_logprobs(model, example.prompt_ids, s.tokens)
+            assert s.logprobs.dtype == torch.float32
+            assert (s.logprobs.double()[mask] - plain[mask]).abs().max().item() < 1e-6
+            assert (s.logprobs[~mask] == 0).all()

@@ -145,6 +145,24 @@ def test_train_with_vllm_measures_and_corrects_the_mismatch(tmp_path):
     assert summary["config"]["rollout_engine"] == "vllm"
 
 
+def test_train_with_tools_on_vllm(tmp_path):
+    """Multi-turn episodes on vLLM (hetrl.trainer.episodes._run_vllm; its rounds against the local loop's:
+    tests/trainer/test_episodes.py): the run trains with the tool metrics logged and the mismatch measured on the
+    model's tokens, and greedy evaluation's replies equal the hf engine's (fp32)."""
+    calc = ROOT / "examples" / "tools" / "calculator.py"
+    runs = {}
+    for engine in ("vllm", "hf"):
+        runs[engine] = tmp_path / engine
+        assert main(["train", "--config", TINY, f"rollout_engine={engine}", f"tools={calc}:multiply", "steps=1",
+                     "precision=fp32", "eval_size=4", "reward=partial", f"out_dir={runs[engine]}"]) == 0
+    (row,) = [json.loads(line) for line in (runs["vllm"] / "metrics.jsonl").read_text().splitlines()]
+    assert {"turns_mean", "tool_calls", "tokens_model", "tokens_tool", "tool_s", "generate_s"} <= set(row)
+    assert row["mismatch/abs_diff_max"] < 1e-3 and row["loss"] == row["loss"]
+    replies = {e: [json.loads(line)["reply"] for line in (runs[e] / "eval_step_0.jsonl").read_text().splitlines()]
+               for e in runs}
+    assert replies["vllm"] == replies["hf"]
+
+
 def test_diagnose_mismatch_with_vllm(tmp_path):
     out = tmp_path / "d"
     assert main(["diagnose", "mismatch", "--config", TINY, "--out", str(out), "rollout_engine=vllm",
@@ -168,6 +186,18 @@ def test_train_with_vllm_in_ray_rollout_actors(tmp_path):
     placed = json.loads((out / "placement.json").read_text())["actors"]
     assert any(a["role"] == "rollout" for a in placed)
     assert not list((out / ".vllm_model").glob("*/*.safetensors"))    # each actor removed its exported weights
+
+
+def test_tools_on_vllm_in_ray_rollout_actors(tmp_path):
+    """executor=ray with tools: each rollout actor runs its episodes' turns on its own vLLM engine and their tools
+    itself; the driver measures the mismatch on the model's tokens."""
+    out = tmp_path / "rt"
+    assert main(["train", "--config", TINY, "rollout_engine=vllm", "executor=ray",
+                 f"tools={ROOT / 'examples' / 'tools' / 'calculator.py'}:multiply",
+                 f"emulate_cluster={ROOT / 'examples' / 'clusters' / 'cpu-2x2.yaml'}", "steps=1", "precision=fp32",
+                 "eval_size=4", "reward=partial", f"out_dir={out}"]) == 0
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "turns_mean" in row and "tool_calls" in row and row["mismatch/abs_diff_max"] < 1e-3
 
 
 def test_a_lora_policy_syncs_its_merged_weights(tmp_path):
