@@ -343,10 +343,7 @@ def _run_batch(model, tokenizer, agent: Agent, episodes: list[Episode], max_new_
             t2 = time.perf_counter()
             _answer(tokenizer, agent, eps, eos, max_new_tokens)
             clock["tool_s"] += time.perf_counter() - t2
-            for ep in eps:     # in row order: the task's first episodes to call a tool fork first
-                if branches > 1 and ep.pending and count[ep.task] + branches - 1 <= cap:
-                    ep.fork = True
-                    count[ep.task] += branches - 1
+            _mark_forks(eps, branches, count, cap)
             keep = [r for r, ep in enumerate(eps) if ep.pending]
             if len(keep) < len(eps):
                 index = torch.tensor(keep, device=device, dtype=torch.long)
@@ -388,12 +385,18 @@ def _run_vllm(worker, tokenizer, agent: Agent, episodes: list[Episode], max_new_
         t0 = time.perf_counter()
         _answer(tokenizer, agent, eps, tokenizer.eos_token_id, max_new_tokens)
         clock["tool_s"] += time.perf_counter() - t0
-        for ep in eps:     # in order: the task's first episodes to call a tool fork first, as in _run_batch
-            if branches > 1 and ep.pending and count[ep.task] + branches - 1 <= cap:
-                ep.fork = True
-                count[ep.task] += branches - 1
+        _mark_forks(eps, branches, count, cap)
         eps = [ep for ep in eps if ep.pending]
     return leaves
+
+
+def _mark_forks(eps: list[Episode], branches: int, count: collections.Counter, cap: int) -> None:
+    """After a round's tool calls: the episodes that go on fork into `branches` while their task has at most `cap`
+    leaves (`count`: leaves per task), in order, so a task's first episodes to call a tool fork first."""
+    for ep in eps:
+        if branches > 1 and ep.pending and count[ep.task] + branches - 1 <= cap:
+            ep.fork = True
+            count[ep.task] += branches - 1
 
 
 def _fork(agent: Agent, ep: Episode, k: int) -> list[Episode]:
