@@ -54,12 +54,10 @@ def choose(cfg, device: torch.device) -> str:
 
 
 def check_config(cfg, precision: RunPrecision) -> None:
-    """What the vLLM rollout does not run yet, refused up front in one line each."""
-    problems = []
+    """What the vLLM rollout does not run, refused up front in one line."""
     if precision.name == "fp64":
-        problems.append("dtype=float64 (vLLM samples in fp32 or bf16; use dtype=float32)")
-    if problems:
-        raise ValueError("rollout_engine=vllm does not run with " + "; ".join(problems))
+        raise ValueError("rollout_engine=vllm does not run with dtype=float64 (vLLM samples in fp32 or bf16; use "
+                         "dtype=float32)")
 
 
 def kv_cache_bytes(model_config, sequences: int, tokens: int, dtype: torch.dtype) -> int:
