@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -247,12 +248,16 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # --version on one line
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what auto choices picked")
     parser.add_argument("--version", action="version", version=_version(),
                         help="hetrl's version and the versions of torch, transformers and vLLM it runs with")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an input error too (for reporting bugs)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # -v and --debug before the subcommand or anywhere after it (`hetrl train --debug`); a subcommand's parser
+    # leaves them unset unless given there, so `hetrl --debug train` keeps the top level's
+    for p, default in ((parser, False), (common := argparse.ArgumentParser(add_help=False), argparse.SUPPRESS)):
+        p.add_argument("-v", "--verbose", action="store_true", default=default, help="log what auto choices picked")
+        p.add_argument("--debug", action="store_true", default=default,
+                       help="show the full traceback of an input error too (for reporting bugs)")
+    with_common = functools.partial(argparse.ArgumentParser, parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=with_common)
 
     pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
     pl.add_argument("--cluster", help="cluster YAML (examples/clusters/); required unless --import")
@@ -289,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_train)
 
     dg = sub.add_parser("diagnose", help="find where a problem comes from")
-    dg_sub = dg.add_subparsers(dest="what", required=True)
+    dg_sub = dg.add_subparsers(dest="what", required=True, parser_class=with_common)
     mm = dg_sub.add_parser("mismatch", help="score one rollout batch three ways (the rollout engine, the trainer at "
                            "the run's precision, fp64) and say which side drifts from the exact log-probs")
     mm.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
@@ -306,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     va.set_defaults(func=_validate)
 
     bench = sub.add_parser("bench", help="measure hetrl against the standard way, side by side")
-    bench_sub = bench.add_subparsers(dest="what", required=True)
+    bench_sub = bench.add_subparsers(dest="what", required=True, parser_class=with_common)
     dk = bench_sub.add_parser("dualkv", help="DualKV vs padded (TRL), packed (verl) and prefix-grouper on CPU")
     dk.add_argument("--quick", action="store_true",
                     help="2 small configurations (4x128x32, 8x128x32): under 2 min on 2 cores, memory included")
@@ -364,7 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. A user-input problem (a bad value, a missing file, an unwritable directory) is one
     line on stderr and exit code 2; other exceptions are bugs and keep their traceback (`--debug`: always)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # argparse takes one run of positionals: key=value written after an option comes back here
+        if hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("train", "diagnose") and args.config is None and not getattr(args, "resume", False) \
             and os.path.isfile(DEFAULT_RUN):
         args.config = DEFAULT_RUN

@@ -32,6 +32,39 @@ def test_unknown_subcommand_fails_cleanly(capsys):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["train", "steps=1", "--config", "R.yaml", "out_dir=o", "--resume", "lr=2"], ["steps=1", "out_dir=o", "lr=2"]),
+    (["train", "--config", "R.yaml", "steps=1", "--debug", "seed=3", "-v"], ["steps=1", "seed=3"]),
+    (["diagnose", "mismatch", "--prompts", "2", "rollout_engine=vllm", "--out", "d", "precision=fp32"],
+     ["rollout_engine=vllm", "precision=fp32"]),
+])
+def test_key_value_overrides_may_come_before_and_after_options(monkeypatch, argv, want):
+    """`hetrl train steps=1 --config R.yaml out_dir=o`: every key=value is an override, in the order written."""
+    import hetrl.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_train", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(cli, "_diagnose", lambda args: seen.append(args) or 0)
+    assert main(argv) == 0 and [a.overrides for a in seen] == [want]
+    assert seen[0].debug == ("--debug" in argv) and seen[0].verbose == ("-v" in argv)
+
+
+@pytest.mark.parametrize("argv", [["--debug", "train"], ["train", "--debug"], ["-v", "train"], ["train", "-v"]])
+def test_debug_and_verbose_before_or_after_the_subcommand(monkeypatch, argv):
+    import hetrl.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_train", lambda args: seen.append(args) or 0)
+    assert main(argv) == 0
+    assert (seen[0].debug, seen[0].verbose) == ("--debug" in argv, "-v" in argv)
+
+
+def test_an_unknown_option_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "steps=1", "--stpes", "2"])
+    assert exc.value.code == 2 and "unrecognized arguments: --stpes 2" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_dualkv_quick_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "demo.json"

@@ -6,6 +6,11 @@ bf16-mixed), and an fp64 forward of the same weights through DualKV's exact path
 hetrl.models.float64_norms). Each side's distance from fp64 says which one drifts: an engine far from fp64 while
 the trainer is close is the engine's (kernels, bf16 weights, a stale weight sync); both at the same distance is
 the shared precision's noise. Written as mismatch.json, mismatch.md (a table by token position) and mismatch.png.
+
+A run with tools or an environment is scored on its multi-turn episodes, rolled out as the run rolls them out
+(the same rounds on either engine): the model's own tokens only, as the run's mismatch and correction count them
+(tool results are context, log-prob 0 on the engine's side); positions count from the start of the response, tool
+tokens included.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from tqdm import tqdm
 
 from hetrl.algo import mismatch_metrics, to_padded
 from hetrl.models import float64_norms
-from hetrl.trainer import build, files
+from hetrl.trainer import build, episodes, files
 from hetrl.trainer.config import load_config
 from hetrl.trainer.engine import make_engine
+from hetrl.trainer.evaluation import replies
 from hetrl.trainer.precision import FP32, RunPrecision
 
 BUCKETS = (0, 4, 16, 64, 256, 1024)
@@ -39,26 +45,27 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
     if cfg.executor != "local":
         raise ValueError("hetrl diagnose mismatch scores one batch in this process; use executor=local (the "
                          "engines and precisions are those of the run)")
-    if cfg.multi_turn:
-        raise ValueError("hetrl diagnose mismatch scores single-turn samples; drop tools / environment")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device, precision, engine_name = decide_run(cfg)
+    tools, environment_factory = episodes.resolve_tools(cfg, None, None)
     model, tokenizer = load_policy(cfg, device)
+    agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
     exact_model = float64_norms(copy.deepcopy(model).double().eval())
-    source = build_source(cfg, tokenizer)
+    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer)
     examples, _, _ = source.train_examples(0, prompts or cfg.prompts_per_step)
-    engine = make_engine(cfg, model, tokenizer, max(len(e.prompt_ids) for e in examples), precision,
+    engine = make_engine(cfg, model, tokenizer, max(len(e.prompt_ids) for e in examples), precision, agent,
                          rollout_engine=engine_name)
     try:
         with tqdm(total=4, desc="diagnose mismatch", unit="pass") as bar:
-            sampled = engine.worker.generate([e.prompt_ids for e in examples], cfg.responses_per_prompt,
-                                             cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                             logprobs=True)
+            sampled = replies(engine.worker, engine.episodes, examples, cfg.responses_per_prompt, cfg.max_new_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, logprobs=True)
             bar.update()
-            groups = [(e.prompt_ids, [s.tokens for s in g]) for e, g in zip(examples, sampled)]
+            groups = [(episodes.group_prompt(e, g).prompt_ids, [s.tokens for s in g])
+                      for e, g in zip(examples, sampled)]
+            samples = [s for g in sampled for s in g]
             sides = {f"rollout engine ({_engine_label(engine_name, engine)})":
-                     torch.cat([s.logprobs for g in sampled for s in g]).double()}
+                     torch.cat([s.logprobs for s in samples]).double()}
             sides[f"trainer ({precision.name})"] = engine.learner.logprobs(groups).double()
             bar.update()
             if precision.autocast:
@@ -69,7 +76,7 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
     finally:
         engine.close()
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
-    report = _report(cfg, exact, sides, lens, engine_name, precision)
+    report = _report(cfg, exact, sides, lens, episodes.loss_mask(samples), engine_name, precision)
     files.write_text(out / "mismatch.json", json.dumps(report, indent=2))
     files.write_text(out / "mismatch.md", _table(report))
     _plot(report, out / "mismatch.png")
@@ -82,8 +89,11 @@ def _engine_label(name: str, engine) -> str:
     return f"hf, {'bf16 copy' if engine.bf16_rollout else engine.precision.name}"
 
 
-def _report(cfg, exact: torch.Tensor, sides: dict, lens: torch.Tensor, engine_name: str, precision) -> dict:
-    mask = to_padded(torch.ones(int(lens.sum()), dtype=torch.float64), lens)
+def _report(cfg, exact: torch.Tensor, sides: dict, lens: torch.Tensor, model_tokens: torch.Tensor | None,
+            engine_name: str, precision) -> dict:
+    """`model_tokens` [K] bool: the model's own tokens (None: all are); tool tokens are context, not scored."""
+    flat = torch.ones(int(lens.sum()), dtype=torch.bool) if model_tokens is None else model_tokens
+    mask = to_padded(flat.double(), lens)
     ref = to_padded(exact, lens)
     per_side = {}
     for name, logp in sides.items():
@@ -104,8 +114,9 @@ def _report(cfg, exact: torch.Tensor, sides: dict, lens: torch.Tensor, engine_na
                    f"mismatch between them is their shared precision's noise, not one side's error")
     return {"config": {k: cfg.to_dict()[k] for k in ("model", "rollout_engine", "precision", "temperature",
                                                     "max_new_tokens", "responses_per_prompt", "seed")},
-            "rollout_engine": engine_name, "precision": precision.name, "tokens": int(lens.sum()),
-            "responses": int(lens.numel()), "buckets": list(BUCKETS), "vs_fp64": per_side,
+            "rollout_engine": engine_name, "precision": precision.name, "tokens": int(flat.sum()),
+            "tool_tokens": int((~flat).sum()), "responses": int(lens.numel()), "buckets": list(BUCKETS),
+            "vs_fp64": per_side,
             "engine_vs_trainer": {k.removeprefix("mismatch/"): v for k, v in between.items()}, "verdict": verdict}
 
 
@@ -118,7 +129,8 @@ def _bucket_keys(report) -> list[tuple[str, str]]:
 def _table(report) -> str:
     cols = [("abs_diff_mean", "mean"), ("abs_diff_p99", "p99"), ("abs_diff_max", "max"), ("kl_k3", "KL k3"),
             ("ratio_out_of_range_frac", "ratio outside [0.5, 2]")]
-    lines = [f"# Rollout-vs-trainer mismatch: {report['tokens']} tokens of {report['responses']} responses",
+    tools = f" (tool results' {report['tool_tokens']} tokens not scored)" if report.get("tool_tokens") else ""
+    lines = [f"# Rollout-vs-trainer mismatch: {report['tokens']} tokens of {report['responses']} responses{tools}",
              "", f"Verdict: {report['verdict']}.", "", "|Δ log p| from an fp64 forward of the same weights:", "",
              "| side | " + " | ".join(c for _, c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     rows = dict(report["vs_fp64"], **{"engine vs trainer": report["engine_vs_trainer"]})

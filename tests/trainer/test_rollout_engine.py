@@ -141,6 +141,48 @@ def test_diagnose_mismatch_scores_one_batch_three_ways(tmp_path, capsys):
     assert mixed["trainer (bf16-mixed)"]["abs_diff_mean"] > 10 * mixed["trainer (fp32)"]["abs_diff_mean"]
 
 
+def test_diagnose_mismatch_scores_a_tool_runs_model_tokens_only(tmp_path, monkeypatch):
+    """With tools, the batch is the run's multi-turn episodes: a tiny model scripted (by position, a forward hook,
+    so the fp64 copy carries it) to call multiply, read its result and answer. Both sides within fp32 rounding
+    of the fp64 forward on the model's tokens; the tool result's tokens (log-prob 0 on the engine's side) are
+    counted apart and not scored, which a score over every token would show as an |dlogp| of several nats."""
+    from hetrl.data.tools import tool_suffix_ids
+    from hetrl.trainer import diagnose, episodes, run
+
+    calc = f"tools={ROOT / 'examples' / 'tools' / 'calculator.py'}:multiply"
+    cfg = load_config(TINY, [calc, "precision=fp32"])
+    model, tok = run.load_policy(cfg, torch.device("cpu"))
+    agent = episodes.agent_from_config(cfg, tok, *episodes.resolve_tools(cfg, None, None))
+    (example,), _, _ = run.build_source(cfg, agent.render_tokenizer(tok)).train_examples(0, 1)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]   # noqa: E731
+    turn1 = enc('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>') + [tok.eos_token_id]
+    result = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}], agent.template)
+    turn2 = enc("42") + [tok.eos_token_id]
+    P, Q = len(example.prompt_ids), len(example.prompt_ids) + len(turn1) + len(result)
+    script = {P + i: t for i, t in enumerate(turn1)} | {Q + i: t for i, t in enumerate(turn2)}
+    table = torch.zeros(max(script) + 1, model.config.vocab_size)
+    for q, t in script.items():
+        table[q - 1, t] = 30.0
+
+    def follow_script(module, args, kwargs, out):
+        pos, keep = kwargs["position_ids"], kwargs.get("logits_to_keep", 0)
+        kept = pos[:, keep] if isinstance(keep, torch.Tensor) else pos[:, -keep:] if keep else pos
+        bias = table.to(out.logits.dtype)[kept.clamp(max=len(table) - 1)] * (kept < len(table))[..., None]
+        out.logits = out.logits + bias
+        return out
+
+    model.register_forward_hook(follow_script, with_kwargs=True)
+    monkeypatch.setattr(run, "load_policy", lambda cfg, device: (model, tok))
+    budget = len(turn1) + len(result) + len(turn2) + 2
+    report = diagnose.mismatch(TINY, [calc, "precision=fp32", f"max_new_tokens={budget}"], out=tmp_path / "d",
+                               prompts=1)
+    n = cfg.responses_per_prompt
+    assert report["tokens"] == n * (len(turn1) + len(turn2)) and report["tool_tokens"] == n * len(result)
+    assert set(report["vs_fp64"]) == {"rollout engine (hf, fp32)", "trainer (fp32)"}
+    assert all(m["abs_diff_max"] < 1e-5 for m in report["vs_fp64"].values())
+    assert f"tool results' {n * len(result)} tokens not scored" in (tmp_path / "d" / "mismatch.md").read_text()
+
+
 def test_a_plan_with_actor_gen_tp_above_1_is_refused_on_cpus():
     from hetrl.trainer.placement import Replica
     from hetrl.trainer.ray_executor import check_vllm_tp

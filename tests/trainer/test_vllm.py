@@ -163,10 +163,12 @@ def test_train_with_tools_on_vllm(tmp_path):
     assert replies["vllm"] == replies["hf"]
 
 
-def test_diagnose_mismatch_with_vllm(tmp_path):
+@pytest.mark.parametrize("tools", [[], [f"tools={ROOT / 'examples' / 'tools' / 'calculator.py'}:multiply"]],
+                         ids=["single-turn", "tools"])
+def test_diagnose_mismatch_with_vllm(tmp_path, tools):
     out = tmp_path / "d"
     assert main(["diagnose", "mismatch", "--config", TINY, "--out", str(out), "rollout_engine=vllm",
-                 "precision=fp32", "--prompts", "2"]) == 0
+                 "precision=fp32", "--prompts", "2", *tools]) == 0
     report = json.loads((out / "mismatch.json").read_text())
     engine = report["vs_fp64"]["rollout engine (vllm, float32)"]
     assert engine["abs_diff_max"] < 1e-4 and report["engine_vs_trainer"]["abs_diff_max"] < 1e-4
