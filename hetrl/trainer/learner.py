@@ -212,6 +212,9 @@ class Learner:
                                               temperature=self.temperature)
             (0.0 * logp.sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
+        if self.sharded:   # the optimizer steps the shards: zero: 2 holds the gathered weights until here
+            from hetrl.trainer.sharding import reshard
+            reshard(self.model)
         grad_norm = _optimizer_step(self.optimizer, [p for p in self.model.parameters() if p.requires_grad],
                                     totals["loss"], self.max_grad_norm, self.grad_sync, self.sharded,
                                     lr=self.lr_at(lr_step) if self.lr_at is not None and lr_step is not None else None)

@@ -379,7 +379,8 @@ class _DataParallel:
 class LearnerActor(_DataParallel):
     """One data-parallel learner rank. `zero` is the plan's strategy for actor training: 1 keeps a full replica
     (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
-    process group is up."""
+    process group is up, and 2 shards gradients and AdamW states but gathers the weights once per optimizer step
+    (DeepSpeed's ZeRO-2, sharding.py)."""
 
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int, zero: int = 1,
                  offload: str = "none", recompute: bool = False):
@@ -394,8 +395,7 @@ class LearnerActor(_DataParallel):
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         # the rollouts sample from bf16 weights (precision.samples_in_bf16): send them bf16, half the bytes
         self.bf16_rollouts = samples_in_bf16(precision, self.policy.module, self.policy.lora)
-        # ZeRO-2 (only gradients and optimizer states sharded) has no FSDP2 form; its memory lies between 1 and 3
-        self.sharded = zero == 3 and world > 1
+        self.zero, self.sharded = zero, zero in (2, 3) and world > 1
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer, precision,
                                      grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
@@ -413,15 +413,25 @@ class LearnerActor(_DataParallel):
         if self.sharded:   # the optimizer and learner are made again over the sharded parameters
             from hetrl.trainer import sharding
 
-            sharding.shard(self.policy.module, offload=self.offload)
+            sharding.shard(self.policy.module, offload=self.offload, zero=self.zero)
             self.optimizer = build.optimizer(self.cfg, self.policy)
             self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision, sharded=True)
 
     def logprobs(self, groups):
-        return self.learner.logprobs(groups)
+        try:
+            return self.learner.logprobs(groups)
+        finally:
+            self._reshard()
 
     def update(self, groups, advantages, weights, old_logp, ref_logp, is_weights=None, lr_step=None):
         return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step, is_weights)
+
+    def _reshard(self) -> None:
+        """zero: 2 ranks free the weights the log-prob passes gathered (an update frees them before its step)."""
+        if self.sharded and self.zero == 2:
+            from hetrl.trainer import sharding
+
+            sharding.reshard(self.policy.module)
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """What weight sync sends, as arrays for the object store. Sharded learners gather the full weights on
@@ -1040,9 +1050,11 @@ class RayEngine:
         if rollout_engine == "vllm":
             check_vllm_tp(self.replicas, ray_has_gpus=not emulated)
             self.correction = vllm_engine.correction(cfg)
-        if cfg.lora_rank and any(r.role == "learner" and r.zero == 3 for r in self.replicas):
-            raise InputError("the plan gives actor_train zero: 3 (FSDP2 learners), which hetrl does not run with LoRA "
-                             "yet: the adapter's states are small; use zero: 1 in the plan, or full fine-tuning")
+        zeros = {r.zero for r in self.replicas if r.role == "learner"}
+        if cfg.lora_rank and zeros & {2, 3}:
+            raise InputError(f"the plan gives actor_train zero: {max(zeros)} (FSDP2 learners), which hetrl does not "
+                             "run with LoRA yet: the adapter's states are small; use zero: 1 in the plan, or full "
+                             "fine-tuning")
         for r in self.replicas:
             if r.role == "critic" and r.rank == 0 and (r.zero != 1 or r.offload != "none"):
                 log.warning("the plan gives critic_train zero: %d, offload: %s; the critics run as replicas without "
@@ -1050,9 +1062,9 @@ class RayEngine:
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
-            if r.role == "learner" and r.rank == 0 and (r.zero == 2 or (r.offload != "none" and r.zero != 3)):
-                log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run them as replicas "
-                            "without offload (zero: 2 has no FSDP2 form; offload runs with zero: 3)", r.zero, r.offload)
+            if r.role == "learner" and r.rank == 0 and r.offload != "none" and r.zero != 3:
+                log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run without offload "
+                            "(FSDP2's CPU offload runs with zero: 3)", r.zero, r.offload)
         self._started = not ray.is_initialized()
         self._temp_made: str | None = None
         self._token: str | None = None   # the local Ray's auth token this run made (dropped at close)
@@ -1121,7 +1133,7 @@ class RayEngine:
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed,
                                   homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
         self.learner = LearnerGroup(learners, on_failure=lambda e: self._failed("learner", e),
-                                    sharded=len(learners) > 1 and by_role["learner"][0].zero == 3)
+                                    sharded=len(learners) > 1 and by_role["learner"][0].zero in (2, 3))
         self.transport = weight_transport(cfg, gpus=real)
         self.worker.learner = self.learner
         self.worker.new_address = lambda: self.learner.rendezvous(emulated, cfg.out_dir)
@@ -1141,8 +1153,11 @@ class RayEngine:
                           f"{', '.join(g for p in placed if p['role'] == role for g in p['gpus'])}"
                           for role in ROLES if any(p["role"] == role for p in placed))
         source = self.cfg.plan or "planned now (hybrid)"
-        shards = ("; the learners are FSDP2 shards (zero: 3: parameters, gradients and optimizer states split over "
-                  f"{sum(p['role'] == 'learner' for p in placed)} ranks)" if self.learner.sharded else "")
+        zero = next(r.zero for r in self.replicas if r.role == "learner")
+        shards = (f"; the learners are FSDP2 shards (zero: {zero}: parameters, gradients and optimizer states split "
+                  f"over {sum(p['role'] == 'learner' for p in placed)} ranks"
+                  + (", the weights gathered once per optimizer step" if zero == 2 else "") + ")"
+                  if self.learner.sharded else "")
         sync = (f"{self.worker.backend} broadcast from learner rank 0 to the rollout actors"
                 if self.transport == "collective" else "through Ray's object store")
         tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})"

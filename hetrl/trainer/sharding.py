@@ -1,15 +1,21 @@
-"""ZeRO-3 learners with PyTorch's own FSDP2 (`torch.distributed.fsdp.fully_shard`): what a plan's `zero: 3` means.
+"""ZeRO-3 and ZeRO-2 learners with PyTorch's own FSDP2 (`torch.distributed.fsdp.fully_shard`): what a plan's
+`zero: 3` and `zero: 2` mean.
 
 Each decoder layer and then the whole model are sharded over the learners' process group (gloo on CPU, NCCL on
 GPU): every rank holds 1/world of the parameters, gradients and AdamW states, and all-gathers a layer's weights
-for its forward and backward. Nothing here is hand-written collective code; it only states what hetrl's learner
-needs of FSDP2:
+for its forward and backward. `zero: 2` is DeepSpeed's ZeRO-2, as the planner prices it (docs/cost_model.md):
+the weights are gathered once, at the first pass after an optimizer step, and held whole through every
+micro-batch's forward and backward (FSDP2's `reshard_after_forward=False` and `set_reshard_after_backward(False)`);
+each micro-batch's gradients are reduce-scattered as with `zero: 3`, and AdamW states are split. `reshard` frees
+the gathered weights: before the optimizer step (which steps the shards) and after a pass without a backward.
+
+Nothing here is hand-written collective code; it only states what hetrl's learner needs of FSDP2:
 
 - gradients **summed** over ranks, not averaged: the loss weights are global (token_weights over the whole
   batch), so the sum is the one-learner gradient (FSDP2's default divides by the world size);
-- every rank runs the **same number of passes**: each forward all-gathers, so a rank with fewer micro-batches
-  (groups are split by tokens) runs zero-weight passes on a one-token dummy until all have run as many
-  (`common_count`);
+- every rank runs the **same number of passes**: each backward reduce-scatters (and each forward of zero: 3
+  all-gathers), so a rank with fewer micro-batches (groups are split by tokens) runs zero-weight passes on a
+  one-token dummy until all have run as many (`common_count`);
 - full weights when they leave the learners (weight sync, checkpoints): `full_state` gathers them on rank 0,
   a collective every rank calls.
 
@@ -42,21 +48,33 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard(model, offload: bool = False) -> torch.nn.Module:
+def shard(model, offload: bool = False, zero: int = 3) -> torch.nn.Module:
     """Shard `model` in place over the default process group: each decoder layer, then the rest (embeddings,
-    final norm, LM head) at the root. Gradients are summed over ranks. `offload`: FSDP2's CPUOffloadPolicy, which
+    final norm, LM head) at the root. Gradients are summed over ranks. `zero`: 3 frees a layer's gathered weights
+    after each use, 2 holds them until `reshard` (module docstring). `offload`: FSDP2's CPUOffloadPolicy, which
     keeps the parameter, gradient and optimizer-state shards in host memory, copies a layer's shard to the GPU for
     its pass and runs the optimizer step on the CPU. FSDP2 has no optimizer-only offload, so a plan's
     `offload: optimizer` and `offload: params` both run as this (on a CPU-only host it changes nothing)."""
+    if zero not in (2, 3):
+        raise ValueError(f"FSDP2 shards for zero: 2 or 3, got {zero!r}")
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
     for layer in decoder_layers(model):
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+        fully_shard(layer, reshard_after_forward=zero == 3, **policy)
+    fully_shard(model, reshard_after_forward=zero == 3, **policy)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no PREMUL_SUM / AVG
+            m.set_reshard_after_backward(zero == 3, recurse=False)
     return model
+
+
+def reshard(model) -> None:
+    """Free every gathered weight of a sharded `model` and register its shards again (a no-op where none is
+    held, as with zero: 3 between passes): zero: 2 holds them from a pass until this is called."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def is_sharded(model) -> bool:

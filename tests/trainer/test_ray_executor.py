@@ -186,7 +186,7 @@ def _learner_group(world, cfg, zero=1, offload="none", recompute=False):
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
-    return actors, LearnerGroup(actors, sharded=zero == 3 and world > 1)
+    return actors, LearnerGroup(actors, sharded=zero in (2, 3) and world > 1)
 
 
 FOUR = ((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17]))
@@ -195,11 +195,13 @@ ONE = ((20, [5, 0, 9, 1]),)
 
 @pytest.mark.parametrize("shapes, zero, offload, recompute", [
     (FOUR, 1, "none", False), (ONE, 1, "none", False), (FOUR, 3, "none", False), (ONE, 3, "none", False),
+    (FOUR, 2, "none", False), (ONE, 2, "none", False),
     # wiring checks (on a CPU host the offloaded states stay where they were; recompute is tested locally too)
     pytest.param(FOUR, 3, "optimizer", False, marks=pytest.mark.slow),
     pytest.param(FOUR, 3, "none", True, marks=pytest.mark.slow)],
     ids=["replicas-4-groups", "replicas-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
-         "fsdp2-1-group-so-rank-1-gets-none", "fsdp2-offload-4-groups", "fsdp2-recompute-4-groups"])
+         "fsdp2-1-group-so-rank-1-gets-none", "zero2-4-groups", "zero2-1-group-so-rank-1-gets-none",
+         "fsdp2-offload-4-groups", "fsdp2-recompute-4-groups"])
 def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero, offload, recompute):
     """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
     it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 3 the two
@@ -532,8 +534,9 @@ def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tm
     assert set(ray._private.state.actors()) == actors_before   # refused before any actor was created
 
 
-def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path):
-    """zero: 3 learners gather their shards into the same checkpoint files as replicas write (weights and
+@pytest.mark.parametrize("zero", [3, 2])
+def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path, zero):
+    """zero: 3 (and 2) learners gather their shards into the same checkpoint files as replicas write (weights and
     torch's own optimizer.state_dict() form): two sharded learners resumed from it take the step they would
     have taken, and so does one unsharded learner (fp64)."""
     cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
@@ -547,7 +550,7 @@ def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray
         old = group.logprobs(groups)
         group.update(groups, advantages, weights, old + 0.01)
 
-    actors, group = _learner_group(2, cfg, zero=3)
+    actors, group = _learner_group(2, cfg, zero=zero)
     step(group)
     path = group.call_rank0("save", cfg.out_dir, 1, {}, {"note": "test"})
     step(group)
@@ -556,8 +559,8 @@ def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray
         ray.kill(a)
     state = torch.load(pathlib.Path(path) / "trainer_state.pt", weights_only=True)["optimizer"]
     assert sorted(state["state"]) == list(range(len(state["state"]))) and state["param_groups"][0]["params"][0] == 0
-    for world, zero in ((2, 3), (1, 1)):
-        actors, group = _learner_group(world, cfg, zero=zero)
+    for world, stage in ((2, zero), (1, 1)):
+        actors, group = _learner_group(world, cfg, zero=stage)
         ray.get([a.load.remote(path) for a in actors])
         step(group)
         resumed = ray.get(group.weights_ref())
@@ -567,13 +570,14 @@ def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray
             ray.kill(a)
 
 
-def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_path):
+@pytest.mark.parametrize("zero", [3, 2])
+def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_path, zero):
     plan = json.loads(json.dumps(PLAN))
-    plan["groups"][1]["parallelism"]["actor_train"]["zero"] = 3
+    plan["groups"][1]["parallelism"]["actor_train"]["zero"] = zero
     (tmp_path / "plan.json").write_text(json.dumps({"plan": plan}))
     cfg = _cfg(tmp_path, f"plan={tmp_path / 'plan.json'}", "lora_rank=4", KL)
     model, tokenizer = load_model("tiny")
-    with pytest.raises(InputError, match="zero: 3 .*LoRA"):
+    with pytest.raises(InputError, match=f"zero: {zero} .*LoRA"):
         RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
 
 
