@@ -312,9 +312,12 @@ def critic_model(cfg: RunConfig, policy_model=None):
     return model if policy_model is None else model.to(policy_model.get_input_embeddings().weight.device)
 
 
-def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None) -> Critic | None:
+def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero: int = 1,
+           offload: bool = False) -> Critic | None:
     """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
-    own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). None unless algorithm=ppo."""
+    own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). `zero` 2 or 3: the decoder and
+    the head sharded over the default process group before the optimizer is made (hetrl.trainer.sharding;
+    `offload`: FSDP2's CPU offload). None unless algorithm=ppo."""
     if not cfg.has_critic:
         return None
     if cfg.gradient_checkpointing:
@@ -324,7 +327,13 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None) -> Cr
     head = torch.nn.Linear(hidden, 1, dtype=dtype, device=model.get_input_embeddings().weight.device)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
+    if zero in (2, 3):
+        from hetrl.trainer import sharding
+
+        sharding.shard(model, offload=offload, zero=zero, decoder_only=True)
+        sharding.shard_module(head, offload=offload, zero=zero)
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
-                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision)
+                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision,
+                  sharded=zero in (2, 3))

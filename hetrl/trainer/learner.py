@@ -261,11 +261,12 @@ class Critic:
     def __init__(self, model, head: torch.nn.Linear, optimizer: torch.optim.Optimizer, *, impl: str = "auto",
                  micro_batch_tokens: int = 4096, vf_clip: float | None = 0.2, max_grad_norm: float = 1.0,
                  grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None,
-                 precision: RunPrecision = FP32):
+                 precision: RunPrecision = FP32, sharded: bool = False):
         self.model, self.head, self.optimizer, self.precision = model, head, optimizer, precision
         self.impl, self.micro_batch_tokens, self.vf_clip, self.max_grad_norm = impl, micro_batch_tokens, vf_clip, \
             max_grad_norm
         self.grad_sync = grad_sync   # data-parallel critics: gradients summed over the ranks, as the Learner's
+        self.sharded = sharded       # an FSDP2 rank (model and head sharded): as many passes as the others
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in [*self.model.parameters(), *self.head.parameters()] if p.requires_grad]
@@ -277,21 +278,29 @@ class Critic:
 
     def values(self, groups: Groups) -> torch.Tensor:
         """No-grad values [K] of the state before every response token of `groups`."""
+        batches = _micro_batches(groups, self.micro_batch_tokens)
+        dummies = _dummy_passes(len(batches), self.sharded)
         with torch.no_grad():
-            parts = [self._values(b) for b, _ in _micro_batches(groups, self.micro_batch_tokens)]
+            parts = [self._values(b) for b, _ in batches]
+            for _ in range(dummies):
+                self._values(pack_groups(DUMMY))
+        if self.sharded:
+            self._reshard()
         return torch.cat(parts).detach().cpu() if parts else torch.zeros(0, dtype=self.head.weight.dtype)
 
     def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
                weights: torch.Tensor) -> CriticStats:
         """One optimizer step of the clipped value loss, per-token `weights` as the policy loss's. With `grad_sync`
         this rank takes part even with nothing to learn from (the others wait for it)."""
-        if float(weights.sum()) == 0 and self.grad_sync is None:
+        if float(weights.sum()) == 0 and self.grad_sync is None and not self.sharded:
             return CriticStats(0.0, 0.0, 0.0)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = clip_total = 0.0
         offset = 0
-        for batch, sl in [(b, at) for b, at in _micro_batches(groups, self.micro_batch_tokens) if at.numel()]:
+        batches = [(b, at) for b, at in _micro_batches(groups, self.micro_batch_tokens) if at.numel()]
+        dummies = _dummy_passes(len(batches), self.sharded)
+        for batch, sl in batches:
             offset += sl.numel()
             v = self._values(batch)
             w = weights[sl].to(v.device, v.dtype)
@@ -301,16 +310,52 @@ class Critic:
             loss.backward()
             loss_total += loss.item()
             clip_total += (w * clipped).sum().item()
+        for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
+            (0.0 * self._values(pack_groups(DUMMY)).sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
-        grad_norm = _optimizer_step(self.optimizer, self.parameters(), loss_total, self.max_grad_norm, self.grad_sync)
+        if self.sharded:   # the optimizer steps the shards (zero: 2 holds the gathered weights until here)
+            self._reshard()
+        grad_norm = _optimizer_step(self.optimizer, self.parameters(), loss_total, self.max_grad_norm, self.grad_sync,
+                                    self.sharded)
         return CriticStats(loss_total, clip_total, grad_norm)
 
+    def _reshard(self) -> None:
+        from hetrl.trainer.sharding import reshard
+
+        reshard(self.model)
+        reshard(self.head)
+
+    def _both(self) -> torch.nn.Module:
+        """The decoder and the head as one module ("model.*", "head.*"), its parameters in self.parameters()'s
+        order: what the sharded state's gather and load address."""
+        return torch.nn.ModuleDict({"model": self.model, "head": self.head})
+
     def state(self) -> dict:
-        """Everything a checkpoint keeps of the critic (tensors only: loaded back with weights_only=True)."""
-        return {"model": self.model.state_dict(), "head": self.head.state_dict(),
-                "optimizer": self.optimizer.state_dict()}
+        """Everything a checkpoint keeps of the critic (tensors only: loaded back with weights_only=True). Sharded
+        ranks gather the full states on rank 0 into the same form (every rank must call it; the others get {})."""
+        if not self.sharded:
+            return {"model": self.model.state_dict(), "head": self.head.state_dict(),
+                    "optimizer": self.optimizer.state_dict()}
+        from hetrl.trainer import sharding
+
+        both = self._both()
+        full, optimizer = sharding.full_state(both), sharding.full_optimizer_state(both, self.optimizer)
+        if not full:
+            return {}
+        return {"model": {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")},
+                "head": {k.removeprefix("head."): v for k, v in full.items() if k.startswith("head.")},
+                "optimizer": optimizer}
 
     def load_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """A checkpoint's critic state (state()'s form, from replicas or shards) into this critic."""
+        if not self.sharded:
+            self.model.load_state_dict(state["model"])
+            self.head.load_state_dict(state["head"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        from hetrl.trainer import sharding
+
+        both = self._both()
+        sharding.load_full_state(both, {**{f"model.{k}": v for k, v in state["model"].items()},
+                                        **{f"head.{k}": v for k, v in state["head"].items()}})
+        sharding.load_optimizer_state(both, self.optimizer, state["optimizer"])

@@ -5,8 +5,9 @@ below are thin wrappers made at placement time, and the driver-side pools give t
 `generate` / `logprobs` / `update` / `values` calls as the local engine. What only Ray gives:
 - placement: each actor requests its plan GPUs as node resources (placement.py);
 - data-parallel learners and critics (PPO): each role's ranks form a torch.distributed group of their own
-  (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping, groups assigned whole to ranks,
-  balanced by packed tokens; the critic's state goes into the learner's checkpoint (checkpoint.stage);
+  (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping (or, with the plan's zero: 2 / 3, FSDP2
+  shards: sharding.py), groups assigned whole to ranks, balanced by packed tokens; the critic's state goes into
+  the learner's checkpoint (checkpoint.stage);
 - weight sync (weight_transport): learner rank 0 broadcasts each version to the rollout actors over a
   torch.distributed group of their own (NCCL on GPUs, gloo on CPU), in buckets; or puts it into the object store
   once and every rollout actor reads it (Ray moves one copy per node) between generation calls (auto's choice on
@@ -491,15 +492,19 @@ class LearnerActor(_DataParallel):
 
 class CriticActor(_DataParallel):
     """One data-parallel critic rank (PPO's critic_train, with its bound critic_infer): the critic's values and
-    its clipped value update, gradients all-reduced over the critic ranks as the learners' are. The plan's ZeRO
-    stage is not applied here: every rank holds the whole critic (a replica)."""
+    its clipped value update. `zero` is the plan's for critic_train, as the learners': 1 a replica (gradients
+    all-reduced over the critic ranks), 2 and 3 the decoder and value head sharded with FSDP2 once the process
+    group is up (sharding.py)."""
 
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int,
-                 recompute: bool = False):
+                 recompute: bool = False, zero: int = 1, offload: str = "none"):
         _start(threads)
         model = _on_device(precision, build.critic_model(cfg))
-        self.cfg, self.rank, self.world = cfg, rank, world
-        self.critic = build.critic(cfg, model, precision, grad_sync=allreduce_grads if world > 1 else None)
+        self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
+        self.zero, self.sharded = zero, zero in (2, 3) and world > 1
+        self.offload = zero == 3 and offload != "none"
+        self.critic = build.critic(cfg, model, precision,
+                                   grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
             build.recompute(model)
 
@@ -508,6 +513,9 @@ class CriticActor(_DataParallel):
 
     def init_process_group(self, address: str) -> None:
         self._join(address, self.critic.parameters())
+        if self.sharded:   # made again over the sharded decoder: a new zero head and its optimizer
+            self.critic = build.critic(self.cfg, self.critic.model, self.precision, zero=self.zero,
+                                       offload=self.offload)
 
     def values(self, groups):
         return self.critic.values(groups)
@@ -515,12 +523,23 @@ class CriticActor(_DataParallel):
     def update(self, groups, returns, old_values, weights):
         return self.critic.update(groups, returns, old_values, weights)
 
-    def stage(self, run_dir: str) -> str:
-        """The critic's state, staged for the next checkpoint (rank 0; the ranks are identical)."""
-        return str(checkpoint.stage(pathlib.Path(run_dir), checkpoint.CRITIC, self.critic.state()))
+    def stage(self, run_dir: str) -> str | None:
+        """The critic's state, staged for the next checkpoint (rank 0; replicas are identical). Sharded ranks all
+        gather it first; the others return None."""
+        state = self.critic.state()
+        if self.sharded and self.rank != 0:
+            return None
+        return str(checkpoint.stage(pathlib.Path(run_dir), checkpoint.CRITIC, state))
 
     def load(self, path: str) -> None:
         self.critic.load_state(checkpoint.read_staged(pathlib.Path(path), checkpoint.CRITIC))
+
+
+def _shards_said(name: str, ranks: list) -> str:
+    """The log's words for a role's FSDP2 ranks (the plan's zero: 2 or 3 for its training task)."""
+    zero = ranks[0].zero
+    return (f"; the {name} are FSDP2 shards (zero: {zero}: parameters, gradients and optimizer states split over "
+            f"{len(ranks)} ranks" + (", the weights gathered once per optimizer step" if zero == 2 else "") + ")")
 
 
 def allreduce_grads(params: list[torch.nn.Parameter]) -> None:
@@ -574,8 +593,9 @@ def _call(handles, method: str, *args_per_handle):
 class DataParallelScorer:
     """Log-probs of groups spread over data-parallel actors (learners or references), reassembled in order."""
 
-    def __init__(self, actors, on_failure=None):
+    def __init__(self, actors, on_failure=None, sharded: bool = False):
         self.actors, self.on_failure = actors, on_failure
+        self.sharded = sharded   # FSDP2 ranks: gathering the full states is a collective all of them join
 
     def logprobs(self, groups) -> torch.Tensor:
         return self._per_token("logprobs", groups)
@@ -606,6 +626,12 @@ class DataParallelScorer:
     def call_first(self, method: str, *args):
         """`method(*args)` on the first actor (learner rank 0 writes checkpoints), with the failure handling."""
         return self._get([getattr(self.actors[0], method).remote(*args)])[0]
+
+    def call_rank0(self, method: str, *args):
+        """`method(*args)` answered by rank 0 (checkpoints); sharded ranks all take part in gathering."""
+        if not self.sharded:
+            return self.call_first(method, *args)
+        return self.call_all(method, *args)[0]
 
     def _get(self, refs):
         try:
@@ -677,10 +703,6 @@ class LearnerGroup(DataParallelScorer):
     share of the groups, gradients summed across ranks (the loss weights are global, so the sum is the
     single-learner gradient)."""
 
-    def __init__(self, actors, on_failure=None, sharded: bool = False):
-        super().__init__(actors, on_failure)
-        self.sharded = sharded   # FSDP2 ranks: gathering the full weights is a collective all of them join
-
     def weights_ref(self):
         """Object ref of the full weights (what weight sync sends): rank 0's; sharded ranks all gather."""
         refs = [a.weights.remote() for a in (self.actors if self.sharded else self.actors[:1])]
@@ -698,12 +720,6 @@ class LearnerGroup(DataParallelScorer):
     def rendezvous(self, local: bool, run_dir: str) -> str:
         """A fresh address for a group rooted at rank 0 (`_DataParallel.rendezvous`)."""
         return self.call_first("rendezvous", local, run_dir)
-
-    def call_rank0(self, method: str, *args):
-        """`method(*args)` answered by rank 0 (checkpoints); sharded ranks all take part in gathering."""
-        if not self.sharded:
-            return self.call_first(method, *args)
-        return self.call_all(method, *args)[0]
 
     def update(self, groups, advantages, weights, old_logp, ref_logp=None, lr_step=None,
                is_weights=None) -> UpdateStats:
@@ -1056,9 +1072,9 @@ class RayEngine:
                              "run with LoRA yet: the adapter's states are small; use zero: 1 in the plan, or full "
                              "fine-tuning")
         for r in self.replicas:
-            if r.role == "critic" and r.rank == 0 and (r.zero != 1 or r.offload != "none"):
-                log.warning("the plan gives critic_train zero: %d, offload: %s; the critics run as replicas without "
-                            "offload (gradients all-reduced)", r.zero, r.offload)
+            if r.role == "critic" and r.rank == 0 and r.offload != "none" and r.zero != 3:
+                log.warning("the plan gives critic_train zero: %d, offload: %s; the critics run without offload "
+                            "(FSDP2's CPU offload runs with zero: 3)", r.zero, r.offload)
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
@@ -1123,7 +1139,7 @@ class RayEngine:
         references = [_remote(ReferenceActor, r, real).remote(cfg, p, threads[r.name])
                       for r in by_role["reference"]] if cfg.has_reference else []
         critics = [_remote(CriticActor, r, real).remote(cfg, p, threads[r.name], r.rank, len(by_role["critic"]),
-                                                        r.recompute) for r in by_role["critic"]]
+                                                        r.recompute, r.zero, r.offload) for r in by_role["critic"]]
         self.actors = {"rollout": rollouts, "learner": learners, "reference": references, "critic": critics}
         ray.get([a.whereabouts.remote() for actors in self.actors.values() for a in actors])  # all started
         for ranks in (learners, critics):   # each role's data-parallel ranks: a torch.distributed group of its own
@@ -1140,7 +1156,8 @@ class RayEngine:
         self.worker.backend = "nccl" if real else "gloo"
         self.episodes = RayEpisodes(self.worker) if self.agent is not None else None
         self.reference = DataParallelScorer(references) if references else None
-        self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e)) if critics else None
+        self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e),
+                                  sharded=len(critics) > 1 and by_role["critic"][0].zero in (2, 3)) if critics else None
         self.last_checkpoint = None
         self.weight_bytes = None
         self.pending_sync: list = []
@@ -1153,11 +1170,10 @@ class RayEngine:
                           f"{', '.join(g for p in placed if p['role'] == role for g in p['gpus'])}"
                           for role in ROLES if any(p["role"] == role for p in placed))
         source = self.cfg.plan or "planned now (hybrid)"
-        zero = next(r.zero for r in self.replicas if r.role == "learner")
-        shards = (f"; the learners are FSDP2 shards (zero: {zero}: parameters, gradients and optimizer states split "
-                  f"over {sum(p['role'] == 'learner' for p in placed)} ranks"
-                  + (", the weights gathered once per optimizer step" if zero == 2 else "") + ")"
-                  if self.learner.sharded else "")
+        shards = "".join(_shards_said(name, [r for r in self.replicas if r.role == role])
+                         for role, name, group in (("learner", "learners", self.learner),
+                                                   ("critic", "critics", self.critic))
+                         if group is not None and group.sharded)
         sync = (f"{self.worker.backend} broadcast from learner rank 0 to the rollout actors"
                 if self.transport == "collective" else "through Ray's object store")
         tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})"
@@ -1227,7 +1243,7 @@ class RayEngine:
         return {}     # the rollout's phases run in the actors, unmeasured here
 
     def save(self, run_dir: pathlib.Path, step: int, extra: dict, config: dict) -> pathlib.Path:
-        staged = {checkpoint.CRITIC: self.critic.call_first("stage", str(run_dir))} if self.critic else None
+        staged = {checkpoint.CRITIC: self.critic.call_rank0("stage", str(run_dir))} if self.critic else None
         # the pool's call count seeds its chunks: restored on resume, the next steps draw the samples they would have
         extra = extra | {"rollout_calls": self.worker.calls}
         path = pathlib.Path(self.learner.call_rank0("save", str(run_dir), step, extra, config, staged))

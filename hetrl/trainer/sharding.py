@@ -48,25 +48,35 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard(model, offload: bool = False, zero: int = 3) -> torch.nn.Module:
+def shard(model, offload: bool = False, zero: int = 3, decoder_only: bool = False) -> torch.nn.Module:
     """Shard `model` in place over the default process group: each decoder layer, then the rest (embeddings,
     final norm, LM head) at the root. Gradients are summed over ranks. `zero`: 3 frees a layer's gathered weights
-    after each use, 2 holds them until `reshard` (module docstring). `offload`: FSDP2's CPUOffloadPolicy, which
+    after each use, 2 holds them until `reshard` (module docstring). `decoder_only`: the model's decoder is called
+    without its LM head (PPO's critic), so the decoder is a unit of its own. `offload`: FSDP2's CPUOffloadPolicy, which
     keeps the parameter, gradient and optimizer-state shards in host memory, copies a layer's shard to the GPU for
     its pass and runs the optimizer step on the CPU. FSDP2 has no optimizer-only offload, so a plan's
     `offload: optimizer` and `offload: params` both run as this (on a CPU-only host it changes nothing)."""
+    for layer in decoder_layers(model):
+        _fully_shard(layer, offload, zero)
+    if decoder_only:   # the critic runs the decoder alone (get_decoder()): the embeddings and norm are its unit
+        _fully_shard(model.get_decoder(), offload, zero)
+    return _fully_shard(model, offload, zero)
+
+
+def shard_module(module, offload: bool = False, zero: int = 3) -> torch.nn.Module:
+    """Shard a module that is called on its own (the critic's value head) as one unit, as `shard` does."""
+    return _fully_shard(module, offload, zero)
+
+
+def _fully_shard(module, offload: bool, zero: int) -> torch.nn.Module:
     if zero not in (2, 3):
         raise ValueError(f"FSDP2 shards for zero: 2 or 3, got {zero!r}")
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=zero == 3, **policy)
-    fully_shard(model, reshard_after_forward=zero == 3, **policy)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no PREMUL_SUM / AVG
-            m.set_reshard_after_backward(zero == 3, recurse=False)
-    return model
+    fully_shard(module, reshard_after_forward=zero == 3, **policy)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no PREMUL_SUM / AVG
+    module.set_reshard_after_backward(zero == 3, recurse=False)
+    return module
 
 
 def reshard(model) -> None:
@@ -126,4 +136,6 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     names = _trainable_names(model)
     osd = {"state": {names[i]: v for i, v in state["state"].items()},
            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+    # strict=False: a parameter that never had a gradient (the critic's unused LM head) has no state, as in
+    # torch's own optimizer.load_state_dict, which starts such a parameter's moments afresh
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import threading
 import time
 
@@ -421,32 +422,41 @@ def test_a_dead_learner_stops_the_run_and_says_how_to_resume(local_ray, tmp_path
         engine.close()
 
 
-def _critic_group(world, cfg):
-    actors = [ray.remote(CriticActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, r, world) for r in range(world)]
+def _critic_group(world, cfg, zero=1):
+    actors = [ray.remote(CriticActor).options(num_cpus=0).remote(cfg, decide(cfg), 1, r, world, False, zero)
+              for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].rendezvous.remote(True, cfg.out_dir))
         ray.get([a.init_process_group.remote(address) for a in actors])
-    return actors, CriticGroup(actors)
+    return actors, CriticGroup(actors, sharded=zero in (2, 3) and world > 1)
 
 
-def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path):
+def _critic_batch(seed, shapes):
+    groups = _groups(shapes=shapes)
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])
+    returns = torch.randn(int(lens.sum()), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return groups, returns, token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "token-mean")
+
+
+@pytest.mark.parametrize("zero", [1, 3, 2], ids=["replicas", "fsdp2", "zero2"])
+def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path, zero):
     """PPO's critic_train with dp 2: values spread over the ranks and put back in order, and value steps on two
-    ranks (gradients all-reduced, value head included) are the one-critic steps; the ranks stay identical. The
-    second step has one group, so rank 1 gets none and joins the all-reduce with zero gradients."""
+    ranks (gradients all-reduced, value head included) are the one-critic steps; the replicas stay identical. The
+    second step has one group, so rank 1 gets none and joins the all-reduce with zero gradients. With the plan's
+    zero: 3 or 2 the two ranks are FSDP2 shards of the decoder and the head (rank 1 then runs zero-weight passes
+    to match rank 0's): the same steps."""
     cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
                "weight_decay=0.01", "vf_clip=0.05")
     results = {}
     for world in (1, 2):
-        actors, group = _critic_group(world, cfg)
+        actors, group = _critic_group(world, cfg, zero if world > 1 else 1)
         results[world] = []
         for seed, shapes in ((3, FOUR), (4, ONE)):
-            groups = _groups(shapes=shapes)
-            lens = torch.tensor([len(r) for _, rs in groups for r in rs])
-            returns = torch.randn(int(lens.sum()), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-            weights = token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "token-mean")
+            groups, returns, weights = _critic_batch(seed, shapes)
             old = group.values(groups)
             stats = group.update(groups, returns, old - 0.1 * returns, weights)   # clipped where |return| > 0.5
-            after = [ray.get(a.values.remote(groups)) for a in actors]           # every rank's whole critic
+            # every replica's whole critic; shards answer together
+            after = [group.values(groups)] if group.sharded else [ray.get(a.values.remote(groups)) for a in actors]
             results[world].append((old, stats, after))
         for a in actors:
             ray.kill(a)
@@ -457,7 +467,43 @@ def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path):
         assert math.isclose(s1.grad_norm, s2.grad_norm, rel_tol=1e-8)
         assert (after1 - old1).abs().max() > 1e-3                              # the step moved the values
         assert torch.allclose(after2[0], after1, rtol=0, atol=1e-9 * after1.abs().max())
-        assert torch.equal(after2[0], after2[1]), "the critic ranks disagree after the step"
+        if len(after2) > 1:
+            assert torch.equal(after2[0], after2[1]), "the critic ranks disagree after the step"
+
+
+def test_sharded_critics_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path):
+    """zero: 3 critics gather decoder, head and AdamW states into the critic.pt one critic writes: two sharded
+    critics resumed from it take the step they would have taken, and so does one unsharded critic (fp64)."""
+    cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
+               "weight_decay=0.01")
+    groups, returns, weights = _critic_batch(5, FOUR)
+
+    def step(group):
+        old = group.values(groups)
+        group.update(groups, returns, old - 0.1 * returns, weights)
+
+    actors, group = _critic_group(2, cfg, zero=3)
+    step(group)
+    staged = group.call_rank0("stage", cfg.out_dir)
+    ckpt = tmp_path / "ckpt"        # what save() makes of the staged file: the checkpoint's critic.pt
+    ckpt.mkdir()
+    shutil.copy(staged, ckpt / "critic.pt")
+    state = torch.load(staged, weights_only=True)
+    assert set(state) == {"model", "head", "optimizer"} and set(state["head"]) == {"weight", "bias"}
+    indices = state["optimizer"]["param_groups"][0]["params"]   # torch's form: parameters by index, head last
+    assert set(state["optimizer"]["state"]) <= set(indices) and set(indices[-2:]) <= set(state["optimizer"]["state"])
+    step(group)
+    straight = group.values(groups)
+    for a in actors:
+        ray.kill(a)
+    for world, zero in ((2, 3), (1, 1)):
+        actors, group = _critic_group(world, cfg, zero=zero)
+        ray.get([a.load.remote(str(ckpt)) for a in actors])
+        step(group)
+        resumed = group.values(groups)
+        assert torch.allclose(resumed, straight, rtol=0, atol=1e-9 * straight.abs().max()), world
+        for a in actors:
+            ray.kill(a)
 
 
 @pytest.mark.slow   # 50 s: a PPO run, a kill, a resume; the slow tier keeps it (the default suite stays under 10 min)
