@@ -1,15 +1,17 @@
-"""What a plan's `zero: 3` buys a learner (hetrl/trainer/sharding.py): memory and step time of FSDP2 shards over 2
-ranks against `zero: 1` (2 replicas, gradients all-reduced), SmolLM2-135M in fp32 with gloo; result:
+"""What a plan's `zero: 3` and `zero: 2` buy a learner (hetrl/trainer/sharding.py): memory and step time of FSDP2
+shards over 2 ranks against `zero: 1` (2 replicas, gradients all-reduced), SmolLM2-135M in fp32 with gloo; result:
 benchmarks/results/learner_sharding.md.
 
     python -m benchmarks.learner_sharding [--steps 4] [--out benchmarks/results]
 
 Each setting starts 2 processes (torch.multiprocessing, gloo on loopback, 1 torch thread each: one core each), builds
-the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 3, sharding.shard before
-the optimizer), and runs `steps` updates on the same fixed groups (8 prompts x 4 responses, DualKV micro-batches).
-Per rank it reports:
-  - states: bytes of parameters + gradients + AdamW moments this rank holds (counted from its tensors; for zero 3
-    the local shards), at the end of an update before the gradients are freed;
+the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 2 and 3, sharding.shard
+before the optimizer), and runs `steps` updates on the same fixed groups (8 prompts x 4 responses, DualKV
+micro-batches). Per rank it reports:
+  - states: bytes of parameters + gradients + AdamW moments this rank holds (counted from its tensors; for zero 2
+    and 3 the local shards), at the end of an update before the gradients are freed; for zero 2 also the
+    parameters it holds through the passes (the whole model, gathered once per step), counted just before they
+    are freed for the optimizer step;
   - peak RSS: during the updates (VmHWM reset just before them), of loading and sharding, and of the process;
   - step time: median over the updates after the first.
 """
@@ -57,12 +59,19 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
                       ["dtype=float32", "precision=fp32", "kl_coef=0"])
     model, _ = load_model(cfg.model, torch.float32, seed=0)
     pol = build.Policy(model)
-    if zero == 3:
-        sharding.shard(model)
+    if zero in (2, 3):
+        sharding.shard(model, zero=zero)
     opt = build.optimizer(cfg, pol)
     learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=allreduce_grads if zero == 1 else None,
-                            sharded=zero == 3)
+                            sharded=zero in (2, 3))
     held = {}
+    reshard = sharding.reshard
+
+    def counted_reshard(m):   # the learner frees zero 2's gathered weights here, before the optimizer step
+        held["params_in_passes"] = sum(_local_bytes(p) for p in m.parameters())
+        reshard(m)
+
+    sharding.reshard = counted_reshard
 
     def count_states():   # at the end of backward, before the optimizer frees the gradients
         held["params"] = sum(_local_bytes(p) for p in model.parameters())
@@ -88,9 +97,16 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     loaded_peak = status_kb("VmHWM") * 1024
     reset_peak_rss()                                # the peak of the updates alone
     times = []
+
+    def old_logprobs():   # as LearnerActor.logprobs: zero 2 frees the weights the passes gathered
+        out = learner.logprobs(groups)
+        if zero == 2:
+            reshard(model)
+        return out
+
     for _ in range(steps):
         dist.barrier()
-        _, seconds = timed(lambda: learner.update(groups, advantages, weights, learner.logprobs(groups) + 0.01))
+        _, seconds = timed(lambda: learner.update(groups, advantages, weights, old_logprobs() + 0.01))
         times.append(seconds)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pathlib.Path(out, f"{zero}-{rank}.json").write_text(json.dumps(
@@ -101,7 +117,7 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
 
 def run(steps: int) -> list[dict]:
     rows = []
-    for zero in (1, 3):
+    for zero in (1, 2, 3):
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_rank, args=(2, zero, steps, os.path.join(tmp, "store"), tmp), nprocs=2)
             rows += [json.loads(pathlib.Path(tmp, f"{zero}-{r}.json").read_text()) for r in range(2)]
@@ -110,7 +126,9 @@ def run(steps: int) -> list[dict]:
 
 def markdown(res: dict) -> str:
     gib = 1 << 30
-    by = {z: [r for r in res["rows"] if r["zero"] == z] for z in (1, 3)}
+    zeros = sorted({r["zero"] for r in res["rows"]})
+    by = {z: [r for r in res["rows"] if r["zero"] == z] for z in zeros}
+    more = [z for z in zeros if z != 1]
 
     def mean(z, key):
         return statistics.mean(r[key] for r in by[z])
@@ -118,38 +136,48 @@ def markdown(res: dict) -> str:
     def step(z):
         return statistics.median(t for r in by[z] for t in r["step_s"][1:])
 
-    lines = ["# Learner sharding: zero 3 (FSDP2, 2 ranks) vs zero 1 (2 replicas)", "",
-             f"SmolLM2-135M, fp32, gloo on loopback, 2 processes with 1 torch thread each; {res['date']}, "
+    def row(label, value, fmt):
+        return (f"| {label} | " + " | ".join(fmt(value(z)) for z in zeros) + " | "
+                + " | ".join(f"{value(z) / value(1):.2f}x" for z in more) + " |")
+
+    lines = [f"# Learner sharding: {', '.join(f'zero {z}' for z in more)} (FSDP2, 2 ranks) vs zero 1 (2 replicas)",
+             "", f"SmolLM2-135M, fp32, gloo on loopback, 2 processes with 1 torch thread each; {res['date']}, "
              f"{res['machine']['cpus']} CPUs ({res['machine']['platform']}). `python -m benchmarks.learner_sharding`. "
              f"Batch: 4 prompts x 4 responses per rank (40 + 32 tokens), {res['steps']} updates (log-probs + "
              "update), the first a warm-up.", "",
              f"Conditions: {res.get('conditions', 'not stated')}", "",
-             "| per rank (mean of 2) | zero 1 | zero 3 | zero 3 / zero 1 |", "|---|---|---|---|"]
-    for key, label in (("params", "parameters"), ("grads", "gradients"), ("adam", "AdamW moments")):
-        lines.append(f"| {label} | {mean(1, key) / gib:.3f} GiB | {mean(3, key) / gib:.3f} GiB | "
-                     f"{mean(3, key) / mean(1, key):.2f}x |")
-    tot = {z: mean(z, "params") + mean(z, "grads") + mean(z, "adam") for z in (1, 3)}
-    lines += [f"| **states total** | {tot[1] / gib:.3f} GiB | {tot[3] / gib:.3f} GiB | {tot[3] / tot[1]:.2f}x |",
-              *(f"| {label} | {mean(1, key) / gib:.2f} GiB | {mean(3, key) / gib:.2f} GiB | "
-                f"{mean(3, key) / mean(1, key):.2f}x |"
+             "| per rank (mean of 2) | " + " | ".join(f"zero {z}" for z in zeros) + " | "
+             + " | ".join(f"zero {z} / zero 1" for z in more) + " |", "|---" * (1 + len(zeros) + len(more)) + "|"]
+    gb = lambda v: f"{v / gib:.3f} GiB"   # noqa: E731
+    for key, label in (("params", "parameters at the optimizer step"), ("grads", "gradients"),
+                       ("adam", "AdamW moments")):
+        lines.append(row(label, lambda z, k=key: mean(z, k), gb))
+    tot = {z: mean(z, "params") + mean(z, "grads") + mean(z, "adam") for z in zeros}
+    lines.append(row("**states total**", lambda z: tot[z], gb))
+    if 2 in by and "params_in_passes" in by[2][0]:
+        cells = [gb(mean(1, "params"))] + [gb(mean(z, "params_in_passes")) if z == 2 else "a layer at a time"
+                                           for z in more] + [""] * len(more)
+        lines.append("| parameters held through the passes | " + " | ".join(cells) + " |")
+    lines += [*(row(label, lambda z, k=key: mean(z, k), lambda v: f"{v / gib:.2f} GiB")
                 for key, label in (("peak_rss_updates", "peak RSS during the updates"),
                                    ("peak_rss_setup", "peak RSS of loading and sharding"),
                                    ("peak_rss", "peak RSS of the process")) if key in by[1][0]),
-              f"| step time (median) | {step(1):.2f} s | {step(3):.2f} s | {step(3) / step(1):.2f}x |", "",
+              row("step time (median)", step, lambda v: f"{v:.2f} s"), "",
               *(["Beyond the states, the peak during the updates held "
-                 f"{(mean(1, 'peak_rss_updates') - tot[1]) / gib:.2f}"
-                 f" GiB with zero 1 and {(mean(3, 'peak_rss_updates') - tot[3]) / gib:.2f} GiB with zero 3: the "
-                 "difference is what FSDP2 adds (gathered layer weights, the root's unsharded embedding and head, "
-                 "gloo's buffers, freed memory the allocator keeps); this run does not break it down further.", ""]
+                 + ", ".join(f"{(mean(z, 'peak_rss_updates') - tot[z]) / gib:.2f} GiB with zero {z}" for z in zeros)
+                 + ": the difference is what FSDP2 adds (gathered weights: zero 2 holds the whole model through "
+                 "the passes, zero 3 a layer at a time and the root's embedding and head; gloo's buffers; freed "
+                 "memory the allocator keeps); this run does not break it down further.", ""]
                 if "peak_rss_updates" in by[1][0] else []),
               "The states are counted from the tensors each rank holds. Peak RSS during the updates is the "
               "resident high-water mark from just before the first update (VmHWM, reset through "
               "/proc/self/clear_refs) to after the last: states, activations and logits, the layer weights FSDP2 "
               "gathers for each pass, and torch's own footprint. Loading builds the whole model on every rank "
               "before it is sharded (the GGUF file is de-quantized in memory), so that peak does not fall. "
-              "The step time includes "
-              "the all-gathers of every layer for each forward and backward (and the zero-weight passes that keep "
-              "ranks in step), over gloo on one machine."]
+              "The step time includes the collectives: zero 3 all-gathers every layer for each forward and "
+              "backward, zero 2 once per pass set (log-probs, then the update) and reduce-scatters each "
+              "micro-batch's gradients, zero 1 all-reduces the gradients once; zero-weight passes keep sharded "
+              "ranks in step; gloo on one machine."]
     return "\n".join(lines) + "\n"
 
 
