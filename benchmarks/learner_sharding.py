@@ -98,15 +98,9 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     reset_peak_rss()                                # the peak of the updates alone
     times = []
 
-    def old_logprobs():   # as LearnerActor.logprobs: zero 2 frees the weights the passes gathered
-        out = learner.logprobs(groups)
-        if zero == 2:
-            reshard(model)
-        return out
-
     for _ in range(steps):
         dist.barrier()
-        _, seconds = timed(lambda: learner.update(groups, advantages, weights, old_logprobs() + 0.01))
+        _, seconds = timed(lambda: learner.update(groups, advantages, weights, learner.logprobs(groups) + 0.01))
         times.append(seconds)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pathlib.Path(out, f"{zero}-{rank}.json").write_text(json.dumps(

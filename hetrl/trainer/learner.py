@@ -153,7 +153,11 @@ class Learner:
 
     def logprobs(self, groups: Groups) -> torch.Tensor:
         """No-grad log-probs [K] of every response token of `groups` under the current policy."""
-        return self.scorer.logprobs(groups)
+        out = self.scorer.logprobs(groups)
+        if self.sharded:   # zero: 2 holds the weights these passes gathered; no backward follows to free them
+            from hetrl.trainer.sharding import reshard
+            reshard(self.model)
+        return out
 
     def update(self, groups: Groups, advantages: torch.Tensor, weights: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None = None, lr_step: int | None = None,

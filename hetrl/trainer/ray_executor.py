@@ -419,20 +419,10 @@ class LearnerActor(_DataParallel):
             self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision, sharded=True)
 
     def logprobs(self, groups):
-        try:
-            return self.learner.logprobs(groups)
-        finally:
-            self._reshard()
+        return self.learner.logprobs(groups)
 
     def update(self, groups, advantages, weights, old_logp, ref_logp, is_weights=None, lr_step=None):
         return self.learner.update(groups, advantages, weights, old_logp, ref_logp, lr_step, is_weights)
-
-    def _reshard(self) -> None:
-        """zero: 2 ranks free the weights the log-prob passes gathered (an update frees them before its step)."""
-        if self.sharded and self.zero == 2:
-            from hetrl.trainer import sharding
-
-            sharding.reshard(self.policy.module)
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """What weight sync sends, as arrays for the object store. Sharded learners gather the full weights on
