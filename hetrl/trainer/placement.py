@@ -42,8 +42,8 @@ class Replica:
     gpus: tuple[str, ...]                 # `<node>:<index>` names from the plan
     resources: tuple[tuple[str, float], ...]   # Ray custom resources this actor requests
     sharded: bool                         # tp * pp > 1 in the plan (the executor runs the replica unsharded)
-    zero: int = 1                         # the plan's ZeRO stage for the task (learners: 3 = FSDP2 over the DP ranks)
-    offload: str = "none"                 # the plan's offload for the task (learners: with zero 3, FSDP2's CPU offload)
+    zero: int = 1                         # the plan's ZeRO stage (learners, critics: 2 and 3 = FSDP2 over the DP ranks)
+    offload: str = "none"                 # the plan's offload (learners, critics: with zero 2 / 3, FSDP2's CPU offload)
     recompute: bool = True                # the plan's recompute (learners, critics: activation checkpointing)
     tp: int = 1                           # the plan's tensor parallelism (rollout: vLLM's tensor_parallel_size)
 

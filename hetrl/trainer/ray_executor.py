@@ -389,7 +389,7 @@ class LearnerActor(_DataParallel):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if offload not in ("none", "optimizer", "params"):
             raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
-        self.offload = zero == 3 and offload != "none"
+        self.offload = zero in (2, 3) and offload != "none"
         self.policy, self.tokenizer = _setup(cfg, precision, threads)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in _setup)
             build.recompute(self.policy.module)
@@ -492,7 +492,7 @@ class CriticActor(_DataParallel):
         model = _on_device(precision, build.critic_model(cfg))
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         self.zero, self.sharded = zero, zero in (2, 3) and world > 1
-        self.offload = zero == 3 and offload != "none"
+        self.offload = zero in (2, 3) and offload != "none"
         self.critic = build.critic(cfg, model, precision,
                                    grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
@@ -1062,15 +1062,15 @@ class RayEngine:
                              "run with LoRA yet: the adapter's states are small; use zero: 1 in the plan, or full "
                              "fine-tuning")
         for r in self.replicas:
-            if r.role == "critic" and r.rank == 0 and r.offload != "none" and r.zero != 3:
-                log.warning("the plan gives critic_train zero: %d, offload: %s; the critics run without offload "
-                            "(FSDP2's CPU offload runs with zero: 3)", r.zero, r.offload)
+            if r.role == "critic" and r.rank == 0 and r.offload != "none" and r.zero == 1:
+                log.warning("the plan gives critic_train zero: 1, offload: %s; the critics run without offload "
+                            "(FSDP2's CPU offload needs shards: zero 2 or 3)", r.offload)
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
-            if r.role == "learner" and r.rank == 0 and r.offload != "none" and r.zero != 3:
-                log.warning("the plan gives actor_train zero: %d, offload: %s; the learners run without offload "
-                            "(FSDP2's CPU offload runs with zero: 3)", r.zero, r.offload)
+            if r.role == "learner" and r.rank == 0 and r.offload != "none" and r.zero == 1:
+                log.warning("the plan gives actor_train zero: 1, offload: %s; the learners run without offload "
+                            "(FSDP2's CPU offload needs shards: zero 2 or 3)", r.offload)
         self._started = not ray.is_initialized()
         self._temp_made: str | None = None
         self._token: str | None = None   # the local Ray's auth token this run made (dropped at close)

@@ -199,10 +199,11 @@ ONE = ((20, [5, 0, 9, 1]),)
     (FOUR, 2, "none", False), (ONE, 2, "none", False),
     # wiring checks (on a CPU host the offloaded states stay where they were; recompute is tested locally too)
     pytest.param(FOUR, 3, "optimizer", False, marks=pytest.mark.slow),
+    pytest.param(FOUR, 2, "optimizer", False, marks=pytest.mark.slow),
     pytest.param(FOUR, 3, "none", True, marks=pytest.mark.slow)],
     ids=["replicas-4-groups", "replicas-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
          "fsdp2-1-group-so-rank-1-gets-none", "zero2-4-groups", "zero2-1-group-so-rank-1-gets-none",
-         "fsdp2-offload-4-groups", "fsdp2-recompute-4-groups"])
+         "fsdp2-offload-4-groups", "zero2-offload-4-groups", "fsdp2-recompute-4-groups"])
 def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero, offload, recompute):
     """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
     it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 3 the two
