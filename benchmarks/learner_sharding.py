@@ -67,9 +67,9 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     held = {}
     reshard = sharding.reshard
 
-    def counted_reshard(m):   # the learner frees zero 2's gathered weights here, before the optimizer step
-        held["params_in_passes"] = sum(_local_bytes(p) for p in m.parameters())
-        reshard(m)
+    def counted_reshard(*models):   # the learner frees zero 2's gathered weights here, before the optimizer step
+        held["params_in_passes"] = sum(_local_bytes(p) for m in models for p in m.parameters())
+        reshard(*models)
 
     sharding.reshard = counted_reshard
 

@@ -216,25 +216,27 @@ class Learner:
                                               temperature=self.temperature)
             (0.0 * logp.sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
-        if self.sharded:   # the optimizer steps the shards: zero: 2 holds the gathered weights until here
-            from hetrl.trainer.sharding import reshard
-            reshard(self.model)
-        grad_norm = _optimizer_step(self.optimizer, [p for p in self.model.parameters() if p.requires_grad],
-                                    totals["loss"], self.max_grad_norm, self.grad_sync, self.sharded,
+        grad_norm = _optimizer_step(self.optimizer, totals["loss"], self.max_grad_norm, self.grad_sync,
+                                    (self.model,) if self.sharded else (),
                                     lr=self.lr_at(lr_step) if self.lr_at is not None and lr_step is not None else None)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
                            clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=grad_norm,
                            packed_tokens=packed, standard_tokens=standard)
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: float,
-                    max_grad_norm: float | None, grad_sync=None, sharded: bool = False,
-                    lr: float | None = None) -> float:
-    """The end of every update, the policy's and the critic's: the gradients summed over data-parallel ranks
-    (`grad_sync`; FSDP2 ranks `sharded` have them summed already), clipped, and the optimizer step taken (at `lr`
-    when given) only when the step is finite; -> the gradient norm. A non-finite step is never taken
+def _optimizer_step(optimizer: torch.optim.Optimizer, loss: float, max_grad_norm: float | None, grad_sync=None,
+                    sharded: tuple[torch.nn.Module, ...] = (), lr: float | None = None) -> float:
+    """The end of every update, the policy's and the critic's: the gradients of the optimizer's parameters summed
+    over data-parallel ranks (`grad_sync`; an FSDP2 rank's have been summed by its reduce-scatters), clipped, and
+    the optimizer step taken (at `lr` when given) only when the step is finite; -> the gradient norm. `sharded`:
+    this FSDP2 rank's sharded modules, whose gathered weights (zero: 2 holds them through the passes) are freed
+    first, so that the step updates the shards the next pass gathers. A non-finite step is never taken
     (hetrl/trainer/guards.py); data-parallel ranks decide on the synced gradient norm alone, which they share, so
     they all step or all skip."""
+    if sharded:
+        from hetrl.trainer.sharding import reshard
+        reshard(*sharded)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if grad_sync is not None:
         grad_sync(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
@@ -288,8 +290,9 @@ class Critic:
             parts = [self._values(b) for b, _ in batches]
             for _ in range(dummies):
                 self._values(pack_groups(DUMMY))
-        if self.sharded:
-            self._reshard()
+        if self.sharded:   # zero: 2 holds the weights these passes gathered; no backward follows to free them
+            from hetrl.trainer.sharding import reshard
+            reshard(self.model, self.head)
         return torch.cat(parts).detach().cpu() if parts else torch.zeros(0, dtype=self.head.weight.dtype)
 
     def update(self, groups: Groups, returns: torch.Tensor, old_values: torch.Tensor,
@@ -317,17 +320,9 @@ class Critic:
         for _ in range(dummies):   # zero-weight passes: the gradients stay those of this rank's groups
             (0.0 * self._values(pack_groups(DUMMY)).sum()).backward()
         assert offset == weights.numel(), "micro-batches must cover every response token"
-        if self.sharded:   # the optimizer steps the shards (zero: 2 holds the gathered weights until here)
-            self._reshard()
-        grad_norm = _optimizer_step(self.optimizer, self.parameters(), loss_total, self.max_grad_norm, self.grad_sync,
-                                    self.sharded)
+        grad_norm = _optimizer_step(self.optimizer, loss_total, self.max_grad_norm, self.grad_sync,
+                                    (self.model, self.head) if self.sharded else ())
         return CriticStats(loss_total, clip_total, grad_norm)
-
-    def _reshard(self) -> None:
-        from hetrl.trainer.sharding import reshard
-
-        reshard(self.model)
-        reshard(self.head)
 
     def _both(self) -> torch.nn.Module:
         """The decoder and the head as one module ("model.*", "head.*"), its parameters in self.parameters()'s

@@ -365,6 +365,17 @@ class _DataParallel:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
+    def _plan_strategy(self, zero: int, offload: str, world: int) -> None:
+        """The plan's memory strategy for this role's training task: `zero` 1 keeps a replica, 2 and 3 make the
+        ranks FSDP2 shards (`sharded`, when there are several; sharding.py), and `offload` adds FSDP2's CPU offload
+        to shards (a replica has none to offload)."""
+        if zero not in (1, 2, 3):
+            raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+        if offload not in ("none", "optimizer", "params"):
+            raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
+        self.zero, self.sharded = zero, _shards(zero, world)
+        self.offload = zero in (2, 3) and offload != "none"
+
     def _join(self, address: str, params) -> None:
         """Join this role's process group at `address` (from rank 0's `rendezvous`), then take rank 0's `params`
         so that every rank starts identical even if a rank's initialisation differed."""
@@ -385,18 +396,13 @@ class LearnerActor(_DataParallel):
 
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int, zero: int = 1,
                  offload: str = "none", recompute: bool = False):
-        if zero not in (1, 2, 3):
-            raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
-        if offload not in ("none", "optimizer", "params"):
-            raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
-        self.offload = zero in (2, 3) and offload != "none"
+        self._plan_strategy(zero, offload, world)
         self.policy, self.tokenizer = _setup(cfg, precision, threads)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in _setup)
             build.recompute(self.policy.module)
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         # the rollouts sample from bf16 weights (precision.samples_in_bf16): send them bf16, half the bytes
         self.bf16_rollouts = samples_in_bf16(precision, self.policy.module, self.policy.lora)
-        self.zero, self.sharded = zero, zero in (2, 3) and world > 1
         self.optimizer = build.optimizer(cfg, self.policy)
         self.learner = build.learner(cfg, self.policy, self.optimizer, precision,
                                      grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
@@ -491,8 +497,7 @@ class CriticActor(_DataParallel):
         _start(threads)
         model = _on_device(precision, build.critic_model(cfg))
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
-        self.zero, self.sharded = zero, zero in (2, 3) and world > 1
-        self.offload = zero in (2, 3) and offload != "none"
+        self._plan_strategy(zero, offload, world)
         self.critic = build.critic(cfg, model, precision,
                                    grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
@@ -523,6 +528,11 @@ class CriticActor(_DataParallel):
 
     def load(self, path: str) -> None:
         self.critic.load_state(checkpoint.read_staged(pathlib.Path(path), checkpoint.CRITIC))
+
+
+def _shards(zero: int, world: int) -> bool:
+    """Whether a role's data-parallel ranks are FSDP2 shards: the plan's zero 2 or 3 over more than one rank."""
+    return zero in (2, 3) and world > 1
 
 
 def _shards_said(name: str, ranks: list) -> str:
@@ -1139,7 +1149,7 @@ class RayEngine:
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed,
                                   homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
         self.learner = LearnerGroup(learners, on_failure=lambda e: self._failed("learner", e),
-                                    sharded=len(learners) > 1 and by_role["learner"][0].zero in (2, 3))
+                                    sharded=_shards(by_role["learner"][0].zero, len(learners)))
         self.transport = weight_transport(cfg, gpus=real)
         self.worker.learner = self.learner
         self.worker.new_address = lambda: self.learner.rendezvous(emulated, cfg.out_dir)
@@ -1147,7 +1157,7 @@ class RayEngine:
         self.episodes = RayEpisodes(self.worker) if self.agent is not None else None
         self.reference = DataParallelScorer(references) if references else None
         self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e),
-                                  sharded=len(critics) > 1 and by_role["critic"][0].zero in (2, 3)) if critics else None
+                                  sharded=_shards(by_role["critic"][0].zero, len(critics))) if critics else None
         self.last_checkpoint = None
         self.weight_bytes = None
         self.pending_sync: list = []

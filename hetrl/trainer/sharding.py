@@ -79,10 +79,10 @@ def _fully_shard(module, offload: bool, zero: int) -> torch.nn.Module:
     return module
 
 
-def reshard(model) -> None:
-    """Free every gathered weight of a sharded `model` and register its shards again (a no-op where none is
+def reshard(*models) -> None:
+    """Free every gathered weight of the sharded `models` and register their shards again (a no-op where none is
     held, as with zero: 3 between passes): zero: 2 holds them from a pass until this is called."""
-    for m in model.modules():
+    for m in (m for model in models for m in model.modules()):
         if isinstance(m, FSDPModule):
             m.reshard()
 
