@@ -1,13 +1,13 @@
-"""What a plan's `zero: 3` and `zero: 2` buy a learner (hetrl/trainer/sharding.py): memory and step time of FSDP2
-shards over 2 ranks against `zero: 1` (2 replicas, gradients all-reduced), SmolLM2-135M in fp32 with gloo; result:
-benchmarks/results/learner_sharding.md.
+"""What a plan's `zero: 1`, `2` and `3` buy a learner (hetrl/trainer/sharding.py): memory and step time of ZeRO-1
+(AdamW states split) and FSDP2 shards over 2 ranks against 2 plain replicas (DDP's way: gradients all-reduced,
+every state whole), SmolLM2-135M in fp32 with gloo; result: benchmarks/results/learner_sharding.md.
 
     python -m benchmarks.learner_sharding [--steps 4] [--out benchmarks/results]
 
 Each setting starts 2 processes (torch.multiprocessing, gloo on loopback, 1 torch thread each: one core each), builds
-the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 2 and 3, sharding.shard
-before the optimizer), and runs `steps` updates on the same fixed groups (8 prompts x 4 responses, DualKV
-micro-batches). Per rank it reports:
+the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 1 a partitioned optimizer,
+for zero 2 and 3 sharding.shard before the optimizer; "replicas" is zero 1 without the partition), and runs `steps`
+updates on the same fixed groups (8 prompts x 4 responses, DualKV micro-batches). Per rank it reports:
   - states: bytes of parameters + gradients + AdamW moments this rank holds (counted from its tensors; for zero 2
     and 3 the local shards), at the end of an update before the gradients are freed; for zero 2 also the
     parameters it holds through the passes (the whole model, gathered once per step), counted just before they
@@ -61,8 +61,8 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     pol = build.Policy(model)
     if zero in (2, 3):
         sharding.shard(model, zero=zero)
-    opt = build.optimizer(cfg, pol)
-    learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=allreduce_grads if zero == 1 else None,
+    opt = build.optimizer(cfg, pol, partition=zero == 1)
+    learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=allreduce_grads if zero in (0, 1) else None,
                             sharded=zero in (2, 3))
     held = {}
     reshard = sharding.reshard
@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     def counted_step(*a, **k):
         count_states()
         r = step(*a, **k)
-        held["adam"] = sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
+        held["adam"] = sum(_local_bytes(v) for s in sharding.local_optimizer(opt).state.values() for v in s.values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0)
         return r
 
@@ -109,9 +109,16 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     dist.destroy_process_group()
 
 
+SETTINGS = (0, 1, 2, 3)   # 0: plain replicas (no ZeRO), the baseline
+
+
+def _name(z: int) -> str:
+    return "replicas" if z == 0 else f"zero {z}"
+
+
 def run(steps: int) -> list[dict]:
     rows = []
-    for zero in (1, 2, 3):
+    for zero in SETTINGS:
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_rank, args=(2, zero, steps, os.path.join(tmp, "store"), tmp), nprocs=2)
             rows += [json.loads(pathlib.Path(tmp, f"{zero}-{r}.json").read_text()) for r in range(2)]
@@ -122,7 +129,7 @@ def markdown(res: dict) -> str:
     gib = 1 << 30
     zeros = sorted({r["zero"] for r in res["rows"]})
     by = {z: [r for r in res["rows"] if r["zero"] == z] for z in zeros}
-    more = [z for z in zeros if z != 1]
+    base, more = zeros[0], zeros[1:]   # the baseline: plain replicas (zero 1 in results made before ZeRO-1 was)
 
     def mean(z, key):
         return statistics.mean(r[key] for r in by[z])
@@ -132,37 +139,44 @@ def markdown(res: dict) -> str:
 
     def row(label, value, fmt):
         return (f"| {label} | " + " | ".join(fmt(value(z)) for z in zeros) + " | "
-                + " | ".join(f"{value(z) / value(1):.2f}x" for z in more) + " |")
+                + " | ".join(f"{value(z) / value(base):.2f}x" for z in more) + " |")
 
-    lines = [f"# Learner sharding: {', '.join(f'zero {z}' for z in more)} (FSDP2, 2 ranks) vs zero 1 (2 replicas)",
+    def held_in_passes(z):
+        if z == 3:
+            return "a layer at a time"
+        return gb(mean(z, "params_in_passes") if z == 2 else mean(z, "params"))
+
+    gb = lambda v: f"{v / gib:.3f} GiB"   # noqa: E731
+    lines = [f"# Learner sharding: {', '.join(_name(z) for z in more)} vs {_name(base)}, 2 ranks",
              "", f"SmolLM2-135M, fp32, gloo on loopback, 2 processes with 1 torch thread each; {res['date']}, "
              f"{res['machine']['cpus']} CPUs ({res['machine']['platform']}). `python -m benchmarks.learner_sharding`. "
              f"Batch: 4 prompts x 4 responses per rank (40 + 32 tokens), {res['steps']} updates (log-probs + "
-             "update), the first a warm-up.", "",
+             "update), the first a warm-up. replicas: every rank holds every state (DDP's way); zero 1: AdamW "
+             "states split (torch's ZeroRedundancyOptimizer); zero 2 and 3: FSDP2 shards.", "",
              f"Conditions: {res.get('conditions', 'not stated')}", "",
-             "| per rank (mean of 2) | " + " | ".join(f"zero {z}" for z in zeros) + " | "
-             + " | ".join(f"zero {z} / zero 1" for z in more) + " |", "|---" * (1 + len(zeros) + len(more)) + "|"]
-    gb = lambda v: f"{v / gib:.3f} GiB"   # noqa: E731
+             "| per rank (mean of 2) | " + " | ".join(_name(z) for z in zeros) + " | "
+             + " | ".join(f"{_name(z)} / {_name(base)}" for z in more) + " |",
+             "|---" * (1 + len(zeros) + len(more)) + "|"]
     for key, label in (("params", "parameters at the optimizer step"), ("grads", "gradients"),
                        ("adam", "AdamW moments")):
         lines.append(row(label, lambda z, k=key: mean(z, k), gb))
     tot = {z: mean(z, "params") + mean(z, "grads") + mean(z, "adam") for z in zeros}
     lines.append(row("**states total**", lambda z: tot[z], gb))
     if 2 in by and "params_in_passes" in by[2][0]:
-        cells = [gb(mean(1, "params"))] + [gb(mean(z, "params_in_passes")) if z == 2 else "a layer at a time"
-                                           for z in more] + [""] * len(more)
-        lines.append("| parameters held through the passes | " + " | ".join(cells) + " |")
+        lines.append("| parameters held through the passes | " + " | ".join(held_in_passes(z) for z in zeros)
+                     + " |" + " |" * len(more))
     lines += [*(row(label, lambda z, k=key: mean(z, k), lambda v: f"{v / gib:.2f} GiB")
                 for key, label in (("peak_rss_updates", "peak RSS during the updates"),
                                    ("peak_rss_setup", "peak RSS of loading and sharding"),
-                                   ("peak_rss", "peak RSS of the process")) if key in by[1][0]),
+                                   ("peak_rss", "peak RSS of the process")) if key in by[base][0]),
               row("step time (median)", step, lambda v: f"{v:.2f} s"), "",
               *(["Beyond the states, the peak during the updates held "
-                 + ", ".join(f"{(mean(z, 'peak_rss_updates') - tot[z]) / gib:.2f} GiB with zero {z}" for z in zeros)
-                 + ": the difference is what FSDP2 adds (gathered weights: zero 2 holds the whole model through "
-                 "the passes, zero 3 a layer at a time and the root's embedding and head; gloo's buffers; freed "
-                 "memory the allocator keeps); this run does not break it down further.", ""]
-                if "peak_rss_updates" in by[1][0] else []),
+                 + ", ".join(f"{(mean(z, 'peak_rss_updates') - tot[z]) / gib:.2f} GiB with {_name(z)}"
+                             for z in zeros)
+                 + ": the difference is activations and logits, what FSDP2 adds (gathered weights: zero 2 holds "
+                 "the whole model through the passes, zero 3 a layer at a time and the root's embedding and head), "
+                 "gloo's buffers and freed memory the allocator keeps; this run does not break it down further.",
+                 ""] if "peak_rss_updates" in by[base][0] else []),
               "The states are counted from the tensors each rank holds. Peak RSS during the updates is the "
               "resident high-water mark from just before the first update (VmHWM, reset through "
               "/proc/self/clear_refs) to after the last: states, activations and logits, the layer weights FSDP2 "
@@ -170,8 +184,9 @@ def markdown(res: dict) -> str:
               "before it is sharded (the GGUF file is de-quantized in memory), so that peak does not fall. "
               "The step time includes the collectives: zero 3 all-gathers every layer for each forward and "
               "backward, zero 2 once per pass set (log-probs, then the update) and reduce-scatters each "
-              "micro-batch's gradients, zero 1 all-reduces the gradients once; zero-weight passes keep sharded "
-              "ranks in step; gloo on one machine."]
+              "micro-batch's gradients, replicas and zero 1 all-reduce the gradients once (zero 1 then "
+              "broadcasts each rank's updated part); zero-weight passes keep sharded ranks in step; gloo on one "
+              "machine."]
     return "\n".join(lines) + "\n"
 
 

@@ -145,21 +145,29 @@ def _no_such_target(model, wanted: list[str]):
                      + (f"; did you mean {close[0]!r}?" if close else "")) from None
 
 
-def optimizer(cfg: RunConfig, pol: Policy) -> torch.optim.Optimizer:
-    return adamw(pol.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+def optimizer(cfg: RunConfig, pol: Policy, partition: bool = False) -> torch.optim.Optimizer:
+    return adamw(pol.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay, partition=partition)
 
 
-def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+          partition: bool = False) -> torch.optim.Optimizer:
     """torch's AdamW, its fused kernel (one pass over each parameter's state) where every parameter is a plain
     floating tensor on the CPU or a GPU, as TRL's default adamw_torch_fused; else (FSDP2's sharded DTensors) the
     foreach kernel. The update is AdamW's either way. On the CPU its states are made now (`states_now`); elsewhere
     by its first step (a GPU's caching allocator was not measured, and vLLM sizes its cache by the memory free when
-    it starts)."""
+    it starts). `partition`: ZeRO-1 over the default process group, each rank holding the states of its part of
+    `params` only (hetrl.trainer.sharding.partitioned)."""
     fused = all(type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda")
                 for p in params) and bool(params)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    if partition:
+        from hetrl.trainer import sharding
+
+        opt = sharding.partitioned(params, torch.optim.AdamW, lr=lr, weight_decay=weight_decay, fused=fused or None)
+        local = sharding.local_optimizer(opt)
+    else:
+        opt = local = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
     if fused and all(p.device.type == "cpu" for p in params):
-        states_now(opt)
+        states_now(local)
     return opt
 
 
@@ -313,11 +321,12 @@ def critic_model(cfg: RunConfig, policy_model=None):
 
 
 def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero: int = 1,
-           offload: bool = False) -> Critic | None:
+           offload: bool = False, partition: bool = False) -> Critic | None:
     """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
     own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). `zero` 2 or 3: the decoder and
     the head sharded over the default process group before the optimizer is made (hetrl.trainer.sharding;
-    `offload`: FSDP2's CPU offload). None unless algorithm=ppo."""
+    `offload`: FSDP2's CPU offload). `partition`: zero 1's AdamW states split over that group (ZeRO-1). None
+    unless algorithm=ppo."""
     if not cfg.has_critic:
         return None
     if cfg.gradient_checkpointing:
@@ -333,7 +342,7 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero:
         sharding.shard(model, offload=offload, zero=zero, decoder_only=True)
         sharding.shard_module(head, offload=offload, zero=zero)
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
-    opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+    opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay, partition=partition)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
                   max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision,
                   sharded=zero in (2, 3))

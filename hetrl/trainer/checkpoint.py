@@ -281,20 +281,20 @@ def _load_adapter(path: pathlib.Path, peft_model, weights: dict) -> None:
 
 def load(path: pathlib.Path, model, optimizer) -> dict:
     """Restore the policy weights (a peft model: its adapter), optimizer state and RNG from `path`; returns the
-    trainer state. An FSDP2-sharded model takes its shards of the full states (every rank calls this)."""
+    trainer state. An FSDP2-sharded model takes its shards of the full states, a ZeRO-1 rank its partition of the
+    optimizer's (every rank calls this)."""
     weights, state = read(path)
+    from hetrl.trainer import sharding
+
     if hasattr(model, "peft_config"):
         _load_adapter(path, model, weights)
-        optimizer.load_state_dict(state["optimizer"])
+        sharding.load_optimizer(optimizer, state["optimizer"])
+    elif sharding.is_sharded(model):
+        _check_keys(path, model, *sharding.load_full_state(model, weights))
+        sharding.load_optimizer_state(model, optimizer, state["optimizer"])
     else:
-        from hetrl.trainer import sharding
-
-        if sharding.is_sharded(model):
-            _check_keys(path, model, *sharding.load_full_state(model, weights))
-            sharding.load_optimizer_state(model, optimizer, state["optimizer"])
-        else:
-            _load_weights(path, model, weights)
-            optimizer.load_state_dict(state["optimizer"])
+        _load_weights(path, model, weights)
+        sharding.load_optimizer(optimizer, state["optimizer"])
     _set_rng_state(state["rng"])
     return state
 

@@ -331,12 +331,15 @@ class Critic:
 
     def state(self) -> dict:
         """Everything a checkpoint keeps of the critic (tensors only: loaded back with weights_only=True). Sharded
-        ranks gather the full states on rank 0 into the same form (every rank must call it; the others get {})."""
-        if not self.sharded:
-            return {"model": self.model.state_dict(), "head": self.head.state_dict(),
-                    "optimizer": self.optimizer.state_dict()}
+        ranks gather the full states on rank 0 into the same form, and ZeRO-1 ranks their AdamW partitions (every
+        rank must call it; the others get {})."""
         from hetrl.trainer import sharding
 
+        if not self.sharded:
+            if not sharding.consolidate(self.optimizer):
+                return {}
+            return {"model": self.model.state_dict(), "head": self.head.state_dict(),
+                    "optimizer": self.optimizer.state_dict()}
         both = self._both()
         full, optimizer = sharding.full_state(both), sharding.full_optimizer_state(both, self.optimizer)
         if not full:
@@ -347,13 +350,13 @@ class Critic:
 
     def load_state(self, state: dict) -> None:
         """A checkpoint's critic state (state()'s form, from replicas or shards) into this critic."""
+        from hetrl.trainer import sharding
+
         if not self.sharded:
             self.model.load_state_dict(state["model"])
             self.head.load_state_dict(state["head"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            sharding.load_optimizer(self.optimizer, state["optimizer"])
             return
-        from hetrl.trainer import sharding
-
         both = self._both()
         sharding.load_full_state(both, {**{f"model.{k}": v for k, v in state["model"].items()},
                                         **{f"head.{k}": v for k, v in state["head"].items()}})

@@ -5,9 +5,9 @@ below are thin wrappers made at placement time, and the driver-side pools give t
 `generate` / `logprobs` / `update` / `values` calls as the local engine. What only Ray gives:
 - placement: each actor requests its plan GPUs as node resources (placement.py);
 - data-parallel learners and critics (PPO): each role's ranks form a torch.distributed group of their own
-  (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping (or, with the plan's zero: 2 / 3, FSDP2
-  shards: sharding.py), groups assigned whole to ranks, balanced by packed tokens; the critic's state goes into
-  the learner's checkpoint (checkpoint.stage);
+  (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping and the AdamW states split over the ranks
+  (the plan's zero: 1, ZeRO-1; with zero: 2 / 3, FSDP2 shards: sharding.py), groups assigned whole to ranks,
+  balanced by packed tokens; the critic's state goes into the learner's checkpoint (checkpoint.stage);
 - weight sync (weight_transport): learner rank 0 broadcasts each version to the rollout actors over a
   torch.distributed group of their own (NCCL on GPUs, gloo on CPU), in buckets; or puts it into the object store
   once and every rollout actor reads it (Ray moves one copy per node) between generation calls (auto's choice on
@@ -366,14 +366,15 @@ class _DataParallel:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def _plan_strategy(self, zero: int, offload: str, world: int) -> None:
-        """The plan's memory strategy for this role's training task: `zero` 1 keeps a replica, 2 and 3 make the
-        ranks FSDP2 shards (`sharded`, when there are several; sharding.py), and `offload` adds FSDP2's CPU offload
-        to shards (a replica has none to offload)."""
+        """The plan's memory strategy for this role's training task, over several ranks (sharding.py): `zero` 1
+        keeps whole weights and gradients but splits the AdamW states (`partitioned`, ZeRO-1), 2 and 3 make the
+        ranks FSDP2 shards (`sharded`), and `offload` adds FSDP2's CPU offload to shards."""
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if offload not in ("none", "optimizer", "params"):
             raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
         self.zero, self.sharded = zero, _shards(zero, world)
+        self.partitioned = zero == 1 and world > 1
         self.offload = zero in (2, 3) and offload != "none"
 
     def _join(self, address: str, params) -> None:
@@ -389,10 +390,10 @@ class _DataParallel:
 
 
 class LearnerActor(_DataParallel):
-    """One data-parallel learner rank. `zero` is the plan's strategy for actor training: 1 keeps a full replica
-    (gradients all-reduced), 3 shards parameters, gradients and AdamW states with FSDP2 (sharding.py) once the
-    process group is up, and 2 shards gradients and AdamW states but gathers the weights once per optimizer step
-    (DeepSpeed's ZeRO-2, sharding.py)."""
+    """One data-parallel learner rank. `zero` is the plan's strategy for actor training: 1 keeps the whole weights
+    and gradients (all-reduced) and its part of the AdamW states (ZeRO-1), 3 shards parameters, gradients and
+    AdamW states with FSDP2, and 2 shards gradients and AdamW states but gathers the weights once per optimizer
+    step (DeepSpeed's ZeRO-2); all three over several ranks, once the process group is up (sharding.py)."""
 
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int, zero: int = 1,
                  offload: str = "none", recompute: bool = False):
@@ -423,6 +424,10 @@ class LearnerActor(_DataParallel):
             sharding.shard(self.policy.module, offload=self.offload, zero=self.zero)
             self.optimizer = build.optimizer(self.cfg, self.policy)
             self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision, sharded=True)
+        elif self.partitioned:   # ZeRO-1: the optimizer made again over the group, its states split
+            self.optimizer = build.optimizer(self.cfg, self.policy, partition=True)
+            self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision,
+                                         grad_sync=allreduce_grads)
 
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
@@ -465,16 +470,18 @@ class LearnerActor(_DataParallel):
 
     def save(self, run_dir: str, step: int, extra: dict, config: dict, staged: dict | None = None) -> str | None:
         """Rank 0 writes the checkpoint, with the files other actors `staged` (the critic's). Sharded learners
-        first gather the full model and optimizer states there (every rank must be called; the others return
-        None): the files are those of unsharded learners."""
+        first gather the full model and optimizer states there, ZeRO-1 learners their AdamW partitions (every rank
+        must be called; the others return None): the files are those of one learner."""
+        from hetrl.trainer import sharding
+
         gathered = None
         if self.sharded:
-            from hetrl.trainer import sharding
-
             gathered = (sharding.full_state(self.policy.module),
                         sharding.full_optimizer_state(self.policy.module, self.optimizer))
-            if self.rank != 0:
-                return None
+        else:
+            sharding.consolidate(self.optimizer)
+        if self.rank != 0:
+            return None
         return str(checkpoint.save(pathlib.Path(run_dir), step, self.policy.saved, self.tokenizer, self.optimizer,
                                    extra, config, gathered=gathered, staged=staged))
 
@@ -488,9 +495,9 @@ class LearnerActor(_DataParallel):
 
 class CriticActor(_DataParallel):
     """One data-parallel critic rank (PPO's critic_train, with its bound critic_infer): the critic's values and
-    its clipped value update. `zero` is the plan's for critic_train, as the learners': 1 a replica (gradients
-    all-reduced over the critic ranks), 2 and 3 the decoder and value head sharded with FSDP2 once the process
-    group is up (sharding.py)."""
+    its clipped value update. `zero` is the plan's for critic_train, as the learners': 1 whole weights and
+    gradients (all-reduced over the critic ranks) with the AdamW states split (ZeRO-1), 2 and 3 the decoder and
+    value head sharded with FSDP2; over several ranks, once the process group is up (sharding.py)."""
 
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int,
                  recompute: bool = False, zero: int = 1, offload: str = "none"):
@@ -511,6 +518,9 @@ class CriticActor(_DataParallel):
         if self.sharded:   # made again over the sharded decoder: a new zero head and its optimizer
             self.critic = build.critic(self.cfg, self.critic.model, self.precision, zero=self.zero,
                                        offload=self.offload)
+        elif self.partitioned:   # ZeRO-1: a new zero head and its optimizer, made over the group
+            self.critic = build.critic(self.cfg, self.critic.model, self.precision, grad_sync=allreduce_grads,
+                                       partition=True)
 
     def values(self, groups):
         return self.critic.values(groups)
@@ -519,10 +529,10 @@ class CriticActor(_DataParallel):
         return self.critic.update(groups, returns, old_values, weights)
 
     def stage(self, run_dir: str) -> str | None:
-        """The critic's state, staged for the next checkpoint (rank 0; replicas are identical). Sharded ranks all
-        gather it first; the others return None."""
+        """The critic's state, staged for the next checkpoint (rank 0). Sharded and ZeRO-1 ranks all gather it
+        first; the others return None."""
         state = self.critic.state()
-        if self.sharded and self.rank != 0:
+        if self.rank != 0:
             return None
         return str(checkpoint.stage(pathlib.Path(run_dir), checkpoint.CRITIC, state))
 
@@ -536,8 +546,13 @@ def _shards(zero: int, world: int) -> bool:
 
 
 def _shards_said(name: str, ranks: list) -> str:
-    """The log's words for a role's FSDP2 ranks (the plan's zero: 2 or 3 for its training task)."""
+    """The log's words for a role's data-parallel ranks (the plan's zero for its training task): ZeRO-1's split
+    AdamW states, or FSDP2 shards (zero: 2 or 3); nothing for one rank."""
     zero = ranks[0].zero
+    if len(ranks) == 1:
+        return ""
+    if zero == 1:
+        return f"; the {name} split their AdamW states over {len(ranks)} ranks (zero: 1)"
     return (f"; the {name} are FSDP2 shards (zero: {zero}: parameters, gradients and optimizer states split over "
             f"{len(ranks)} ranks" + (", the weights gathered once per optimizer step" if zero == 2 else "") + ")")
 
@@ -628,8 +643,9 @@ class DataParallelScorer:
         return self._get([getattr(self.actors[0], method).remote(*args)])[0]
 
     def call_rank0(self, method: str, *args):
-        """`method(*args)` answered by rank 0 (checkpoints); sharded ranks all take part in gathering."""
-        if not self.sharded:
+        """`method(*args)` answered by rank 0 (checkpoints); several ranks all take part in gathering the states
+        (FSDP2 shards, ZeRO-1's optimizer partitions)."""
+        if len(self.actors) == 1:
             return self.call_first(method, *args)
         return self.call_all(method, *args)[0]
 
@@ -1072,15 +1088,14 @@ class RayEngine:
                              "run with LoRA yet: the adapter's states are small; use zero: 1 in the plan, or full "
                              "fine-tuning")
         for r in self.replicas:
-            if r.role == "critic" and r.rank == 0 and r.offload != "none" and r.zero == 1:
-                log.warning("the plan gives critic_train zero: 1, offload: %s; the critics run without offload "
-                            "(FSDP2's CPU offload needs shards: zero 2 or 3)", r.offload)
+            if r.role in ("learner", "critic") and r.rank == 0 and r.offload != "none" and r.zero == 1:
+                task = "actor_train" if r.role == "learner" else "critic_train"
+                log.warning("the plan gives %s zero: 1, offload: %s; its AdamW states stay on the device (split "
+                            "over the ranks, ZeRO-1): hetrl offloads FSDP2 shards only (zero: 2 or 3)", task,
+                            r.offload)
             if r.sharded:
                 log.warning("%s replica %d is planned with tensor/pipeline parallelism over %s; the Ray executor "
                             "runs it unsharded on those GPUs", r.role, r.rank, ", ".join(r.gpus))
-            if r.role == "learner" and r.rank == 0 and r.offload != "none" and r.zero == 1:
-                log.warning("the plan gives actor_train zero: 1, offload: %s; the learners run without offload "
-                            "(FSDP2's CPU offload needs shards: zero 2 or 3)", r.offload)
         self._started = not ray.is_initialized()
         self._temp_made: str | None = None
         self._token: str | None = None   # the local Ray's auth token this run made (dropped at close)
@@ -1173,7 +1188,7 @@ class RayEngine:
         shards = "".join(_shards_said(name, [r for r in self.replicas if r.role == role])
                          for role, name, group in (("learner", "learners", self.learner),
                                                    ("critic", "critics", self.critic))
-                         if group is not None and group.sharded)
+                         if group is not None)
         sync = (f"{self.worker.backend} broadcast from learner rank 0 to the rollout actors"
                 if self.transport == "collective" else "through Ray's object store")
         tqdm.write(f"ray: {where} ({'emulated ' if emulated else ''}cluster {self.cluster.name}, plan: {source})"

@@ -1,5 +1,12 @@
-"""ZeRO-3 and ZeRO-2 learners with PyTorch's own FSDP2 (`torch.distributed.fsdp.fully_shard`): what a plan's
-`zero: 3` and `zero: 2` mean.
+"""ZeRO-3 and ZeRO-2 learners with PyTorch's own FSDP2 (`torch.distributed.fsdp.fully_shard`), and ZeRO-1 with its
+`ZeroRedundancyOptimizer`: what a plan's `zero: 3`, `2` and `1` mean over several data-parallel ranks.
+
+`zero: 1` (the planner's default) is DeepSpeed's ZeRO-1, as the cost model prices it (task_memory: AdamW states
+/ dp, gradients and weights whole): every rank holds the whole model and its whole gradients (all-reduced), but
+the AdamW states of only its part of the parameters (torch's sorted-greedy partition by size); it steps that
+part and broadcasts it to the others (`ZeroRedundancyOptimizer.step`). The step is elementwise, so the ranks'
+weights are the one-learner step's. Its states are saved by gathering the partitions on rank 0 in torch's own
+`optimizer.state_dict()` form (`consolidate`), the file a single learner writes.
 
 Each decoder layer and then the whole model are sharded over the learners' process group (gloo on CPU, NCCL on
 GPU): every rank holds 1/world of the parameters, gradients and AdamW states, and all-gathers a layer's weights
@@ -35,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 
@@ -139,3 +147,43 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     # strict=False: a parameter that never had a gradient (the critic's unused LM head) has no state, as in
     # torch's own optimizer.load_state_dict, which starts such a parameter's moments afresh
     set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+# ------------------------------------------------------------------------------------------------------ ZeRO-1
+
+
+def partitioned(params: list[torch.nn.Parameter], optimizer_class, **defaults) -> ZeroRedundancyOptimizer:
+    """`optimizer_class(params, **defaults)` with its states split over the default process group (ZeRO-1): each
+    rank makes and steps the states of its partition only, then the ranks broadcast their updated parameters.
+    `param_groups` are the whole model's (a learning rate set there reaches every partition at the step)."""
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states: a ZeRO-1 rank's partition, else `optimizer` itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def consolidate(optimizer: torch.optim.Optimizer) -> bool:
+    """Before `optimizer.state_dict()`: a ZeRO-1 rank's partition of the states is gathered on rank 0 (a collective
+    every rank calls); -> whether this rank can give the whole state (rank 0, or any unpartitioned optimizer)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return True
+    optimizer.consolidate_state_dict(to=0)
+    return dist.get_rank() == 0
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """A whole `optimizer.state_dict()` (one learner's, or `consolidate`d) into `optimizer`; a ZeRO-1 rank keeps
+    its partition's. ZeroRedundancyOptimizer moves the step counts to the CPU, where a fused or capturable
+    AdamW on a GPU cannot take them: they go back to their parameters' device."""
+    optimizer.load_state_dict(state)
+    local = local_optimizer(optimizer)
+    if local is optimizer:
+        return
+    for group in local.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            for p in group["params"]:
+                st = local.state.get(p)
+                if st and torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(p.device)

@@ -194,6 +194,28 @@ FOUR = ((20, [5, 0, 9, 1]), (7, [12, 3]), (33, [4, 4, 6]), (11, [1, 17]))
 ONE = ((20, [5, 0, 9, 1]),)
 
 
+def _held_states(actor, critic=False) -> set[str]:
+    """Names of the parameters whose AdamW states this rank holds (its ZeRO-1 partition, or all)."""
+    def held(self):
+        from hetrl.trainer.sharding import local_optimizer
+
+        module, opt = (self.critic._both(), self.critic.optimizer) if critic else (self.policy.module,
+                                                                                   self.optimizer)
+        state = local_optimizer(opt).state
+        return {n for n, p in module.named_parameters() if p in state and state[p]}
+    return ray.get(actor.__ray_call__.remote(held))
+
+
+def _assert_zero1_split(actors, critic=False) -> None:
+    """ZeRO-1: the ranks hold disjoint parts of the AdamW states that together cover every trainable parameter."""
+    held = [_held_states(a, critic) for a in actors]
+    assert all(held) and not set.intersection(*held), "the ranks' optimizer states overlap"
+    every = ray.get(actors[0].__ray_call__.remote(
+        lambda self: {n for n, p in (self.critic._both() if critic else self.policy.module).named_parameters()
+                      if p.requires_grad}))
+    assert set.union(*held) == every
+
+
 @pytest.mark.parametrize("shapes, zero, offload, recompute", [
     (FOUR, 1, "none", False), (ONE, 1, "none", False), (FOUR, 3, "none", False), (ONE, 3, "none", False),
     (FOUR, 2, "none", False), (ONE, 2, "none", False),
@@ -201,12 +223,13 @@ ONE = ((20, [5, 0, 9, 1]),)
     pytest.param(FOUR, 3, "optimizer", False, marks=pytest.mark.slow),
     pytest.param(FOUR, 2, "optimizer", False, marks=pytest.mark.slow),
     pytest.param(FOUR, 3, "none", True, marks=pytest.mark.slow)],
-    ids=["replicas-4-groups", "replicas-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
+    ids=["zero1-4-groups", "zero1-1-group-so-rank-1-gets-none", "fsdp2-4-groups",
          "fsdp2-1-group-so-rank-1-gets-none", "zero2-4-groups", "zero2-1-group-so-rank-1-gets-none",
          "fsdp2-offload-4-groups", "zero2-offload-4-groups", "fsdp2-recompute-4-groups"])
 def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, shapes, zero, offload, recompute):
     """Also when a rank gets no group (DAPO's dynamic sampling can keep fewer groups than there are learners):
-    it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 3 the two
+    it joins the all-reduce with zero gradients, so the step is still the one-learner step. With zero: 1 the two
+    ranks hold and step disjoint halves of the AdamW states (ZeRO-1) and broadcast them. With zero: 3 the two
     ranks are FSDP2 shards (gradients summed by its reduce-scatter; the rank with fewer micro-batches runs
     zero-weight passes so that both all-gather as often), with DualKV log-probs inside: the same step; also with
     FSDP2's CPU offload (on a CPU host the states live in host memory anyway: this checks the wiring and that
@@ -225,6 +248,8 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
         stats = group.update(groups, advantages, weights, old + 0.01, old - 0.05)
         last = None if group.sharded else ray.get(actors[-1].weights.remote())   # a shard has no whole copy
         results[world] = (old, stats, ray.get(group.weights_ref()), last)
+        if world > 1 and zero == 1:
+            _assert_zero1_split(actors)
         for a in actors:
             ray.kill(a)
     (old1, s1, w1, _), (old2, s2, w2, w2_last) = results[1], results[2]
@@ -439,12 +464,12 @@ def _critic_batch(seed, shapes):
     return groups, returns, token_weights(lens, torch.ones_like(lens, dtype=torch.bool), "token-mean")
 
 
-@pytest.mark.parametrize("zero", [1, 3, 2], ids=["replicas", "fsdp2", "zero2"])
+@pytest.mark.parametrize("zero", [1, 3, 2], ids=["zero1", "fsdp2", "zero2"])
 def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path, zero):
     """PPO's critic_train with dp 2: values spread over the ranks and put back in order, and value steps on two
-    ranks (gradients all-reduced, value head included) are the one-critic steps; the replicas stay identical. The
-    second step has one group, so rank 1 gets none and joins the all-reduce with zero gradients. With the plan's
-    zero: 3 or 2 the two ranks are FSDP2 shards of the decoder and the head (rank 1 then runs zero-weight passes
+    ranks (gradients all-reduced, value head included) are the one-critic steps; the ranks stay identical, each
+    holding half the AdamW states (the plan's zero: 1, ZeRO-1). The second step has one group, so rank 1 gets none
+    and joins the all-reduce with zero gradients. With the plan's zero: 3 or 2 the two ranks are FSDP2 shards of the decoder and the head (rank 1 then runs zero-weight passes
     to match rank 0's): the same steps."""
     cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
                "weight_decay=0.01", "vf_clip=0.05")
@@ -459,6 +484,8 @@ def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path, ze
             # every replica's whole critic; shards answer together
             after = [group.values(groups)] if group.sharded else [ray.get(a.values.remote(groups)) for a in actors]
             results[world].append((old, stats, after))
+        if world > 1 and zero == 1:
+            _assert_zero1_split(actors, critic=True)
         for a in actors:
             ray.kill(a)
     for (old1, s1, (after1,)), (old2, s2, after2) in zip(results[1], results[2]):
@@ -472,9 +499,11 @@ def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path, ze
             assert torch.equal(after2[0], after2[1]), "the critic ranks disagree after the step"
 
 
-def test_sharded_critics_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path):
-    """zero: 3 critics gather decoder, head and AdamW states into the critic.pt one critic writes: two sharded
-    critics resumed from it take the step they would have taken, and so does one unsharded critic (fp64)."""
+@pytest.mark.parametrize("zero", [3, 1])
+def test_sharded_critics_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path, zero):
+    """zero: 3 critics gather decoder, head and AdamW states into the critic.pt one critic writes (zero: 1 critics
+    their AdamW partitions): two such critics resumed from it take the step they would have taken, and so does
+    one critic alone (fp64)."""
     cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
                "weight_decay=0.01")
     groups, returns, weights = _critic_batch(5, FOUR)
@@ -483,7 +512,7 @@ def test_sharded_critics_checkpoint_in_the_replicas_format_and_resume(local_ray,
         old = group.values(groups)
         group.update(groups, returns, old - 0.1 * returns, weights)
 
-    actors, group = _critic_group(2, cfg, zero=3)
+    actors, group = _critic_group(2, cfg, zero=zero)
     step(group)
     staged = group.call_rank0("stage", cfg.out_dir)
     ckpt = tmp_path / "ckpt"        # what save() makes of the staged file: the checkpoint's critic.pt
@@ -497,8 +526,8 @@ def test_sharded_critics_checkpoint_in_the_replicas_format_and_resume(local_ray,
     straight = group.values(groups)
     for a in actors:
         ray.kill(a)
-    for world, zero in ((2, 3), (1, 1)):
-        actors, group = _critic_group(world, cfg, zero=zero)
+    for world, stage in ((2, zero), (1, 1)):
+        actors, group = _critic_group(world, cfg, zero=stage)
         ray.get([a.load.remote(str(ckpt)) for a in actors])
         step(group)
         resumed = group.values(groups)
@@ -581,11 +610,11 @@ def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tm
     assert set(ray._private.state.actors()) == actors_before   # refused before any actor was created
 
 
-@pytest.mark.parametrize("zero", [3, 2])
+@pytest.mark.parametrize("zero", [3, 2, 1])
 def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path, zero):
-    """zero: 3 (and 2) learners gather their shards into the same checkpoint files as replicas write (weights and
-    torch's own optimizer.state_dict() form): two sharded learners resumed from it take the step they would
-    have taken, and so does one unsharded learner (fp64)."""
+    """zero: 3 (and 2) learners gather their shards into the same checkpoint files as one learner writes (weights
+    and torch's own optimizer.state_dict() form), zero: 1 learners their AdamW partitions: two such learners
+    resumed from it take the step they would have taken, and so does one learner alone (fp64)."""
     cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
     groups = _groups()
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
@@ -606,6 +635,7 @@ def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray
         ray.kill(a)
     state = torch.load(pathlib.Path(path) / "trainer_state.pt", weights_only=True)["optimizer"]
     assert sorted(state["state"]) == list(range(len(state["state"]))) and state["param_groups"][0]["params"][0] == 0
+    assert len(state["state"]) == len(state["param_groups"][0]["params"])   # every rank's part gathered
     for world, stage in ((2, zero), (1, 1)):
         actors, group = _learner_group(world, cfg, zero=stage)
         ray.get([a.load.remote(path) for a in actors])
