@@ -132,8 +132,12 @@ def expert_degrees(model, tp: int, dp: int, sp: int = 1) -> list[int]:
 def parallelisms(w: WorkloadSpec, task: str, n: int, long_sequences: bool = False) -> list[Parallelism]:
     """TP/PP/DP options of a task on n GPUs, and for an MoE every admissible ep (expert_degrees). With
     `long_sequences` (the memory ladder: nothing fit without it) also Ulysses sp in SP_DEGREES for training and
-    log-prob tasks, where sp x tp divides the heads."""
-    return list(_parallelisms(w.model(ROLE_OF[task]), task == "actor_gen", n, long_sequences))
+    log-prob tasks, where sp x tp divides the heads. A task the workload's executor runs as data parallelism only
+    (`data_parallel_only`) has the one option dp = n."""
+    gen = task == "actor_gen"
+    if w.data_parallel_only == "all" or (w.data_parallel_only == "but_generation" and not gen):
+        return [Parallelism(1, 1, n)]
+    return list(_parallelisms(w.model(ROLE_OF[task]), gen, n, long_sequences))
 
 
 @functools.lru_cache(maxsize=10_000)   # the search asks for the same model, task kind and size many times

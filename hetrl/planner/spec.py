@@ -488,6 +488,11 @@ class WorkloadSpec:
     # image patches per prompt that the actor's vision tower (models: vision_params) encodes, mean; their tokens
     # are part of prompt_tokens
     image_patches: int = rule(0, ge=0)
+    # tasks the executor runs as data parallelism only, one GPU per replica (tp = pp = sp = ep = 1; ZeRO and
+    # offload still apply): 'none' (any layout, as verl, NeMo-RL and Megatron run), 'but_generation' (hetrl's Ray
+    # executor with vLLM: its learners, critics and references are FSDP2 / ZeRO ranks, generation keeps vLLM's
+    # tensor_parallel_size), 'all' (hetrl's Ray executor with its own HF generation)
+    data_parallel_only: str = rule("none", choices=("none", "but_generation", "all"))
 
     def __post_init__(self):
         check(self)
@@ -599,7 +604,8 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 WORKLOAD_KEYS = ("algorithm", "mode", "models", "prompts_per_step", "responses_per_prompt", "prompt_tokens",
                  "response_tokens", "dualkv", "precision", "micro_batch_responses", "optimizer_steps",
                  "old_logprob_share", "rollout_logprob_pass", "max_tokens_per_micro_batch", "rollout_batch_multiplier",
-                 "padding", "turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves", "image_patches")
+                 "padding", "turns", "tool_tokens", "tool_latency_s", "branches", "max_leaves", "image_patches",
+                 "data_parallel_only")
 
 
 def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:

@@ -132,11 +132,14 @@ def old_logprob_share(cfg, precision: str) -> float:
     return 1 - math.ceil(groups / k) / groups
 
 
-def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str) -> WorkloadSpec:
+def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: str,
+                 rollout_engine: str = "hf") -> WorkloadSpec:
     """The planner workload of a `hetrl train` run: its model, batch and lengths; a reference model only when
     the KL term needs one; a critic of the actor's size for PPO; rewards are verifiers (no reward model); its
     precision (the planner's name: the run's RunPrecision.planner), its mini-batches as optimizer steps and the old
-    log-prob passes its learner runs (old_logprob_share)."""
+    log-prob passes its learner runs (old_logprob_share). Its executor runs every task as data parallelism, but
+    generation on the run's `rollout_engine` vllm (data_parallel_only), so a plan searched for it is one it runs as
+    priced."""
     # the cost model's mini-batches hold whole groups in equal numbers; a split that is not even is priced as one
     # optimizer step (its per-step gradient sync and Adam step then counted once)
     steps = cfg.mini_batches if cfg.prompts_per_step % cfg.mini_batches == 0 else 1
@@ -148,7 +151,8 @@ def run_workload(cfg, actor: ModelSpec, prompt_tokens: TokenLengths, precision: 
         dualkv=True, precision=precision,
         optimizer_steps=steps, old_logprob_share=old_logprob_share(cfg, precision),
         rollout_logprob_pass=cfg.mode == "async" and not logits_give_old_logprobs(cfg.old_logprobs,
-                                                                                  precision != "fp32"))
+                                                                                  precision != "fp32"),
+        data_parallel_only="but_generation" if rollout_engine == "vllm" else "all")
 
 
 def _episode_shape(cfg) -> dict:
@@ -166,13 +170,14 @@ def _episode_shape(cfg) -> dict:
             "tool_tokens": TokenLengths(share, float(share)), "branches": cfg.branches, "max_leaves": cfg.max_leaves}
 
 
-def plan_for_run(cfg, model_config, prompt_len: int, precision: str) -> tuple[ClusterSpec, Plan]:
+def plan_for_run(cfg, model_config, prompt_len: int, precision: str,
+                 rollout_engine: str = "hf") -> tuple[ClusterSpec, Plan]:
     """The cluster of a Ray run (`emulate_cluster` or `cluster`) and its plan: the user's `plan` file checked
     against the run's workload (in the planner's `precision`), or else the hybrid search's for the run's model,
-    batch and lengths."""
+    batch and lengths, among the layouts the executor runs (run_workload)."""
     cluster = load_cluster(cfg.emulate_cluster or cfg.cluster)
     workload = run_workload(cfg, model_spec_from_hf(model_config, cfg.model), TokenLengths(prompt_len, prompt_len),
-                            precision)
+                            precision, rollout_engine)
     if cfg.plan:
         return cluster, load_plan(cfg.plan, cluster, workload)
     return cluster, plan_search(cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan

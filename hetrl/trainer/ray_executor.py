@@ -1077,7 +1077,7 @@ class RayEngine:
         self.cfg, self.tokenizer, self.precision, self.agent = cfg, tokenizer, precision, agent
         self.rollout_engine = rollout_engine
         emulated = cfg.emulate_cluster is not None
-        self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len, precision.planner)
+        self.cluster, self.plan = plan_for_run(cfg, model_config, prompt_len, precision.planner, rollout_engine)
         self.replicas = replicas(self.plan, self.cluster, single_node=emulated)
         if rollout_engine == "vllm":
             check_vllm_tp(self.replicas, ray_has_gpus=not emulated)

@@ -469,8 +469,8 @@ def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path, ze
     """PPO's critic_train with dp 2: values spread over the ranks and put back in order, and value steps on two
     ranks (gradients all-reduced, value head included) are the one-critic steps; the ranks stay identical, each
     holding half the AdamW states (the plan's zero: 1, ZeRO-1). The second step has one group, so rank 1 gets none
-    and joins the all-reduce with zero gradients. With the plan's zero: 3 or 2 the two ranks are FSDP2 shards of the decoder and the head (rank 1 then runs zero-weight passes
-    to match rank 0's): the same steps."""
+    and joins the all-reduce with zero gradients. With the plan's zero: 3 or 2 the two ranks are FSDP2 shards of
+    the decoder and the head (rank 1 then runs zero-weight passes to match rank 0's): the same steps."""
     cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
                "weight_decay=0.01", "vf_clip=0.05")
     results = {}
@@ -697,6 +697,10 @@ def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(
     assert w.completion_tokens.max <= 50 and w.leaves == 6
     assert workload("max_new_tokens=50").completion_tokens == TokenLengths(50, 50.0) == \
         workload("max_new_tokens=50").response_tokens
+    # the layouts the executor runs: data parallelism for every task, generation on vLLM at its tp
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", "precision=fp32"])
+    assert run_workload(cfg, spec, lengths, "fp32").data_parallel_only == "all"
+    assert run_workload(cfg, spec, lengths, "fp32", "vllm").data_parallel_only == "but_generation"
 
 
 PROBE_ENV = '''
