@@ -325,8 +325,8 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero:
     """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
     own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). `zero` 2 or 3: the decoder and
     the head sharded over the default process group before the optimizer is made (hetrl.trainer.sharding;
-    `offload`: FSDP2's CPU offload). `partition`: zero 1's AdamW states split over that group (ZeRO-1). None
-    unless algorithm=ppo."""
+    `offload`: FSDP2's CPU offload). `partition`: zero 1's AdamW states split over that group (ZeRO-1; its
+    gradient sync then replaces `grad_sync`). None unless algorithm=ppo."""
     if not cfg.has_critic:
         return None
     if cfg.gradient_checkpointing:
@@ -343,6 +343,10 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero:
         sharding.shard_module(head, offload=offload, zero=zero)
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay, partition=partition)
+    if partition:   # ZeRO-1: each part's gradients summed onto the rank that steps it
+        from hetrl.trainer import sharding
+
+        grad_sync = sharding.reduce_to_owners(opt)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
                   max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision,
                   sharded=zero in (2, 3))

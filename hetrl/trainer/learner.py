@@ -227,22 +227,27 @@ class Learner:
 def _optimizer_step(optimizer: torch.optim.Optimizer, loss: float, max_grad_norm: float | None, grad_sync=None,
                     sharded: tuple[torch.nn.Module, ...] = (), lr: float | None = None) -> float:
     """The end of every update, the policy's and the critic's: the gradients of the optimizer's parameters summed
-    over data-parallel ranks (`grad_sync`; an FSDP2 rank's have been summed by its reduce-scatters), clipped, and
+    over data-parallel ranks (`grad_sync`; an FSDP2 rank's have been summed by its reduce-scatters; a ZeRO-1 rank's
+    onto the rank that steps them, clipped by the norm over all of them), clipped, and
     the optimizer step taken (at `lr` when given) only when the step is finite; -> the gradient norm. `sharded`:
     this FSDP2 rank's sharded modules, whose gathered weights (zero: 2 holds them through the passes) are freed
     first, so that the step updates the shards the next pass gathers. A non-finite step is never taken
     (hetrl/trainer/guards.py); data-parallel ranks decide on the synced gradient norm alone, which they share, so
     they all step or all skip."""
+    from hetrl.trainer import sharding
+
     if sharded:
-        from hetrl.trainer.sharding import reshard
-        reshard(*sharded)
+        sharding.reshard(*sharded)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if grad_sync is not None:
         grad_sync(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    if sharding.is_partitioned(optimizer):   # ZeRO-1: each rank holds its part's summed gradients (reduce_to_owners)
+        grad_norm = sharding.partitioned_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm or float("inf"), grad_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
     if sharded:
-        from hetrl.trainer.sharding import full_value
-        grad_norm = full_value(grad_norm)
+        grad_norm = sharding.full_value(grad_norm)
     if _finite_step(float(grad_norm), loss, shared_only=grad_sync is not None or sharded):
         if lr is not None:
             for group in optimizer.param_groups:

@@ -379,8 +379,10 @@ class _DataParallel:
 
     def _join(self, address: str, params) -> None:
         """Join this role's process group at `address` (from rank 0's `rendezvous`), then take rank 0's `params`
-        so that every rank starts identical even if a rank's initialisation differed."""
-        backend = "nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
+        so that every rank starts identical even if a rank's initialisation differed. On GPUs the group has NCCL
+        for CUDA tensors and gloo for CPU ones (the pass counts FSDP2 ranks agree on, the gathered states on the
+        host), as torch allows one group to map devices to backends."""
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and ray.get_gpu_ids() else "gloo"
         if address.startswith("file://"):   # one machine: gloo's own sockets on the loopback interface
             os.environ["GLOO_SOCKET_IFNAME"] = _loopback()
         torch.distributed.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
@@ -425,9 +427,11 @@ class LearnerActor(_DataParallel):
             self.optimizer = build.optimizer(self.cfg, self.policy)
             self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision, sharded=True)
         elif self.partitioned:   # ZeRO-1: the optimizer made again over the group, its states split
+            from hetrl.trainer import sharding
+
             self.optimizer = build.optimizer(self.cfg, self.policy, partition=True)
             self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision,
-                                         grad_sync=allreduce_grads)
+                                         grad_sync=sharding.reduce_to_owners(self.optimizer))
 
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
@@ -519,8 +523,7 @@ class CriticActor(_DataParallel):
             self.critic = build.critic(self.cfg, self.critic.model, self.precision, zero=self.zero,
                                        offload=self.offload)
         elif self.partitioned:   # ZeRO-1: a new zero head and its optimizer, made over the group
-            self.critic = build.critic(self.cfg, self.critic.model, self.precision, grad_sync=allreduce_grads,
-                                       partition=True)
+            self.critic = build.critic(self.cfg, self.critic.model, self.precision, partition=True)
 
     def values(self, groups):
         return self.critic.values(groups)

@@ -2,11 +2,12 @@
 `ZeroRedundancyOptimizer`: what a plan's `zero: 3`, `2` and `1` mean over several data-parallel ranks.
 
 `zero: 1` (the planner's default) is DeepSpeed's ZeRO-1, as the cost model prices it (task_memory: AdamW states
-/ dp, gradients and weights whole): every rank holds the whole model and its whole gradients (all-reduced), but
-the AdamW states of only its part of the parameters (torch's sorted-greedy partition by size); it steps that
-part and broadcasts it to the others (`ZeroRedundancyOptimizer.step`). The step is elementwise, so the ranks'
-weights are the one-learner step's. Its states are saved by gathering the partitions on rank 0 in torch's own
-`optimizer.state_dict()` form (`consolidate`), the file a single learner writes.
+/ dp, gradients and weights whole): every rank holds the whole model and computes whole gradients, but the AdamW
+states of only its part of the parameters (torch's sorted-greedy partition by size); each part's gradients are
+summed onto its rank (`reduce_to_owners`), which clips them by the global norm, steps that part and broadcasts it
+to the others (`ZeroRedundancyOptimizer.step`). The step is elementwise, so the ranks' weights are the one-learner
+step's. Its states are saved by gathering the partitions on rank 0 in torch's own `optimizer.state_dict()` form
+(`consolidate`), the file a single learner writes.
 
 Each decoder layer and then the whole model are sharded over the learners' process group (gloo on CPU, NCCL on
 GPU): every rank holds 1/world of the parameters, gradients and AdamW states, and all-gathers a layer's weights
@@ -157,6 +158,49 @@ def partitioned(params: list[torch.nn.Parameter], optimizer_class, **defaults) -
     rank makes and steps the states of its partition only, then the ranks broadcast their updated parameters.
     `param_groups` are the whole model's (a learning rate set there reaches every partition at the step)."""
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
+
+
+def is_partitioned(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def reduce_to_owners(optimizer: ZeroRedundancyOptimizer):
+    """ZeRO-1's gradient sync for `optimizer`'s ranks: -> grad_sync(params), which sums each parameter's gradient
+    over the ranks onto the rank that steps it (one `dist.reduce` per rank's part, flattened) and frees the
+    gradients this rank does not step. With the broadcast of the updated parts in the step, a step moves 2x the
+    parameters' bytes, as an all-reduce does (what the cost model prices for zero 1; DeepSpeed's ZeRO-1 reduce-
+    scatters and all-gathers the same). A parameter without a gradient on a rank joins with zeros, as
+    allreduce_grads does for replicas. The partition is torch's (`_param_to_rank`, which its own state_dict uses)."""
+    def grad_sync(params: list[torch.nn.Parameter]) -> None:
+        owner, rank = optimizer._param_to_rank, dist.get_rank()
+        for r in range(dist.get_world_size()):
+            part = [p for p in params if owner[p] == r]
+            if not part:
+                continue
+            for p in part:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in part])
+            dist.reduce(flat, dst=r)
+            offset = 0
+            for p in part:
+                if r == rank:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                else:
+                    p.grad = None
+                offset += p.numel()
+    return grad_sync
+
+
+def partitioned_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of every rank's gradients together, where each rank holds those of its part (after
+    reduce_to_owners): the squares summed over the ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads).double() if grads else \
+        torch.zeros((), dtype=torch.float64, device=params[0].device)
+    square = (local ** 2).reshape(1)
+    dist.all_reduce(square)
+    return square[0].sqrt()
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
