@@ -5,8 +5,8 @@ every state whole), SmolLM2-135M in fp32 with gloo; result: benchmarks/results/l
     python -m benchmarks.learner_sharding [--steps 4] [--out benchmarks/results]
 
 Each setting starts 2 processes (torch.multiprocessing, gloo on loopback, 1 torch thread each: one core each), builds
-the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build; for zero 1 a partitioned optimizer,
-for zero 2 and 3 sharding.shard before the optimizer; "replicas" is zero 1 without the partition), and runs `steps`
+the learner exactly as the Ray executor's LearnerActor does (hetrl.trainer.build.data_parallel_learner; "replicas" is
+the plain optimizer with its gradients all-reduced, what zero 1 ran before ZeRO-1), and runs `steps`
 updates on the same fixed groups (8 prompts x 4 responses, DualKV micro-batches). Per rank it reports:
   - states: bytes of parameters + gradients + AdamW moments this rank holds (counted from its tensors; for zero 2
     and 3 the local shards), at the end of an update before the gradients are freed; for zero 2 also the
@@ -44,6 +44,19 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _allreduce(params: list[torch.nn.Parameter]) -> None:
+    """Plain replicas' gradient sync: every gradient summed over the ranks in one flat all-reduce."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -53,17 +66,16 @@ def _rank(rank: int, world: int, zero: int, steps: int, store: str, out: str) ->
     from hetrl.trainer import build, sharding
     from hetrl.trainer.config import load_config
     from hetrl.trainer.precision import decide
-    from hetrl.trainer.ray_executor import allreduce_grads
 
     cfg = load_config(str(ROOT / "examples" / "runs" / "default.yaml"),
                       ["dtype=float32", "precision=fp32", "kl_coef=0"])
     model, _ = load_model(cfg.model, torch.float32, seed=0)
     pol = build.Policy(model)
-    if zero in (2, 3):
-        sharding.shard(model, zero=zero)
-    opt = build.optimizer(cfg, pol, partition=zero == 1)
-    learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=allreduce_grads if zero in (0, 1) else None,
-                            sharded=zero in (2, 3))
+    if zero == 0:   # the baseline: every state whole on every rank, gradients all-reduced (DDP's way)
+        opt = build.optimizer(cfg, pol)
+        learner = build.learner(cfg, pol, opt, decide(cfg), grad_sync=_allreduce)
+    else:           # as the Ray executor's learners
+        opt, learner = build.data_parallel_learner(cfg, pol, decide(cfg), zero, world)
     held = {}
     reshard = sharding.reshard
 
@@ -152,7 +164,8 @@ def markdown(res: dict) -> str:
              f"{res['machine']['cpus']} CPUs ({res['machine']['platform']}). `python -m benchmarks.learner_sharding`. "
              f"Batch: 4 prompts x 4 responses per rank (40 + 32 tokens), {res['steps']} updates (log-probs + "
              "update), the first a warm-up. replicas: every rank holds every state (DDP's way); zero 1: AdamW "
-             "states split (torch's ZeroRedundancyOptimizer); zero 2 and 3: FSDP2 shards.", "",
+             "states split (torch's ZeroRedundancyOptimizer), each part's gradients reduced onto its rank and the "
+             "rest freed before the step; zero 2 and 3: FSDP2 shards.", "",
              f"Conditions: {res.get('conditions', 'not stated')}", "",
              "| per rank (mean of 2) | " + " | ".join(_name(z) for z in zeros) + " | "
              + " | ".join(f"{_name(z)} / {_name(base)}" for z in more) + " |",

@@ -186,6 +186,26 @@ def states_now(opt: torch.optim.AdamW) -> None:
                             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
+def data_parallel_learner(cfg: RunConfig, pol: Policy, precision: RunPrecision, zero: int = 1, world: int = 1,
+                          offload: bool = False) -> tuple[torch.optim.Optimizer, Learner]:
+    """The optimizer and learner of one of `world` data-parallel ranks by the plan's `zero` for actor_train (the
+    default process group is up when world > 1; hetrl.trainer.sharding): zero 2 or 3 shard `pol`'s model with
+    FSDP2 first (`offload`: its CPU offload), zero 1 splits the AdamW states (ZeRO-1, its gradient sync reducing
+    each part onto the rank that steps it). One rank: the plain optimizer and learner. What the Ray executor's
+    learners and benchmarks/learner_sharding.py both run."""
+    if world == 1:
+        opt = optimizer(cfg, pol)
+        return opt, learner(cfg, pol, opt, precision)
+    from hetrl.trainer import sharding
+
+    if zero in (2, 3):
+        sharding.shard(pol.module, offload=offload, zero=zero)
+        opt = optimizer(cfg, pol)
+        return opt, learner(cfg, pol, opt, precision, sharded=True)
+    opt = optimizer(cfg, pol, partition=True)
+    return opt, learner(cfg, pol, opt, precision, grad_sync=sharding.reduce_to_owners(opt))
+
+
 def learner(cfg: RunConfig, pol: Policy, opt: torch.optim.Optimizer, precision: RunPrecision, grad_sync=None,
             sharded: bool = False) -> Learner:
     return Learner(pol.module, opt, impl=cfg.impl, temperature=cfg.temperature,
@@ -320,13 +340,13 @@ def critic_model(cfg: RunConfig, policy_model=None):
     return model if policy_model is None else model.to(policy_model.get_input_embeddings().weight.device)
 
 
-def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero: int = 1,
-           offload: bool = False, partition: bool = False) -> Critic | None:
+def critic(cfg: RunConfig, model, precision: RunPrecision, zero: int = 1, world: int = 1,
+           offload: bool = False) -> Critic | None:
     """PPO's critic: `model` (critic_model()) with a scalar value head initialised to zero (values start at 0), its
-    own AdamW at critic_lr. `grad_sync`: as the learner's (data-parallel critics). `zero` 2 or 3: the decoder and
-    the head sharded over the default process group before the optimizer is made (hetrl.trainer.sharding;
-    `offload`: FSDP2's CPU offload). `partition`: zero 1's AdamW states split over that group (ZeRO-1; its
-    gradient sync then replaces `grad_sync`). None unless algorithm=ppo."""
+    own AdamW at critic_lr; one of `world` data-parallel ranks by the plan's `zero` for critic_train, as
+    data_parallel_learner: 2 or 3 shard the decoder and the head over the default process group before the
+    optimizer is made (hetrl.trainer.sharding; `offload`: FSDP2's CPU offload), 1 splits the AdamW states
+    (ZeRO-1). None unless algorithm=ppo."""
     if not cfg.has_critic:
         return None
     if cfg.gradient_checkpointing:
@@ -336,17 +356,18 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, grad_sync=None, zero:
     head = torch.nn.Linear(hidden, 1, dtype=dtype, device=model.get_input_embeddings().weight.device)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
-    if zero in (2, 3):
+    sharded, partition = world > 1 and zero in (2, 3), world > 1 and zero == 1
+    if sharded:
         from hetrl.trainer import sharding
 
         sharding.shard(model, offload=offload, zero=zero, decoder_only=True)
         sharding.shard_module(head, offload=offload, zero=zero)
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay, partition=partition)
+    grad_sync = None
     if partition:   # ZeRO-1: each part's gradients summed onto the rank that steps it
         from hetrl.trainer import sharding
 
         grad_sync = sharding.reduce_to_owners(opt)
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
-                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision,
-                  sharded=zero in (2, 3))
+                  max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision, sharded=sharded)

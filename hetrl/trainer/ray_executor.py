@@ -406,9 +406,8 @@ class LearnerActor(_DataParallel):
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         # the rollouts sample from bf16 weights (precision.samples_in_bf16): send them bf16, half the bytes
         self.bf16_rollouts = samples_in_bf16(precision, self.policy.module, self.policy.lora)
-        self.optimizer = build.optimizer(cfg, self.policy)
-        self.learner = build.learner(cfg, self.policy, self.optimizer, precision,
-                                     grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
+        # one rank's, until several join their process group (init_process_group)
+        self.optimizer, self.learner = build.data_parallel_learner(cfg, self.policy, precision)
         self.sync_group = SyncGroup()
 
     def whereabouts(self) -> dict:
@@ -420,18 +419,9 @@ class LearnerActor(_DataParallel):
 
     def init_process_group(self, address: str) -> None:
         self._join(address, self.policy.module.parameters())
-        if self.sharded:   # the optimizer and learner are made again over the sharded parameters
-            from hetrl.trainer import sharding
-
-            sharding.shard(self.policy.module, offload=self.offload, zero=self.zero)
-            self.optimizer = build.optimizer(self.cfg, self.policy)
-            self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision, sharded=True)
-        elif self.partitioned:   # ZeRO-1: the optimizer made again over the group, its states split
-            from hetrl.trainer import sharding
-
-            self.optimizer = build.optimizer(self.cfg, self.policy, partition=True)
-            self.learner = build.learner(self.cfg, self.policy, self.optimizer, self.precision,
-                                         grad_sync=sharding.reduce_to_owners(self.optimizer))
+        # made again over the group: FSDP2 shards (zero 2, 3) or split AdamW states (zero 1)
+        self.optimizer, self.learner = build.data_parallel_learner(self.cfg, self.policy, self.precision, self.zero,
+                                                                   self.world, self.offload)
 
     def logprobs(self, groups):
         return self.learner.logprobs(groups)
@@ -509,8 +499,7 @@ class CriticActor(_DataParallel):
         model = _on_device(precision, build.critic_model(cfg))
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         self._plan_strategy(zero, offload, world)
-        self.critic = build.critic(cfg, model, precision,
-                                   grad_sync=allreduce_grads if world > 1 and not self.sharded else None)
+        self.critic = build.critic(cfg, model, precision)   # one rank's, until the group is up
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
             build.recompute(model)
 
@@ -519,11 +508,8 @@ class CriticActor(_DataParallel):
 
     def init_process_group(self, address: str) -> None:
         self._join(address, self.critic.parameters())
-        if self.sharded:   # made again over the sharded decoder: a new zero head and its optimizer
-            self.critic = build.critic(self.cfg, self.critic.model, self.precision, zero=self.zero,
-                                       offload=self.offload)
-        elif self.partitioned:   # ZeRO-1: a new zero head and its optimizer, made over the group
-            self.critic = build.critic(self.cfg, self.critic.model, self.precision, partition=True)
+        # made again over the group (a new zero head and its optimizer): FSDP2 shards or split AdamW states
+        self.critic = build.critic(self.cfg, self.critic.model, self.precision, self.zero, self.world, self.offload)
 
     def values(self, groups):
         return self.critic.values(groups)
@@ -558,20 +544,6 @@ def _shards_said(name: str, ranks: list) -> str:
         return f"; the {name} split their AdamW states over {len(ranks)} ranks (zero: 1)"
     return (f"; the {name} are FSDP2 shards (zero: {zero}: parameters, gradients and optimizer states split over "
             f"{len(ranks)} ranks" + (", the weights gathered once per optimizer step" if zero == 2 else "") + ")")
-
-
-def allreduce_grads(params: list[torch.nn.Parameter]) -> None:
-    """Sum every gradient over the data-parallel ranks. A parameter this rank did not touch gets a zero
-    gradient first, so AdamW steps every parameter on every rank and the replicas stay identical."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    torch.distributed.all_reduce(flat)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
 
 
 # ------------------------------------------------------------------------------------------ driver-side pools

@@ -169,8 +169,9 @@ def reduce_to_owners(optimizer: ZeroRedundancyOptimizer):
     over the ranks onto the rank that steps it (one `dist.reduce` per rank's part, flattened) and frees the
     gradients this rank does not step. With the broadcast of the updated parts in the step, a step moves 2x the
     parameters' bytes, as an all-reduce does (what the cost model prices for zero 1; DeepSpeed's ZeRO-1 reduce-
-    scatters and all-gathers the same). A parameter without a gradient on a rank joins with zeros, as
-    allreduce_grads does for replicas. The partition is torch's (`_param_to_rank`, which its own state_dict uses)."""
+    scatters and all-gathers the same). A parameter without a gradient on a rank joins with zeros, so every
+    parameter is stepped on its rank however the groups fell. The partition is torch's (`_param_to_rank`, which
+    its own state_dict uses)."""
     def grad_sync(params: list[torch.nn.Parameter]) -> None:
         owner, rank = optimizer._param_to_rank, dist.get_rank()
         for r in range(dist.get_world_size()):
