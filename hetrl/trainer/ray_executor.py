@@ -5,9 +5,10 @@ below are thin wrappers made at placement time, and the driver-side pools give t
 `generate` / `logprobs` / `update` / `values` calls as the local engine. What only Ray gives:
 - placement: each actor requests its plan GPUs as node resources (placement.py);
 - data-parallel learners and critics (PPO): each role's ranks form a torch.distributed group of their own
-  (gloo on CPU, NCCL on GPUs), gradients all-reduced before clipping and the AdamW states split over the ranks
-  (the plan's zero: 1, ZeRO-1; with zero: 2 / 3, FSDP2 shards: sharding.py), groups assigned whole to ranks,
-  balanced by packed tokens; the critic's state goes into the learner's checkpoint (checkpoint.stage);
+  (gloo on CPU, NCCL on GPUs), the AdamW states split over the ranks and each part's gradients summed onto the
+  rank that steps it (the plan's zero: 1, ZeRO-1; with zero: 2 / 3, FSDP2 shards: sharding.py), groups assigned
+  whole to ranks, balanced by packed tokens; the critic's state goes into the learner's checkpoint
+  (checkpoint.stage);
 - weight sync (weight_transport): learner rank 0 broadcasts each version to the rollout actors over a
   torch.distributed group of their own (NCCL on GPUs, gloo on CPU), in buckets; or puts it into the object store
   once and every rollout actor reads it (Ray moves one copy per node) between generation calls (auto's choice on
@@ -366,15 +367,15 @@ class _DataParallel:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def _plan_strategy(self, zero: int, offload: str, world: int) -> None:
-        """The plan's memory strategy for this role's training task, over several ranks (sharding.py): `zero` 1
-        keeps whole weights and gradients but splits the AdamW states (`partitioned`, ZeRO-1), 2 and 3 make the
-        ranks FSDP2 shards (`sharded`), and `offload` adds FSDP2's CPU offload to shards."""
+        """The plan's memory strategy for this role's training task, over several ranks (sharding.py, made by
+        build.data_parallel_learner / build.critic): `zero` 1 keeps whole weights but splits the AdamW states
+        (ZeRO-1), 2 and 3 make the ranks FSDP2 shards (`sharded`), and `offload` adds FSDP2's CPU offload to
+        shards."""
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if offload not in ("none", "optimizer", "params"):
             raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
         self.zero, self.sharded = zero, _shards(zero, world)
-        self.partitioned = zero == 1 and world > 1
         self.offload = zero in (2, 3) and offload != "none"
 
     def _join(self, address: str, params) -> None:
@@ -393,7 +394,7 @@ class _DataParallel:
 
 class LearnerActor(_DataParallel):
     """One data-parallel learner rank. `zero` is the plan's strategy for actor training: 1 keeps the whole weights
-    and gradients (all-reduced) and its part of the AdamW states (ZeRO-1), 3 shards parameters, gradients and
+    and steps its part of the AdamW states (ZeRO-1), 3 shards parameters, gradients and
     AdamW states with FSDP2, and 2 shards gradients and AdamW states but gathers the weights once per optimizer
     step (DeepSpeed's ZeRO-2); all three over several ranks, once the process group is up (sharding.py)."""
 
@@ -489,8 +490,8 @@ class LearnerActor(_DataParallel):
 
 class CriticActor(_DataParallel):
     """One data-parallel critic rank (PPO's critic_train, with its bound critic_infer): the critic's values and
-    its clipped value update. `zero` is the plan's for critic_train, as the learners': 1 whole weights and
-    gradients (all-reduced over the critic ranks) with the AdamW states split (ZeRO-1), 2 and 3 the decoder and
+    its clipped value update. `zero` is the plan's for critic_train, as the learners': 1 whole weights with
+    the AdamW states split over the critic ranks (ZeRO-1), 2 and 3 the decoder and
     value head sharded with FSDP2; over several ranks, once the process group is up (sharding.py)."""
 
     def __init__(self, cfg: RunConfig, precision: RunPrecision, threads: int, rank: int, world: int,
