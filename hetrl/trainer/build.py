@@ -186,6 +186,12 @@ def states_now(opt: torch.optim.AdamW) -> None:
                             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
+def shards(zero: int, world: int) -> bool:
+    """Whether data-parallel ranks are FSDP2 shards: the plan's zero 2 or 3 over more than one rank (zero 1 over
+    several splits the AdamW states only: ZeRO-1)."""
+    return zero in (2, 3) and world > 1
+
+
 def data_parallel_learner(cfg: RunConfig, pol: Policy, precision: RunPrecision, zero: int = 1, world: int = 1,
                           offload: bool = False) -> tuple[torch.optim.Optimizer, Learner]:
     """The optimizer and learner of one of `world` data-parallel ranks by the plan's `zero` for actor_train (the
@@ -198,7 +204,7 @@ def data_parallel_learner(cfg: RunConfig, pol: Policy, precision: RunPrecision, 
         return opt, learner(cfg, pol, opt, precision)
     from hetrl.trainer import sharding
 
-    if zero in (2, 3):
+    if shards(zero, world):
         sharding.shard(pol.module, offload=offload, zero=zero)
         opt = optimizer(cfg, pol)
         return opt, learner(cfg, pol, opt, precision, sharded=True)
@@ -356,18 +362,15 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, zero: int = 1, world:
     head = torch.nn.Linear(hidden, 1, dtype=dtype, device=model.get_input_embeddings().weight.device)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
-    sharded, partition = world > 1 and zero in (2, 3), world > 1 and zero == 1
-    if sharded:
+    sharded, partition = shards(zero, world), world > 1 and not shards(zero, world)
+    if world > 1:
         from hetrl.trainer import sharding
-
+    if sharded:
         sharding.shard(model, offload=offload, zero=zero, decoder_only=True)
         sharding.shard_module(head, offload=offload, zero=zero)
     params = [p for p in [*model.parameters(), *head.parameters()] if p.requires_grad]
     opt = adamw(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay, partition=partition)
-    grad_sync = None
-    if partition:   # ZeRO-1: each part's gradients summed onto the rank that steps it
-        from hetrl.trainer import sharding
-
-        grad_sync = sharding.reduce_to_owners(opt)
+    # ZeRO-1: each part's gradients summed onto the rank that steps it
+    grad_sync = sharding.reduce_to_owners(opt) if partition else None
     return Critic(model, head, opt, impl=cfg.impl, micro_batch_tokens=cfg.micro_batch_tokens, vf_clip=cfg.vf_clip,
                   max_grad_norm=cfg.max_grad_norm, grad_sync=grad_sync, precision=precision, sharded=sharded)

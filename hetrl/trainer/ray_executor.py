@@ -375,7 +375,7 @@ class _DataParallel:
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if offload not in ("none", "optimizer", "params"):
             raise ValueError(f"offload must be none, optimizer or params, got {offload!r}")
-        self.zero, self.sharded = zero, _shards(zero, world)
+        self.zero, self.sharded = zero, build.shards(zero, world)
         self.offload = zero in (2, 3) and offload != "none"
 
     def _join(self, address: str, params) -> None:
@@ -407,8 +407,10 @@ class LearnerActor(_DataParallel):
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         # the rollouts sample from bf16 weights (precision.samples_in_bf16): send them bf16, half the bytes
         self.bf16_rollouts = samples_in_bf16(precision, self.policy.module, self.policy.lora)
-        # one rank's, until several join their process group (init_process_group)
-        self.optimizer, self.learner = build.data_parallel_learner(cfg, self.policy, precision)
+        # several ranks make theirs once their process group is up (init_process_group), not a one-rank
+        # optimizer first (whose AdamW states the CPU allocates at once) to throw away
+        self.optimizer, self.learner = build.data_parallel_learner(cfg, self.policy, precision) if world == 1 \
+            else (None, None)
         self.sync_group = SyncGroup()
 
     def whereabouts(self) -> dict:
@@ -420,7 +422,7 @@ class LearnerActor(_DataParallel):
 
     def init_process_group(self, address: str) -> None:
         self._join(address, self.policy.module.parameters())
-        # made again over the group: FSDP2 shards (zero 2, 3) or split AdamW states (zero 1)
+        # made over the group: FSDP2 shards (zero 2, 3) or split AdamW states (zero 1)
         self.optimizer, self.learner = build.data_parallel_learner(self.cfg, self.policy, self.precision, self.zero,
                                                                    self.world, self.offload)
 
@@ -500,7 +502,8 @@ class CriticActor(_DataParallel):
         model = _on_device(precision, build.critic_model(cfg))
         self.cfg, self.precision, self.rank, self.world = cfg, precision, rank, world
         self._plan_strategy(zero, offload, world)
-        self.critic = build.critic(cfg, model, precision)   # one rank's, until the group is up
+        self.model = model   # several ranks make their critic once their group is up (init_process_group)
+        self.critic = build.critic(cfg, model, precision) if world == 1 else None
         if recompute and not cfg.gradient_checkpointing:   # the plan's recompute (the config's: in build.critic)
             build.recompute(model)
 
@@ -508,9 +511,9 @@ class CriticActor(_DataParallel):
         return _whereabouts()
 
     def init_process_group(self, address: str) -> None:
-        self._join(address, self.critic.parameters())
-        # made again over the group (a new zero head and its optimizer): FSDP2 shards or split AdamW states
-        self.critic = build.critic(self.cfg, self.critic.model, self.precision, self.zero, self.world, self.offload)
+        self._join(address, self.model.parameters())   # the value head starts at zero on every rank
+        # made over the group: FSDP2 shards or split AdamW states
+        self.critic = build.critic(self.cfg, self.model, self.precision, self.zero, self.world, self.offload)
 
     def values(self, groups):
         return self.critic.values(groups)
@@ -528,11 +531,6 @@ class CriticActor(_DataParallel):
 
     def load(self, path: str) -> None:
         self.critic.load_state(checkpoint.read_staged(pathlib.Path(path), checkpoint.CRITIC))
-
-
-def _shards(zero: int, world: int) -> bool:
-    """Whether a role's data-parallel ranks are FSDP2 shards: the plan's zero 2 or 3 over more than one rank."""
-    return zero in (2, 3) and world > 1
 
 
 def _shards_said(name: str, ranks: list) -> str:
@@ -1140,7 +1138,7 @@ class RayEngine:
         self.worker = RolloutPool(rollouts, cfg.rollout_batch_size, cfg.seed,
                                   homes=[{k for k, _ in r.resources} for r in by_role["rollout"]])
         self.learner = LearnerGroup(learners, on_failure=lambda e: self._failed("learner", e),
-                                    sharded=_shards(by_role["learner"][0].zero, len(learners)))
+                                    sharded=build.shards(by_role["learner"][0].zero, len(learners)))
         self.transport = weight_transport(cfg, gpus=real)
         self.worker.learner = self.learner
         self.worker.new_address = lambda: self.learner.rendezvous(emulated, cfg.out_dir)
@@ -1148,7 +1146,7 @@ class RayEngine:
         self.episodes = RayEpisodes(self.worker) if self.agent is not None else None
         self.reference = DataParallelScorer(references) if references else None
         self.critic = CriticGroup(critics, on_failure=lambda e: self._failed("critic", e),
-                                  sharded=_shards(by_role["critic"][0].zero, len(critics))) if critics else None
+                                  sharded=build.shards(by_role["critic"][0].zero, len(critics))) if critics else None
         self.last_checkpoint = None
         self.weight_bytes = None
         self.pending_sync: list = []
