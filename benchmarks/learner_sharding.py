@@ -197,9 +197,9 @@ def markdown(res: dict) -> str:
               "before it is sharded (the GGUF file is de-quantized in memory), so that peak does not fall. "
               "The step time includes the collectives: zero 3 all-gathers every layer for each forward and "
               "backward, zero 2 once per pass set (log-probs, then the update) and reduce-scatters each "
-              "micro-batch's gradients, replicas and zero 1 all-reduce the gradients once (zero 1 then "
-              "broadcasts each rank's updated part); zero-weight passes keep sharded ranks in step; gloo on one "
-              "machine."]
+              "micro-batch's gradients, replicas all-reduce the gradients once, and zero 1 reduces each part's "
+              "gradients onto the rank that steps it, then broadcasts the updated part; zero-weight passes keep "
+              "sharded ranks in step; gloo on one machine."]
     return "\n".join(lines) + "\n"
 
 
