@@ -1032,11 +1032,40 @@ def group_memory(w: WorkloadSpec, group: Group, usable: float) -> GroupMemory:
     group stays resident; with it, each phase (generation, inference, training) holds only its own roles, so
     the peak is the largest phase, and every role or state idle in some phase is moved out and back in once
     per iteration over PCIe (the KV cache is dropped, not moved)."""
-    mems = {t: task_memory(w, t, group.par(t)) for t in group.tasks}
+    return _group_bytes(w, group).on(usable)
+
+
+def group_peak(w: WorkloadSpec, group: Group) -> float:
+    """Bytes one GPU of `group` holds at its busiest moment (the same on every GPU of the group)."""
+    return _group_bytes(w, group).peak
+
+
+@functools.lru_cache(maxsize=100_000)
+def least_usable(cluster: ClusterSpec, gpus: tuple[int, ...]) -> float:
+    """Usable bytes of the smallest of these GPUs: a group whose `group_peak` exceeds it does not fit."""
+    return min(usable for usable, _, _ in _runs(cluster, gpus))
+
+
+@dataclass(frozen=True)
+class _GroupBytes:
+    """What `group_memory` reads of a group before the GPU's usable bytes come in (the same on every GPU type)."""
+
+    peak: float
+    gen_resident: float    # bytes held while generation runs; the rest of the GPU is KV cache
+    host: float
+    swapped: float
+
+    def on(self, usable: float) -> GroupMemory:
+        return GroupMemory(self.peak, usable - self.gen_resident, self.host + self.swapped,
+                           2 * self.swapped / PCIE_BYTES_PER_S)
+
+
+def _group_bytes(w: WorkloadSpec, group: Group) -> _GroupBytes:
+    mems = {t: task_memory(w, t, p) for t, p in group.parallelism}
     host = sum(m.host for m in mems.values())
     if not group.swap:
         resident, working, _ = _phase_bytes(mems, group.tasks)
-        return GroupMemory(resident + working, usable - resident, host, 0.0)
+        return _GroupBytes(resident + working, resident, host, 0.0)
     phases = [[t for t in group.tasks if t in p] for p in PHASES]
     phases = [p for p in phases if p]
     per_phase = [_phase_bytes(mems, p) for p in phases]
@@ -1047,8 +1076,7 @@ def group_memory(w: WorkloadSpec, group: Group, usable: float) -> GroupMemory:
         for k, v in items.items():
             moved[k] = max(moved.get(k, 0.0), v)
     out = {k: v for k, v in moved.items() if any(k not in items for _, _, items in per_phase)}
-    swapped = sum(out.values())
-    return GroupMemory(peak, usable - gen, host + swapped, 2 * swapped / PCIE_BYTES_PER_S)
+    return _GroupBytes(peak, gen, host, sum(out.values()))
 
 
 @dataclass
@@ -1059,6 +1087,17 @@ class Memory:
     why: str                       # the first GPU or node that does not fit, or ''
 
 
+@functools.lru_cache(maxsize=100_000)   # the search asks for the same group's GPUs many times
+def _runs(cluster: ClusterSpec, gpus: tuple[int, ...]) -> tuple[tuple[float, str, tuple[int, ...]], ...]:
+    """A group's GPUs by (usable bytes, node), in the order each pair first appears (so a run's first GPU comes
+    before every GPU of the runs after it)."""
+    runs: dict[tuple[float, str], list[int]] = {}
+    for i in gpus:
+        g = cluster.gpus[i]
+        runs.setdefault((g.type.memory_bytes * MEM_UTIL, g.node), []).append(i)
+    return tuple((usable, node, tuple(ids)) for (usable, node), ids in runs.items())
+
+
 def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
     """Peak bytes of every GPU and host memory of every node under `plan`, and the first thing that does not
     fit (a constraint: a plan that does not fit is infeasible, whatever its speed)."""
@@ -1067,19 +1106,17 @@ def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
     if w.max_tokens_per_micro_batch is not None:
         why = next((e for g in plan.groups for t, p in g.parallelism if (e := token_budget_error(w, t, p))), "")
     for k, group in enumerate(plan.groups):
-        by_usable: dict[float, GroupMemory] = {}
+        nbytes = _group_bytes(w, group)   # a group's GPUs hold the same shares
         swap_s[k] = 0.0
-        for i in group.gpus:
-            usable = cluster.gpus[i].type.memory_bytes * MEM_UTIL
-            if usable not in by_usable:   # a group's GPUs hold the same shares: once per GPU type
-                by_usable[usable] = group_memory(w, group, usable)
-            gm = by_usable[usable]
-            peak[i], free[i] = gm.peak, gm.kv_free
+        for usable, node, ids in _runs(cluster, group.gpus):
+            gm = nbytes.on(usable)
+            peak.update(dict.fromkeys(ids, gm.peak))
+            free.update(dict.fromkeys(ids, gm.kv_free))
             swap_s[k] = gm.swap_s
-            host_of_node[cluster.gpus[i].node] = host_of_node.get(cluster.gpus[i].node, 0.0) + gm.host
-            if peak[i] > usable and not why:   # the first GPU that does not fit; every GPU still gets its entry
-                g = cluster.gpus[i]
-                why = f"{g.name} ({g.type.name}) needs {peak[i] / 1e9:.1f} GB but has {usable / 1e9:.1f} GB usable"
+            host_of_node[node] = host_of_node.get(node, 0.0) + gm.host * len(ids)
+            if gm.peak > usable and not why:   # the first GPU that does not fit (runs come in the group's order)
+                g = cluster.gpus[ids[0]]
+                why = f"{g.name} ({g.type.name}) needs {gm.peak / 1e9:.1f} GB but has {usable / 1e9:.1f} GB usable"
     for name, need in host_of_node.items():
         have = cluster.node(name).host_memory_bytes * MEM_UTIL
         if need > have and not why:
@@ -1276,5 +1313,6 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
-           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link",
-           "task_costs", "task_memory", "timeline", "timeshare_efficiency", "weight_sync_s"]
+           "group_peak", "group_transfer_s", "least_usable", "memory", "precision_bytes", "sample_bytes",
+           "shard_gather_s", "slowest_link", "task_costs", "task_memory", "timeline", "timeshare_efficiency",
+           "weight_sync_s"]

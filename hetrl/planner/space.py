@@ -7,7 +7,9 @@ node above that, where whole nodes are how such clusters are shared out. Shards 
 node-major inside a group (TP groups fill a node before spanning two).
 
 Given (1) and (2), `configure` picks (3) deterministically: each task's fastest option, then more
-sharding for the task holding the most memory until the group fits. Everything about a group's
+sharding for the task holding the most memory until the group fits, then that fit improved one task at a
+time while a change shortens the group's own seconds (trading a task's speed for generation's KV cache).
+Everything about a group's
 own time and memory depends only on (tasks, counts); what crosses groups (sample transfer, weight
 sync) depends only on each group's `Signature` (its regions and network speed). Exhaustive search,
 the ILP and the hybrid search all go through these functions, so they search the same space.
@@ -26,7 +28,9 @@ from .cost import (
     ROLE_OF,
     TRAIN_TASKS,
     aggregate,
+    group_peak,
     group_transfer_s,
+    least_usable,
     memory,
     sample_bytes,
     shard_gather_s,
@@ -212,58 +216,127 @@ def _variants(task: str, p: Parallelism, strategies: bool) -> tuple[Parallelism,
 @functools.lru_cache(maxsize=500_000)
 def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...],
               data_split: str = "by_speed") -> GroupConfig | None:
-    """Pick TP/PP/DP (and, where memory forces it, a memory strategy, then time-shared colocation) for every
-    task of a group; None when nothing fits in memory."""
+    """Pick TP/PP/DP, a memory strategy and time-shared colocation for every task of a group: of what each pass
+    of `_configure` reaches (everything resident; with the memory ladder; with swapping between phases), the
+    configuration with the shortest `group_seconds`; None when nothing fits in memory. A pass runs only when its
+    lower bound (every task's fastest option alone) is under the best so far."""
     gpus = gpu_ids(cluster, counts)
     if not gpus:
         return None
     phases = {next(i for i, ph in enumerate(PHASES) if t in ph) for t in tasks}
+    best, best_s = None, math.inf
     for strategies, swap in ((False, False), (True, False), (True, True)):
         if swap and len(phases) < 2:
             break
+        ranked = [_ranked(cluster, w, t, gpus, data_split, strategies) for t in tasks]
+        if not all(ranked) or sum(r[0][1] for r in ranked) >= best_s * BETTER:
+            continue
         found = _configure(cluster, w, tasks, counts, gpus, data_split, strategies, swap)
-        if found is not None:
-            return found
-    return None
+        if found is not None and group_seconds(found) < best_s * BETTER:
+            best, best_s = found, group_seconds(found)
+    return best
+
+
+BETTER = 1 - 1e-9   # a configuration replaces the best only when shorter by more than rounding
 
 
 @functools.lru_cache(maxsize=200_000)
-def _options(cluster, w, task: str, gpus: tuple[int, ...], data_split: str,
-             strategies: bool) -> tuple[Parallelism, ...]:
-    """One task's options on these GPUs, fastest first (alone on them: a task's own seconds do not depend on
-    the other tasks of its group). Cached: every block holding the task on the same counts shares them."""
+def _ranked(cluster, w, task: str, gpus: tuple[int, ...], data_split: str,
+            strategies: bool) -> tuple[tuple[Parallelism, float, float], ...]:
+    """One task's options on these GPUs as (option, its seconds alone on them, its GPU bytes), fastest first.
+    Alone is a lower bound on its seconds in any group: the others only add (swapping, time-sharing) or take KV
+    cache from generation. Cached: every block holding the task on the same counts shares them."""
     opts = [v for p in parallelisms(w, task, len(gpus), strategies) for v in _variants(task, p, strategies)]
-    return tuple(sorted(opts, key=lambda p: (_task_seconds(cluster, w, Group((task,), gpus, ((task, p),), data_split),
-                                                           task), p.pp, p.tp)))
+    ranked = [(p, _task_seconds(cluster, w, Group((task,), gpus, ((task, p),), data_split), task),
+               _footprint(w, task, p)) for p in opts]
+    return tuple(sorted(ranked, key=lambda x: (x[1], x[0].pp, x[0].tp)))
+
+
+def _evaluate(cluster, w, tasks, counts, gpus, data_split, swap, choice: dict) -> GroupConfig | None:
+    """The group with these options, or None when it does not fit (or a task cannot run)."""
+    group = Group(tasks, gpus, tuple((t, choice[t]) for t in tasks), data_split, swap)
+    if group_peak(w, group) > least_usable(cluster, gpus):   # what `memory` would refuse first, for less
+        return None
+    mem = memory(cluster, w, Plan((group,)))
+    if mem.why:
+        return None
+    costs = task_costs(cluster, w, group, mem.kv_free, mem.swap_s[0])
+    seconds = tuple((t, costs[t].seconds) for t in tasks)
+    if not all(math.isfinite(s) for _, s in seconds):
+        return None
+    local = weight_sync_s(cluster, w, group, group, True) if {"actor_gen", "actor_train"} <= set(tasks) else 0.0
+    return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split, swap,
+                       shard_gather_s(cluster, w, group))
+
+
+def group_seconds(cfg: GroupConfig) -> float:
+    """What a configured group adds to an iteration by itself: its tasks one after another, and the weight sync
+    it does alone (inside the group when it both generates and trains; else the ZeRO-3 gather before a sync)."""
+    alone = cfg.local_sync_s if "actor_gen" in cfg.tasks else cfg.gather_s if "actor_train" in cfg.tasks else 0.0
+    return sum(s for _, s in cfg.seconds) + alone
+
+
+def _frontier(task: str, ranked) -> list[tuple[Parallelism, float, float]]:
+    """The options worth trading: fastest first, each holding less GPU memory than every faster one (generation
+    keeps all of its: its seconds depend on the KV cache the others leave it)."""
+    if task == "actor_gen":
+        return list(ranked)
+    out, least = [], math.inf
+    for r in ranked:
+        if r[2] < least:
+            out.append(r)
+            least = r[2]
+    return out
 
 
 def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, swap: bool) -> GroupConfig | None:
-    """Each task's fastest option, then more sharding (or a leaner strategy) for the task holding the most
-    memory until the group fits."""
-    options = {t: _options(cluster, w, t, gpus, data_split, strategies) for t in tasks}
-    if not all(options.values()):
+    """A first fit (each task's fastest option, then more sharding for the task holding the most memory until
+    the group fits), then improved one task at a time over the options that trade seconds for memory until no
+    single change shortens `group_seconds`. A change is tried only while the tasks' seconds alone with it stay
+    under the best (options come fastest first, so the first that does not ends that task's turn)."""
+    ranked = {t: _ranked(cluster, w, t, gpus, data_split, strategies) for t in tasks}
+    if not all(ranked.values()):
         return None
-    choice = dict.fromkeys(tasks, 0)
-    for _ in range(sum(len(o) for o in options.values()) + 1):
-        group = Group(tasks, gpus, tuple((t, options[t][choice[t]]) for t in tasks), data_split, swap)
-        mem = memory(cluster, w, Plan((group,)))
-        if not mem.why:
-            costs = task_costs(cluster, w, group, mem.kv_free, mem.swap_s[0])
-            seconds = tuple((t, costs[t].seconds) for t in tasks)
-            if all(math.isfinite(s) for _, s in seconds):
-                local = (weight_sync_s(cluster, w, group, group, True)
-                         if {"actor_gen", "actor_train"} <= set(tasks) else 0.0)
-                return GroupConfig(tasks, counts, group.parallelism, seconds, local, data_split, swap,
-                                   shard_gather_s(cluster, w, group))
+    seen: dict[tuple, GroupConfig | None] = {}
+
+    def evaluate(choice: dict) -> GroupConfig | None:   # a sweep meets the configurations of the last one again
+        key = tuple(choice[t] for t in tasks)
+        if key not in seen:
+            seen[key] = _evaluate(cluster, w, tasks, counts, gpus, data_split, swap, choice)
+        return seen[key]
+
+    index = dict.fromkeys(tasks, 0)
+    found = None
+    for _ in range(sum(len(r) for r in ranked.values()) + 1):
+        found = evaluate({t: ranked[t][index[t]][0] for t in tasks})
+        if found is not None:
+            break
         # shard the task holding the most memory further (next option with a smaller per-GPU share)
-        heavy = max(tasks, key=lambda t: _footprint(w, t, options[t][choice[t]]))
-        cur = _footprint(w, heavy, options[heavy][choice[heavy]])
-        nxt = next((i for i in range(choice[heavy] + 1, len(options[heavy]))
-                    if _footprint(w, heavy, options[heavy][i]) < cur), None)
+        heavy = max(tasks, key=lambda t: ranked[t][index[t]][2])
+        cur = ranked[heavy][index[heavy]][2]
+        nxt = next((i for i in range(index[heavy] + 1, len(ranked[heavy])) if ranked[heavy][i][2] < cur), None)
         if nxt is None:
             return None
-        choice[heavy] = nxt
-    return None
+        index[heavy] = nxt
+    if found is None:
+        return None
+    alone = {t: {p: s for p, s, _ in r} for t, r in ranked.items()}
+    choice, best = dict(found.parallelism), group_seconds(found)
+    candidates = {t: _frontier(t, ranked[t]) for t in tasks}
+    improved = True
+    while improved:
+        improved = False
+        for t in tasks:
+            for p, s, _ in candidates[t]:
+                if sum(alone[u][choice[u]] for u in tasks if u != t) + s >= best * BETTER:
+                    break
+                if p == choice[t]:
+                    continue
+                cfg = evaluate({**choice, t: p})
+                if cfg is not None and group_seconds(cfg) < best * BETTER:
+                    found, best, choice, improved = cfg, group_seconds(cfg), {**choice, t: p}, True
+    return found
+
 
 
 # ------------------------------------------------------------------------------------------ plans
