@@ -219,7 +219,9 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
     """Pick TP/PP/DP, a memory strategy and time-shared colocation for every task of a group: of what each pass
     of `_configure` reaches (everything resident; with the memory ladder; with swapping between phases), the
     configuration with the shortest `group_seconds`; None when nothing fits in memory. A pass runs only when its
-    lower bound (every task's fastest option alone) is under the best so far."""
+    lower bound (every task's fastest option alone) is under the best so far, and the next passes only when
+    memory cost the last one time (its best is above that bound): as before, the memory ladder is for groups
+    memory constrains."""
     gpus = gpu_ids(cluster, counts)
     if not gpus:
         return None
@@ -229,11 +231,14 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
         if swap and len(phases) < 2:
             break
         ranked = [_ranked(cluster, w, t, gpus, data_split, strategies) for t in tasks]
-        if not all(ranked) or sum(r[0][1] for r in ranked) >= best_s * BETTER:
+        floor = sum(r[0][1] for r in ranked) if all(ranked) else math.inf
+        if floor >= best_s * BETTER:
             continue
         found = _configure(cluster, w, tasks, counts, gpus, data_split, strategies, swap)
         if found is not None and group_seconds(found) < best_s * BETTER:
             best, best_s = found, group_seconds(found)
+        if best is not None and sum(x for _, x in best.seconds) <= floor / BETTER:
+            break   # memory cost this pass nothing: the ladder and swap are for groups where it does
     return best
 
 
