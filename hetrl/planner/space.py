@@ -343,7 +343,6 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, sw
     return found
 
 
-
 # ------------------------------------------------------------------------------------------ plans
 
 
