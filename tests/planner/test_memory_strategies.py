@@ -21,13 +21,14 @@ from hetrl.planner.cost import (
     _generation,
     allreduce_s,
     group_memory,
+    memory,
     slowest_link,
     task_costs,
     task_memory,
     timeshare_efficiency,
     weight_sync_s,
 )
-from hetrl.planner.plan import Group, Parallelism
+from hetrl.planner.plan import Group, Parallelism, Plan
 from hetrl.planner.spec import PCIE_BYTES_PER_S, cluster_from_dict, workload_from_dict
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -521,3 +522,34 @@ def test_a_data_parallel_executor_gets_plans_it_runs_and_the_ilp_still_equals_ex
     with pytest.raises(ValueError, match="data_parallel_only must be one of none, but_generation, all"):
         workload_from_dict({**yaml.safe_load((ROOT / "examples" / "workloads" / "qwen3-8b-grpo-sync.yaml")
                                              .read_text()), "data_parallel_only": "yes"})
+
+
+@pytest.mark.parametrize("swap, zero", [(False, 1), (True, 3)])
+def test_memory_of_a_mixed_group_equals_its_gpus_one_by_one(swap, zero):
+    """`memory` sums each run of a group's GPUs (one GPU type on one node) at once; the reference is every GPU
+    priced alone by `group_memory`: the same peak and KV cache per GPU and swap seconds, and the first GPU in the
+    group's order that does not fit named (m:1, after an H100 that fits and before l:1 of a node listed earlier)."""
+    cluster = cluster_from_dict({"name": "mixed", "nodes": [
+        {"name": "h", "region": "r", "gpu": "H100", "count": 2},
+        {"name": "l", "region": "r", "gpu": "L4", "count": 2, "intra_node": "pcie"},
+        {"name": "m", "region": "r", "gpu": "L4", "count": 2, "intra_node": "pcie"}]})
+    w = workload_from_dict({"models": {"actor": "qwen3-8b", "reference": "qwen3-8b"},
+                            "prompt_tokens": {"max": 512}, "response_tokens": {"max": 512}})
+    ids = {g.name: g.id for g in cluster.gpus}
+    order = tuple(ids[n] for n in ("h:0", "m:1", "l:1", "h:1", "l:0", "m:0"))
+    par = {"actor_gen": Parallelism(1, 1, 6), "ref_infer": Parallelism(1, 1, 6, zero=3),
+           "actor_train": Parallelism(1, 1, 6, zero=zero)}
+    group = Group(tuple(par), order, tuple(par.items()), swap=swap)
+    mem = memory(cluster, w, Plan((group,)))
+    first = None
+    for i in order:
+        g = cluster.gpus[i]
+        usable = g.type.memory_bytes * MEM_UTIL
+        ref = group_memory(w, group, usable)
+        assert mem.peak[i] == pytest.approx(ref.peak, rel=1e-12)
+        assert mem.kv_free[i] == pytest.approx(ref.kv_free, rel=1e-12)
+        assert mem.swap_s[0] == pytest.approx(ref.swap_s, rel=1e-12)
+        if ref.peak > usable and first is None:
+            first = g
+    assert first is not None and first.type.name == "L4", "the case must have GPUs that do not fit"
+    assert first.name == "m:1" and mem.why.startswith("m:1 (L4) needs"), mem.why
