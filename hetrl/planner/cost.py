@@ -1035,17 +1035,6 @@ def group_memory(w: WorkloadSpec, group: Group, usable: float) -> GroupMemory:
     return _group_bytes(w, group).on(usable)
 
 
-def group_peak(w: WorkloadSpec, group: Group) -> float:
-    """Bytes one GPU of `group` holds at its busiest moment (the same on every GPU of the group)."""
-    return _group_bytes(w, group).peak
-
-
-@functools.lru_cache(maxsize=100_000)
-def least_usable(cluster: ClusterSpec, gpus: tuple[int, ...]) -> float:
-    """Usable bytes of the smallest of these GPUs: a group whose `group_peak` exceeds it does not fit."""
-    return min(usable for usable, _, _ in _runs(cluster, gpus))
-
-
 @dataclass(frozen=True)
 class _GroupBytes:
     """What `group_memory` reads of a group before the GPU's usable bytes come in (the same on every GPU type)."""
@@ -1313,6 +1302,5 @@ def estimate(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Estimate:
 
 
 __all__ = ["Estimate", "GroupMemory", "Memory", "TaskCost", "TaskMemory", "aggregate", "estimate", "group_memory",
-           "group_peak", "group_transfer_s", "least_usable", "memory", "precision_bytes", "sample_bytes",
-           "shard_gather_s", "slowest_link", "task_costs", "task_memory", "timeline", "timeshare_efficiency",
-           "weight_sync_s"]
+           "group_transfer_s", "memory", "precision_bytes", "sample_bytes", "shard_gather_s", "slowest_link",
+           "task_costs", "task_memory", "timeline", "timeshare_efficiency", "weight_sync_s"]

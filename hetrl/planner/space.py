@@ -28,9 +28,7 @@ from .cost import (
     ROLE_OF,
     TRAIN_TASKS,
     aggregate,
-    group_peak,
     group_transfer_s,
-    least_usable,
     memory,
     sample_bytes,
     shard_gather_s,
@@ -230,13 +228,13 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
     for strategies, swap in ((False, False), (True, False), (True, True)):
         if swap and len(phases) < 2:
             break
-        ranked = [_ranked(cluster, w, t, gpus, data_split, strategies) for t in tasks]
-        floor = sum(r[0][1] for r in ranked) if all(ranked) else math.inf
+        ranked = {t: _ranked(cluster, w, t, gpus, data_split, strategies) for t in tasks}
+        floor = sum(r[0][1] for r in ranked.values()) if all(ranked.values()) else math.inf
         if floor >= best_s * BETTER:
             continue
-        found = _configure(cluster, w, tasks, counts, gpus, data_split, strategies, swap)
-        if found is not None and group_seconds(found) < best_s * BETTER:
-            best, best_s = found, group_seconds(found)
+        found = _configure(cluster, w, tasks, counts, gpus, data_split, swap, ranked)
+        if found is not None and (s := group_seconds(found)) < best_s * BETTER:
+            best, best_s = found, s
         if best is not None and sum(x for _, x in best.seconds) <= floor / BETTER:
             break   # memory cost this pass nothing: the ladder and swap are for groups where it does
     return best
@@ -260,8 +258,6 @@ def _ranked(cluster, w, task: str, gpus: tuple[int, ...], data_split: str,
 def _evaluate(cluster, w, tasks, counts, gpus, data_split, swap, choice: dict) -> GroupConfig | None:
     """The group with these options, or None when it does not fit (or a task cannot run)."""
     group = Group(tasks, gpus, tuple((t, choice[t]) for t in tasks), data_split, swap)
-    if group_peak(w, group) > least_usable(cluster, gpus):   # what `memory` would refuse first, for less
-        return None
     mem = memory(cluster, w, Plan((group,)))
     if mem.why:
         return None
@@ -294,14 +290,12 @@ def _frontier(task: str, ranked) -> list[tuple[Parallelism, float, float]]:
     return out
 
 
-def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, swap: bool) -> GroupConfig | None:
+def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict) -> GroupConfig | None:
     """A first fit (each task's fastest option, then more sharding for the task holding the most memory until
     the group fits), then improved one task at a time over the options that trade seconds for memory until no
     single change shortens `group_seconds`. A change is tried only while the tasks' seconds alone with it stay
-    under the best (options come fastest first, so the first that does not ends that task's turn)."""
-    ranked = {t: _ranked(cluster, w, t, gpus, data_split, strategies) for t in tasks}
-    if not all(ranked.values()):
-        return None
+    under the best (options come fastest first, so the first that does not ends that task's turn). `ranked`:
+    each task's options by `_ranked` for the pass (none empty)."""
     seen: dict[tuple, GroupConfig | None] = {}
 
     def evaluate(choice: dict) -> GroupConfig | None:   # a sweep meets the configurations of the last one again
@@ -332,14 +326,15 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, strategies: bool, sw
     while improved:
         improved = False
         for t in tasks:
+            rest = sum(alone[u][choice[u]] for u in tasks if u != t)   # only t's choice changes in its turn
             for p, s, _ in candidates[t]:
-                if sum(alone[u][choice[u]] for u in tasks if u != t) + s >= best * BETTER:
+                if rest + s >= best * BETTER:
                     break
                 if p == choice[t]:
                     continue
                 cfg = evaluate({**choice, t: p})
-                if cfg is not None and group_seconds(cfg) < best * BETTER:
-                    found, best, choice, improved = cfg, group_seconds(cfg), {**choice, t: p}, True
+                if cfg is not None and (secs := group_seconds(cfg)) < best * BETTER:
+                    found, best, choice, improved = cfg, secs, {**choice, t: p}, True
     return found
 
 

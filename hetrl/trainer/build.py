@@ -362,7 +362,8 @@ def critic(cfg: RunConfig, model, precision: RunPrecision, zero: int = 1, world:
     head = torch.nn.Linear(hidden, 1, dtype=dtype, device=model.get_input_embeddings().weight.device)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
-    sharded, partition = shards(zero, world), world > 1 and not shards(zero, world)
+    sharded = shards(zero, world)
+    partition = world > 1 and not sharded   # ZeRO-1
     if world > 1:
         from hetrl.trainer import sharding
     if sharded:
