@@ -1050,31 +1050,22 @@ class _GroupBytes:
 
 
 def _group_bytes(w: WorkloadSpec, group: Group) -> _GroupBytes:
-    return group_bytes(w, group.tasks, {t: task_memory(w, t, p) for t, p in group.parallelism}, group.swap)
-
-
-def group_bytes(w: WorkloadSpec, tasks: tuple[str, ...], mems: dict[str, TaskMemory], swap: bool) -> _GroupBytes:
-    """What one GPU of a group of `tasks` holds (group_memory's rule) when the tasks in `mems` hold those bytes.
-    With every task in `mems` it is the group's; with some, no field is above what the whole group's will be
-    (adding a task adds a weight, state or working set, and which roles a phase swaps out depends on `tasks`
-    alone): the search's bound on a group it has chosen part of."""
+    mems = {t: task_memory(w, t, p) for t, p in group.parallelism}
     host = sum(m.host for m in mems.values())
-    if not swap:
-        resident, working, _ = _phase_bytes(mems, mems)
+    if not group.swap:
+        resident, working, _ = _phase_bytes(mems, group.tasks)
         return _GroupBytes(resident + working, resident, host, 0.0)
-    phases = [p for p in ([t for t in tasks if t in ph] for ph in PHASES) if p]
-    per_phase = [_phase_bytes(mems, [t for t in p if t in mems]) for p in phases]
+    phases = [[t for t in group.tasks if t in p] for p in PHASES]
+    phases = [p for p in phases if p]
+    per_phase = [_phase_bytes(mems, p) for p in phases]
     peak = max(r + wk for r, wk, _ in per_phase)
     gen = next((r for p, (r, _, _) in zip(phases, per_phase) if "actor_gen" in p), 0.0)
     moved = {}
     for _, _, items in per_phase:
         for k, v in items.items():
             moved[k] = max(moved.get(k, 0.0), v)
-
-    def everywhere(k) -> bool:   # an item every phase holds stays: a role's weights when each phase runs one of its
-        return all(any(k in (("weights", ROLE_OF[t]), ("states", t)) for t in p) for p in phases)   # tasks
-
-    return _GroupBytes(peak, gen, host, sum(v for k, v in moved.items() if not everywhere(k)))
+    out = {k: v for k, v in moved.items() if any(k not in items for _, _, items in per_phase)}
+    return _GroupBytes(peak, gen, host, sum(out.values()))
 
 
 @dataclass

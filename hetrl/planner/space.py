@@ -6,9 +6,10 @@ it takes from each *pool* (nodes that are interchangeable: same GPU type, region
 node above that, where whole nodes are how such clusters are shared out. Shards are laid out
 node-major inside a group (TP groups fill a node before spanning two).
 
-Given (1) and (2), `configure` picks (3) exactly: the combination of the tasks' options with the shortest
-group seconds, by branch and bound (a task's seconds alone and the group's bytes so far bound what the rest
-can reach; written here because no solver prices a group the way the cost model does). Everything about a group's
+Given (1) and (2), `configure` picks (3) deterministically: each task's fastest option, then more
+sharding for the task holding the most memory until the group fits, then that fit improved one task at a
+time while a change shortens the group's own seconds (trading a task's speed for generation's KV cache).
+Everything about a group's
 own time and memory depends only on (tasks, counts); what crosses groups (sample transfer, weight
 sync) depends only on each group's `Signature` (its regions and network speed). Exhaustive search,
 the ILP and the hybrid search all go through these functions, so they search the same space.
@@ -26,17 +27,13 @@ from .cost import (
     PHASES,
     ROLE_OF,
     TRAIN_TASKS,
-    _runs,
     aggregate,
-    group_bytes,
     group_transfer_s,
     memory,
     sample_bytes,
     shard_gather_s,
     task_costs,
     task_memory,
-    timeshare_efficiency,
-    token_budget_error,
     weight_sync_s,
 )
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
@@ -217,12 +214,12 @@ def _variants(task: str, p: Parallelism, strategies: bool) -> tuple[Parallelism,
 @functools.lru_cache(maxsize=500_000)
 def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...],
               data_split: str = "by_speed") -> GroupConfig | None:
-    """Pick TP/PP/DP, a memory strategy and time-shared colocation for every task of a group: of the best of each
-    pass of `_configure` (everything resident; with the memory ladder; with swapping between phases), the
+    """Pick TP/PP/DP, a memory strategy and time-shared colocation for every task of a group: of what each pass
+    of `_configure` reaches (everything resident; with the memory ladder; with swapping between phases), the
     configuration with the shortest `group_seconds`; None when nothing fits in memory. A pass runs only when its
     lower bound (every task's fastest option alone) is under the best so far, and the next passes only when
-    memory cost the last one time (its best is above that bound: pricing the ladder's options is most of a
-    pass's cost, and without memory pressure it could only trade the weight sync's seconds)."""
+    memory cost the last one time (its best is above that bound): as before, the memory ladder is for groups
+    memory constrains."""
     gpus = gpu_ids(cluster, counts)
     if not gpus:
         return None
@@ -235,9 +232,9 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
         floor = sum(r[0][1] for r in ranked.values()) if all(ranked.values()) else math.inf
         if floor >= best_s * BETTER:
             continue
-        found = _configure(cluster, w, tasks, counts, gpus, data_split, swap, ranked, best_s)
-        if found is not None:
-            best, best_s = found, group_seconds(found)
+        found = _configure(cluster, w, tasks, counts, gpus, data_split, swap, ranked)
+        if found is not None and (s := group_seconds(found)) < best_s * BETTER:
+            best, best_s = found, s
         if best is not None and sum(x for _, x in best.seconds) <= floor / BETTER:
             break   # memory cost this pass nothing: the ladder and swap are for groups where it does
     return best
@@ -280,65 +277,65 @@ def group_seconds(cfg: GroupConfig) -> float:
     return sum(s for _, s in cfg.seconds) + alone
 
 
-@functools.lru_cache(maxsize=200_000)   # pure; the same ranked options come back for every group on the same GPUs
-def _frontier(w: WorkloadSpec, task: str, ranked) -> tuple[tuple[Parallelism, float, float], ...]:
-    """The options of `task` a best group configuration may use, fastest first: an option is left out when a
-    faster (or as fast) one holds no more of every part of memory a group adds up (weights, training states,
-    working set, host bytes), since it then costs the group no less time and no less memory, whatever the others
-    hold. Generation and actor training keep every option: generation's seconds depend on the KV cache the others
-    leave it, and the weight sync between the two on both their layouts. Options over the workload's token
-    budget per GPU never fit (`token_budget_error`) and are dropped first, lest one of them leave out an option
-    that fits."""
-    ranked = tuple(r for r in ranked if not token_budget_error(w, task, r[0]))
-    if task in ("actor_gen", "actor_train"):
-        return ranked
-    out, kept = [], []
+def _frontier(task: str, ranked) -> list[tuple[Parallelism, float, float]]:
+    """The options worth trading: fastest first, each holding less GPU memory than every faster one (generation
+    keeps all of its: its seconds depend on the KV cache the others leave it)."""
+    if task == "actor_gen":
+        return list(ranked)
+    out, least = [], math.inf
     for r in ranked:
-        m = task_memory(w, task, r[0])
-        parts = (m.weights, m.states, m.working, m.host)
-        if not any(all(a <= b for a, b in zip(k, parts)) for k in kept):
+        if r[2] < least:
             out.append(r)
-            kept.append(parts)
-    return tuple(out)
+            least = r[2]
+    return out
 
 
-def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict,
-               best_s: float = math.inf) -> GroupConfig | None:
-    """The configuration with the shortest `group_seconds` under `best_s` of one pass, exactly: a branch and
-    bound over the product of the tasks' options (`_frontier`), generation last. A branch is cut when the
-    seconds alone of its tasks so far, plus the fastest alone of the rest, plus the swapping its tasks so far
-    already cost, all slowed by time-sharing, are not under the best (alone is a lower bound on a task's seconds
-    in any group: the others only add swapping and time-sharing, or take KV cache from generation; the weight
-    sync adds >= 0), or when its tasks so far already exceed the smallest GPU's usable memory (`group_bytes` of
-    a partial choice bounds both). What survives both is priced whole (`_evaluate`). `ranked`: each task's
-    options by `_ranked` for the pass (none empty). None when no configuration fits or beats `best_s`."""
-    usable = min(u for u, _, _ in _runs(cluster, gpus))
-    options = {t: _frontier(w, t, ranked[t]) for t in tasks}
-    if not all(options.values()):
+def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict) -> GroupConfig | None:
+    """A first fit (each task's fastest option, then more sharding for the task holding the most memory until
+    the group fits), then improved one task at a time over the options that trade seconds for memory until no
+    single change shortens `group_seconds`. A change is tried only while the tasks' seconds alone with it stay
+    under the best (options come fastest first, so the first that does not ends that task's turn). `ranked`:
+    each task's options by `_ranked` for the pass (none empty)."""
+    seen: dict[tuple, GroupConfig | None] = {}
+
+    def evaluate(choice: dict) -> GroupConfig | None:   # a sweep meets the configurations of the last one again
+        key = tuple(choice[t] for t in tasks)
+        if key not in seen:
+            seen[key] = _evaluate(cluster, w, tasks, counts, gpus, data_split, swap, choice)
+        return seen[key]
+
+    index = dict.fromkeys(tasks, 0)
+    found = None
+    for _ in range(sum(len(r) for r in ranked.values()) + 1):
+        found = evaluate({t: ranked[t][index[t]][0] for t in tasks})
+        if found is not None:
+            break
+        # shard the task holding the most memory further (next option with a smaller per-GPU share)
+        heavy = max(tasks, key=lambda t: ranked[t][index[t]][2])
+        cur = ranked[heavy][index[heavy]][2]
+        nxt = next((i for i in range(index[heavy] + 1, len(ranked[heavy])) if ranked[heavy][i][2] < cur), None)
+        if nxt is None:
+            return None
+        index[heavy] = nxt
+    if found is None:
         return None
-    order = sorted(tasks, key=lambda t: (t == "actor_gen", -min(f for _, _, f in options[t])))
-    rest = [sum(options[t][0][1] for t in order[i:]) for i in range(len(order) + 1)]
-    share = timeshare_efficiency(cluster, w, Group(tasks, gpus, tuple((t, ranked[t][0][0]) for t in tasks)))
-    best = None
-
-    def branch(i: int, choice: dict, alone: float) -> None:
-        nonlocal best, best_s
-        if i == len(order):
-            cfg = _evaluate(cluster, w, tasks, counts, gpus, data_split, swap, choice)
-            if cfg is not None and (s := group_seconds(cfg)) < best_s * BETTER:
-                best, best_s = cfg, s
-            return
-        t = order[i]
-        for p, s, _ in options[t]:
-            if alone + s + rest[i + 1] >= best_s * BETTER:
-                break   # options come fastest first: the rest cannot beat the best either
-            nxt = {**choice, t: p}
-            held = group_bytes(w, tasks, {u: task_memory(w, u, q) for u, q in nxt.items()}, swap).on(usable)
-            if held.peak <= usable and (alone + s + rest[i + 1] + held.swap_s) / share < best_s * BETTER:
-                branch(i + 1, nxt, alone + s)
-
-    branch(0, {}, 0.0)
-    return best
+    alone = {t: {p: s for p, s, _ in r} for t, r in ranked.items()}
+    choice, best = dict(found.parallelism), group_seconds(found)
+    candidates = {t: _frontier(t, ranked[t]) for t in tasks}
+    improved = True
+    while improved:
+        improved = False
+        for t in tasks:
+            rest = sum(alone[u][choice[u]] for u in tasks if u != t)   # only t's choice changes in its turn
+            for p, s, _ in candidates[t]:
+                if rest + s >= best * BETTER:
+                    break
+                if p == choice[t]:
+                    continue
+                cfg = evaluate({**choice, t: p})
+                if cfg is not None and (secs := group_seconds(cfg)) < best * BETTER:
+                    found, best, choice, improved = cfg, secs, {**choice, t: p}, True
+    return found
 
 
 # ------------------------------------------------------------------------------------------ plans
