@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 from hetrl.schema import InputError
 
@@ -106,12 +107,12 @@ def _train(args) -> int:
                                default_config=DEFAULT_RUN if os.path.isfile(DEFAULT_RUN) else None)
     except ExecutorFailure as e:  # the Ray executor lost a learner or every rollout actor: it says how to resume
         if args.debug:
-            raise
+            traceback.print_exc()
         print(f"hetrl train: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:   # the second Ctrl-C (or one before training started): no traceback
         if args.debug:
-            raise
+            traceback.print_exc()
         print(f"hetrl train: {_one_line(e)}" if str(e) else "hetrl train: interrupted (Ctrl-C) outside the training "
               "steps; the checkpoints already written are intact", file=sys.stderr)
         return 130
@@ -147,6 +148,10 @@ def _plan(args) -> int:
         return 0
     if not args.cluster or not args.workload:
         raise InputError("hetrl plan needs --cluster and --workload (or --import ENGINE DIR)")
+    if args.evaluate and args.method:
+        raise InputError(f"--evaluate scores the plan it is given and --method {args.method} searches for one; "
+                         "give one of the two")
+    args.method = args.method or "hybrid"
     if args.export:
         from hetrl.integrations.export import check_out_dir, export
 
@@ -159,9 +164,9 @@ def _plan(args) -> int:
         print(json.dumps(result | {"export": done}, indent=2) if args.json
               else report.format_report(result) + "\n\n" + done["summary"])
         return 0
-    for path in (args.out, args.png):
+    for flag, path in (("--out", args.out), ("--png", args.png)):
         if path:
-            report.check_output_path(path)   # before the search, not after it
+            report.check_output_path(path, flag)   # before the search, not after it
     if args.measured and not args.evaluate:
         raise InputError("--measured compares a plan's predicted times with the times it ran at; give the plan "
                          "with --evaluate PLAN.json")
@@ -189,11 +194,22 @@ def _validate(args) -> int:
             print(f"{path}: ok ({validate_file(path, cluster=args.cluster, workload=args.workload)})")
         except (ValueError, OSError) as e:
             if args.debug:
-                raise
+                traceback.print_exc()
             failed += 1
             text = _one_line(e)
             print(text if text.startswith(path) else f"{path}: {text}", file=sys.stderr)
     return 2 if failed else 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of a count: a whole number >= 1 (argparse says which option got what)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
 
 
 def _one_line(e: BaseException) -> str:
@@ -262,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
     pl.add_argument("--cluster", help="cluster YAML (examples/clusters/); required unless --import")
     pl.add_argument("--workload", help="workload YAML (examples/workloads/); required unless --import")
-    pl.add_argument("--method", default="hybrid", help="hybrid | ilp | exhaustive | verl | verl-all | streamrl | all")
+    pl.add_argument("--method", help="hybrid (default) | ilp | exhaustive | verl | verl-all | streamrl | all")
     pl.add_argument("--time-limit", type=float, help="seconds the search may take (hybrid, ilp, exhaustive); it "
                     "returns its best plan by then and says it stopped early (default: hybrid's budget, ilp 120 s)")
     pl.add_argument("--seed", type=int, help="hybrid's random seed (default 0)")
@@ -299,14 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "the run's precision, fp64) and say which side drifts from the exact log-probs")
     mm.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
     mm.add_argument("--out", default="runs/diagnose_mismatch", help="folder for mismatch.md, .json and .png")
-    mm.add_argument("--prompts", type=int, default=None, help="prompts to sample (default: prompts_per_step)")
+    mm.add_argument("--prompts", type=_positive_int, default=None, help="prompts to sample (default: prompts_per_step)")
     mm.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. rollout_engine=vllm")
     mm.set_defaults(func=_diagnose)
 
     va = sub.add_parser("validate", help="check hetrl input files (cluster, workload, plan JSON, run config) "
                         "without running anything: prints ok or one line per problem")
     va.add_argument("files", nargs="+", metavar="FILE")
-    va.add_argument("--cluster", help="check plan files against this cluster YAML (GPU names)")
+    va.add_argument("--cluster", help="with --workload: check plan files against this cluster YAML (GPU names, "
+                    "memory)")
     va.add_argument("--workload", help="with --cluster: check plan files against this workload (tasks, memory)")
     va.set_defaults(func=_validate)
 
@@ -315,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     dk = bench_sub.add_parser("dualkv", help="DualKV vs padded (TRL), packed (verl) and prefix-grouper on CPU")
     dk.add_argument("--quick", action="store_true",
                     help="2 small configurations (4x128x32, 8x128x32): under 2 min on 2 cores, memory included")
-    dk.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
+    dk.add_argument("--repeats", type=_positive_int, default=5, help="timed rounds after the warm-up (median reported)")
     dk.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
     dk.add_argument("--out", help="directory for the results (e.g. benchmarks/results); each finished case is "
                     "appended to dualkv_cpu.jsonl at once, and cases already there are not measured again")
@@ -337,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--systems", nargs="+", default=["hetrl", "trl-dualkv", "trl"], metavar="SYSTEM",
                     help="hetrl, trl-dualkv, trl (stock GRPOTrainer)")
     bt.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    bt.add_argument("--steps", type=int, help="hetrl steps per run (default: 16 for default, 2 for long)")
+    bt.add_argument("--steps", type=_positive_int, help="hetrl steps per run (default: 16 for default, 2 for long)")
     bt.add_argument("--out", default="benchmarks/results", help="directory of train_vs_trl.jsonl (each finished run "
                     "is appended at once; runs already there are not run again), .json and .md")
     bt.add_argument("--work", help="directory for the runs' own files (default: a new temporary directory)")
@@ -352,10 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr = bench_sub.add_parser("tree", help="the tree engine on agentic trees vs linear packing, prompt-only DualKV "
                               "and TRL's TreeRow layout (one update micro-step, CPU)")
     tr.add_argument("--quick", action="store_true", help="2 small trees (prompt 64, turns of 8-24 tokens): a smoke run")
-    tr.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
+    tr.add_argument("--repeats", type=_positive_int, default=5, help="timed rounds after the warm-up (median reported)")
     tr.add_argument("--no-memory", action="store_true", help="skip the per-layout peak-memory subprocesses")
-    tr.add_argument("--max-leaves", type=int, help="branch at turn boundaries while the leaves stay within this "
-                    "(default 16; 4 with --quick)")
+    tr.add_argument("--max-leaves", type=_positive_int, help="branch at turn boundaries while the leaves stay within "
+                    "this (default 16; 4 with --quick)")
     tr.add_argument("--out", help="directory for tree_cpu[_quick].json and .md (e.g. benchmarks/results)")
     tr.set_defaults(func=_bench_tree)
     demo = bench_sub.add_parser("demo", help="one real group of the embedded model: exactness and speed")
@@ -383,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as e:
-        if args.debug:
-            raise
+        if args.debug:   # the traceback too; the exit code stays the input error's
+            traceback.print_exc()
         print(f"hetrl {args.command}: {_one_line(e)}", file=sys.stderr)
         return 2
 

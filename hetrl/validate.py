@@ -22,8 +22,16 @@ def validate_file(path: str, cluster: str | None = None, workload: str | None = 
             raise InputError("a plan is checked against a cluster and a workload together: give both --cluster and "
                              "--workload, or neither (its form only)", located=True)
         if cluster and workload:
-            p = load_plan(path, load_cluster(cluster), load_workload(workload))
-            return f"plan: {len(p.groups)} group(s), checked against {cluster} and {workload}"
+            from hetrl.planner import evaluate
+
+            c, w = load_cluster(cluster), load_workload(workload)
+            p = load_plan(path, c, w)
+            e = evaluate(c, w, p)   # what `hetrl plan --evaluate` refuses: it does not fit
+            if not e.feasible:
+                raise InputError(f"{path}: the plan cannot run on {cluster} with {workload}: {e.reason}",
+                                 located=True)
+            return (f"plan: {len(p.groups)} group(s), fits {cluster} with {workload} (cost model: "
+                    f"{e.iteration_time_s:.3g} s per iteration)")
         p = plan_shape(read_json(path, "plan JSON"), path)
         return (f"plan: {len(p.groups)} group(s); its form only (add --cluster C.yaml --workload W.yaml to check "
                 "GPU names, tasks and memory)")
@@ -62,22 +70,33 @@ def _validate_run_config(path: str) -> str:
         raise InputError(f"{path}: {why}", located=True)
     # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is
     # checked, and all their problems are said together
-    from hetrl.data.rewards import convention, load_reward
-    from hetrl.data.sources import read_checked
+    from hetrl.data.rewards import columns_problems, convention, load_reward
+    from hetrl.data.sources import check_task, read_checked
 
-    problems, counts = [], {}
+    problems, counts, rows = [], {}, None
+    if cfg.data is None:   # a reasoning-gym task: its name and task_config
+        try:
+            check_task(cfg.task, cfg.task_config)
+        except InputError as e:
+            problems.append(str(e))
     for key in ("data", "eval_data"):
         if getattr(cfg, key) not in (None, "<python>"):
             try:
-                counts[key] = len(read_checked(getattr(cfg, key), key, cfg.prompt_key))
+                got = read_checked(getattr(cfg, key), key, cfg.prompt_key)
+                counts[key] = len(got)
+                rows = got if key == "data" else rows
             except InputError as e:
                 problems.append(str(e))
+    loaded = True
     for spec in cfg.rewards:
         if ":" in spec:
             try:
                 convention(load_reward(spec))
             except InputError as e:
                 problems.append(str(e))
+                loaded = False
+    if rows is not None and loaded:   # the columns the rewards need, as hetrl train checks them
+        problems += columns_problems(list(cfg.rewards), rows, cfg.answer_key, f"data={cfg.data}")
     if cfg.tool_specs or cfg.environment is not None:   # the tools and environment the run names (import, schemas)
         from hetrl.data.tools import check_environment, load_environment, load_tools
 

@@ -46,9 +46,11 @@ def export(engine: str, cluster_path: str, workload_path: str, plan: Plan | dict
 
 def import_plan(engine: str, folder: str) -> dict:
     """A hetrl plan from an export folder's engine settings, scored: what `hetrl plan --import` prints."""
+    if engine == "openrlhf":
+        raise InputError("--import: only verl exports can be read back; an OpenRLHF command line does not say "
+                         "which GPUs each role runs on")
     if engine != "verl":
-        raise InputError(f"--import: only verl exports can be read back (got {engine!r}); an OpenRLHF command "
-                         "line does not say which GPUs each role runs on")
+        raise InputError(f"--import: engine must be verl (the one whose exports can be read back), got {engine!r}")
     if not os.path.isdir(folder):
         raise InputError(f"--import verl {folder}: not a folder; give one written by `hetrl plan --export verl`")
     from . import verl

@@ -178,6 +178,9 @@ def plan_shape(data, where: str, gpu_ids: dict[str, int] | None = None, cluster:
     data = require_mapping(data, where)
     if "plan" in data and "groups" not in data:      # a whole `hetrl plan --json` report
         data, where = require_mapping(data["plan"], f"{where}: plan"), f"{where}: plan"
+    elif "groups" not in data and {"iteration_time_s", "baselines", "breakdown"} & data.keys():
+        raise InputError(f"{where}: this is a `hetrl plan --out` report without its 'plan' key, which holds the "
+                         "plan ('groups'); write the report again, or give a plan JSON of 'groups'", located=True)
     reject_unknown(data, ("groups",), where)
     if not isinstance(data.get("groups"), list) or not data["groups"]:
         raise InputError(f"{where}: a plan is a mapping with a non-empty list under 'groups', got "

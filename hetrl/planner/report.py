@@ -7,6 +7,7 @@ import math
 import os
 import tempfile
 
+from hetrl.fsmode import as_open_would
 from hetrl.schema import InputError
 
 from . import METHODS, evaluate, optables, plan
@@ -109,19 +110,21 @@ def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *
             report["baselines"][b] = {"iteration_time_s": r.iteration_time_s, "plan": r.plan.to_dict(cluster),
                                       "speedup": r.iteration_time_s / report["iteration_time_s"]}
         except ValueError as e:
-            report["baselines"][b] = {"iteration_time_s": math.inf, "plan": None, "error": str(e)}
+            report["baselines"][b] = {"iteration_time_s": None, "plan": None, "error": str(e)}   # JSON has no inf
     return report
 
 
-def check_output_path(path: str) -> None:
-    """Refuse an --out that cannot be written (a directory, a missing or read-only folder) before any search."""
+def check_output_path(path: str, flag: str = "--out") -> None:
+    """Refuse an output file (`flag`: --out or --png) that cannot be written (a directory, a missing or read-only
+    folder) before any search."""
     folder = os.path.dirname(os.path.abspath(path))
+    example = "plan.png" if flag == "--png" else "plan.json"
     if os.path.isdir(path):
-        raise InputError(f"--out {path} is a directory; give a file name, e.g. {os.path.join(path, 'plan.json')}")
+        raise InputError(f"{flag} {path} is a directory; give a file name, e.g. {os.path.join(path, example)}")
     if not os.path.isdir(folder):
-        raise InputError(f"--out {path}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
+        raise InputError(f"{flag} {path}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"--out {path}: the folder {folder} is not writable by this user")
+        raise InputError(f"{flag} {path}: the folder {folder} is not writable by this user")
 
 
 def write_json(report: dict, path: str) -> None:
@@ -129,6 +132,7 @@ def write_json(report: dict, path: str) -> None:
     check_output_path(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".hetrl-plan.", suffix=".tmp")
     try:
+        as_open_would(tmp)
         with os.fdopen(fd, "w") as f:
             json.dump(report, f, indent=2)
         os.replace(tmp, path)
@@ -151,8 +155,9 @@ def format_report(r: dict) -> str:
         for j, t in enumerate(g["tasks"]):
             p = g["parallelism"][t]
             extra = " ".join(f"{k} {p[k]}" for k in ("ep", "sp", "vpp", "engine") if k in p)   # only where set
-            lines.append(f"{i if j == 0 else '':<6}{gpus if j == 0 else '':<34}{t:<14}{p['tp']:>3}{p['pp']:>4}"
-                         f"{p['dp']:>4}{r['task_times_s'][t]:>9.1f}" + (f"  {extra}" if extra else ""))
+            # a space before each number keeps the columns apart when one is wider than its heading (dp 1000)
+            lines.append(f"{i if j == 0 else '':<6}{gpus if j == 0 else '':<33} {t:<14}{p['tp']:>3} {p['pp']:>3} "
+                         f"{p['dp']:>3} {r['task_times_s'][t]:>8.1f}" + (f"  {extra}" if extra else ""))
     if r.get("measured"):
         predicted = {**r["task_times_s"], "iteration": r["iteration_time_s"]}
         lines += ["", "measured vs predicted: " + ", ".join(
@@ -170,10 +175,12 @@ def format_report(r: dict) -> str:
         stop = "; stopped early" if m.get("stopped") else ""
         lines.append(f"  {name:<10} {m['iteration_time_s']:8.1f} s/iter  "
                      f"(search {m['search_time_s']:.1f} s{gap}{stop})")
-    lines.append("baselines:")
+    lines += ["baselines:"] if r["baselines"] else []
     for name, b in r["baselines"].items():
         if b.get("plan") is None:
-            lines.append(f"  {name:<10} no plan fits ({_shorten(b.get('error', ''), name)})")
+            why = b.get("error", "")
+            lines.append(f"  {name:<10} {'no plan fits' if 'no plan fits' in why else 'no plan'} "
+                         f"({_shorten(why, name)})")
         else:
             lines.append(f"  {name:<10} {_seconds(b['iteration_time_s']):>10}/iter  "
                          f"-> this plan is {b['speedup']:.2f}x faster")

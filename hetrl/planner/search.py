@@ -161,10 +161,14 @@ def streamrl(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float | None =
     t0 = deadline.start
     split = next(g for g in groupings(w) if len(g) == 2 and ("actor_gen",) in g)
     grouping = (("actor_gen",), next(b for b in split if b != ("actor_gen",)))
+    pairs = [(a, b) for a, b in itertools.permutations(homogeneous_sets(cluster), 2)
+             if not any(x and y for x, y in zip(a, b))]   # the two sets must not share a pool
+    if not pairs:
+        raise ValueError("streamrl: it generates on one GPU type (or one region of it) and trains on another, and "
+                         f"{cluster.name} has {len({g.type.name for g in cluster.gpus})} GPU type in "
+                         f"{len({g.region for g in cluster.gpus})} region(s): no two disjoint sets to split")
     best, best_t, n = None, math.inf, 0
-    for a, b in itertools.permutations(homogeneous_sets(cluster), 2):
-        if any(x and y for x, y in zip(a, b)):
-            continue   # the two sets must not share a pool
+    for a, b in pairs:
         if deadline.passed():
             return _result("streamrl", cluster, best, best_t, t0, n,
                            stopped=deadline.stopped(f"{n} pool pairs"))
