@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from hetrl.fsmode import as_open_would
 from hetrl.planner import evaluate
 from hetrl.planner.plan import BOUND, Group, Parallelism, Plan
 from hetrl.planner.spec import ClusterSpec, WorkloadSpec
@@ -298,6 +299,7 @@ def write_folder(out_dir: str, files: dict[str, str], executable: tuple[str, ...
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".hetrl-export.")
+    as_open_would(tmp, directory=True)
     try:
         for name, text in files.items():
             path = os.path.join(tmp, name)

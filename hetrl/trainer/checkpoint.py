@@ -31,6 +31,7 @@ import torch
 import yaml
 from transformers.utils import logging as hf_logging
 
+from hetrl.fsmode import as_open_would
 from hetrl.trainer import files
 
 MANIFEST = "manifest.json"
@@ -97,6 +98,7 @@ def stage(run_dir: pathlib.Path, name: str, state: dict) -> pathlib.Path:
     exclusively. -> its path, for `save(..., staged={name: path})`."""
     root = files.real_subdir(pathlib.Path(run_dir), "checkpoints")
     fd, path = tempfile.mkstemp(dir=root, prefix=f".pending.{name}.")
+    as_open_would(path)
     with os.fdopen(fd, "wb") as f:
         torch.save(state, f)
     return pathlib.Path(path)
@@ -149,7 +151,12 @@ def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: d
 
 def _put_in_place(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path:
     """Rename directory `tmp` to `final`. An existing `final` (the same step saved again after a fallback) is moved
-    aside first and kept until `_remove_replaced`, so at no moment is there neither."""
+    aside first and kept until `_remove_replaced`, so at no moment is there neither. Its files and folders get
+    the mode open() and mkdir() would give them (mkdtemp's 0700, and the 0600 some writers use, would hide the
+    checkpoint from other users)."""
+    for p in [tmp, *tmp.rglob("*")]:
+        if not p.is_symlink():
+            as_open_would(p, directory=p.is_dir())
     if os.path.lexists(final):
         if final.is_symlink() or not final.is_dir():
             os.unlink(final)
@@ -210,6 +217,11 @@ def any_saved(run_dir: pathlib.Path) -> bool:
     not count)."""
     root = pathlib.Path(run_dir) / "checkpoints"
     return root.is_dir() and not root.is_symlink() and any(_NAME.fullmatch(p.name) for p in root.iterdir())
+
+
+def step_of(path: pathlib.Path) -> int:
+    """The training step a `step_NNNNNN` checkpoint was written after."""
+    return int(_NAME.fullmatch(pathlib.Path(path).name).group(1))
 
 
 def latest(run_dir: pathlib.Path, say=print) -> pathlib.Path | None:

@@ -49,24 +49,32 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
     examples = source.eval_examples
     outputs = replies(worker, episode_worker, examples, 1, cfg.eval_max_new_tokens, greedy=True)
     scores = score_groups(rewards, examples, outputs)
+    failed = set(scores.failed)   # rows no function scored (all failed or returned None) have no reward, not 0
+    scored = [i not in failed and any(v[i] is not None for v in scores.per_function.values())
+              for i in range(len(examples))]
+    total = [t if ok else None for t, ok in zip(scores.total, scored)]
     rows = []
     for i, (example, (sample,)) in enumerate(zip(examples, outputs)):
         row = {"prompt": example.row["prompt"]}
         answer = nested(example.row, cfg.answer_key)
         if answer is not None:
             row["answer"] = answer
-        row |= {"reply": sample.text, "reward": scores.total[i],
+        row |= {"reply": sample.text, "reward": total[i],
                 "rewards": {name: values[i] for name, values in scores.per_function.items()}}
         if scores.correct is not None:
             row["correct"] = scores.correct[i]
         rows.append(row)
     files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
-    means = {"eval_reward": guards.mean(scores.total)}
+    values = [t for t in total if t is not None]
+    means = {"eval_reward": guards.mean(values) if values else math.nan}   # NaN: logged as null
     if scores.correct is not None:
         means["eval_accuracy"] = float(np.mean(scores.correct))
     means |= {f"eval_{k}": v for k, v in scores.means().items()}
     means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
-    per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else scores.total
+    if len(values) < len(total):
+        means["eval_unscored"] = len(total) - len(values)
+    per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else \
+        [math.nan if t is None else t for t in total]
     return per_prompt, means
 
 
@@ -79,9 +87,10 @@ def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, episode_worker, e
 def paired_comparison(before: list[float], after: list[float]) -> dict:
     """Same prompts before and after: how many got better and how many worse, and the exact two-sided sign-test
     p-value on those (for correct/incorrect this is McNemar's exact test). Small p: the change is more than
-    evaluation noise."""
-    gained = sum(a > b for b, a in zip(before, after))
-    lost = sum(b > a for b, a in zip(before, after))
+    evaluation noise. A prompt either side has no score for (NaN: no reward function scored it) is left out."""
+    pairs = [(b, a) for b, a in zip(before, after) if not (math.isnan(a) or math.isnan(b))]   # both scored
+    gained = sum(a > b for b, a in pairs)
+    lost = sum(b > a for b, a in pairs)
     n, k = gained + lost, min(gained, lost)
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
     return {"gained": gained, "lost": lost, "sign_test_p": p}
@@ -93,3 +102,9 @@ def score_name(means: dict) -> str:
 
 def headline(means: dict) -> float:
     return means.get("eval_accuracy", means["eval_reward"])
+
+
+def shown(means: dict) -> str:
+    """The headline score as printed: 3 decimals, or why there is none."""
+    v = headline(means)
+    return f"{v:.3f}" if math.isfinite(v) else "none (no reward function scored any held-out reply)"

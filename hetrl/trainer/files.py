@@ -12,6 +12,7 @@ import os
 import pathlib
 import tempfile
 
+from hetrl.fsmode import as_open_would
 from hetrl.schema import InputError
 
 
@@ -48,6 +49,7 @@ def write_bytes(path: pathlib.Path, data: bytes) -> None:
     path = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        as_open_would(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -68,6 +70,7 @@ def temp_path(path: pathlib.Path, suffix: str) -> pathlib.Path:
     (matplotlib); rename it over `path` when done."""
     fd, tmp = tempfile.mkstemp(dir=pathlib.Path(path).parent, prefix=f".{pathlib.Path(path).name}.", suffix=suffix)
     os.close(fd)
+    as_open_would(tmp)
     return pathlib.Path(tmp)
 
 

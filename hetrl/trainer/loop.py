@@ -55,11 +55,11 @@ from hetrl.trainer.engine import Engine, Episodes
 from hetrl.trainer.evaluation import (
     evaluate,
     greedy_rewards,
-    headline,
     paired_comparison,
     replies,
     score_groups,
     score_name,
+    shown,
 )
 from hetrl.trainer.metrics import MetricsLog, plot_curves
 from hetrl.trainer.rollout import Sample
@@ -358,7 +358,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
                                         episode_worker)
         evals.write({"step": 0, **before_means})
-        tqdm.write(f"held-out {score_name(before_means)} before training: {headline(before_means):.3f} "
+        tqdm.write(f"held-out {score_name(before_means)} before training: {shown(before_means)} "
                    f"({len(before)} prompts, greedy)")
 
     def save(at_step):
@@ -438,8 +438,12 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
                "config": cfg.to_dict()}
     files.write_text(run_dir / "summary.json", json.dumps(guards.finite_or_none(summary), indent=2))
     plot_curves(rows, evals.read(), run_dir / "curves.png")
-    tqdm.write(f"held-out {score_name(after_means)}: before {headline(before_means):.3f}, after "
-               f"{headline(after_means):.3f} ({len(after)} prompts, greedy; {summary['gained']} "
+    if rows and not any(r.get("groups_kept") for r in rows):
+        tqdm.write("warning: no step kept a group to learn from (every reward failed, or every group's rewards were "
+                   "equal), so the policy was not updated; metrics.jsonl's groups_kept and the reward errors above "
+                   "say why")
+    tqdm.write(f"held-out {score_name(after_means)}: before {shown(before_means)}, after "
+               f"{shown(after_means)} ({len(after)} prompts, greedy; {summary['gained']} "
                f"{'gained' if 'eval_accuracy' in after_means else 'better'}, {summary['lost']} "
                f"{'lost' if 'eval_accuracy' in after_means else 'worse'}, sign-test p = {summary['sign_test_p']:.3g}); "
                f"results in {run_dir}")

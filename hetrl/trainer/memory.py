@@ -93,16 +93,25 @@ def lora_parameters(cfg, model) -> int:
     return count
 
 
+def _gib(n: float) -> str:
+    """Bytes as GiB with the digits that tell small sizes apart (0.0012, 3.7, 24.0)."""
+    g = n / GIB
+    return f"{g:.1f}" if g >= 0.95 else f"{g:.2g}"
+
+
 def check_fits(cfg, model, prompt_tokens: int, precision: RunPrecision, limit_bytes: int | None = None
                ) -> dict[str, int]:
     terms = estimate(cfg, model, prompt_tokens, precision)
     limit = limit_bytes if limit_bytes is not None else available_bytes()
     total = sum(terms.values())
     if total > limit:
-        detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms.items() if v)
+        detail = ", ".join(f"{k} {_gib(v)}" for k, v in terms.items() if v)
+        given = limit_bytes is not None and getattr(cfg, "memory_limit_gib", None)
         raise ValueError(
-            f"this run needs about {total / GIB:.1f} GiB but {limit / GIB:.1f} GiB is available ({detail} GiB). "
-            f"Lower micro_batch_tokens (now {cfg.micro_batch_tokens}; activations grow with it), "
+            f"this run needs about {_gib(total)} GiB but {_gib(limit)} GiB is "
+            + (f"allowed (memory_limit_gib={cfg.memory_limit_gib:g})" if given else "available")
+            + f" ({detail} GiB). Lower micro_batch_tokens (now {cfg.micro_batch_tokens}; activations grow with it), "
             f"rollout_batch_size (now {cfg.rollout_batch_size}) or max_new_tokens (now {cfg.max_new_tokens}); "
-            "or set memory_limit_gib if the machine has more than is reported")
+            + ("or raise memory_limit_gib" if given else "or set memory_limit_gib if the machine has more than is "
+               "reported"))
     return terms

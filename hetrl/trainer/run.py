@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import pathlib
@@ -21,8 +22,8 @@ import yaml
 from tqdm import tqdm
 
 from hetrl.data import RewardSet, RowSource, Source, TaskSource
-from hetrl.data.rewards import convention, load_reward
-from hetrl.data.sources import check_plain_text, read_checked
+from hetrl.data.rewards import columns_problems, convention, load_reward
+from hetrl.data.sources import check_plain_text, check_task, read_checked
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
@@ -61,6 +62,9 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
     if any(getattr(cfg, k) != v for k, v in changes.items()):
         cfg = dataclasses.replace(cfg, **changes)
     run_dir = pathlib.Path(cfg.out_dir)
+    if resume and not run_dir.is_dir():   # before prepare_out_dir would create it
+        raise InputError(f"--resume: {run_dir} does not exist, so there is no run to resume; check out_dir=..., or "
+                         "start a new run without --resume")
     files.prepare_out_dir(run_dir)
     with _run_lock(run_dir):
         metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -176,6 +180,13 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
                              "out_dir, or start a new run there without --resume")
         _start_over(run_dir, metrics, evals, "--resume: no intact checkpoint to resume from")
         return None
+    step = checkpoint.step_of(ckpt)
+    if step > cfg.steps:
+        raise InputError(f"--resume: the newest checkpoint ({ckpt.name}) is at step {step}, past steps={cfg.steps}; "
+                         f"resume with steps >= {step}, or start a new run in another out_dir")
+    if step == cfg.steps and _finished(run_dir, step):
+        raise InputError(f"--resume: the run in {run_dir} already finished its {step} steps and its final "
+                         f"evaluation (summary.json); to train further, resume with steps=N above {step}")
     changes = config_changes(checkpoint.saved_config(ckpt), cfg)
     if changes:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
@@ -188,6 +199,14 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
         MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
             k: [a, b] for k, (a, b) in changes.items()}})
     return ckpt
+
+
+def _finished(run_dir: pathlib.Path, step: int) -> bool:
+    """Whether the run in `run_dir` ended at `step`: its summary.json (written after the final evaluation) says so."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("steps") == step
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _resume(engine: Engine, ckpt: pathlib.Path, source: Source, rewards: RewardSet, metrics: MetricsLog,
@@ -252,11 +271,18 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     for f in run_rewards(cfg, reward_funcs):
         if callable(f) or ":" in f:
             convention(f if callable(f) else load_reward(f))
+    if cfg.data is None:
+        check_task(cfg.task, cfg.task_config)
     if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
         return train_dataset, eval_dataset
     train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
     evals = eval_dataset if eval_dataset is not None else cfg.eval_data
-    return train, evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
+    evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
+    problems = columns_problems(run_rewards(cfg, reward_funcs), train, cfg.answer_key, f"data={cfg.data}")
+    if problems:
+        raise InputError("; ".join(problems))
+    return train, evals
+
 
 
 def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:

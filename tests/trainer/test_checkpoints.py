@@ -246,3 +246,33 @@ def test_kill_9_at_every_rename_and_at_random_moments(tmp_path, straight):
         assert r.returncode == 0, r.stderr[-800:]
         assert _rows(out) == _rows(straight)
         assert _same_weights(_weights(out, 3), _weights(straight, 3))
+
+
+def test_resume_refuses_a_finished_run_a_step_past_steps_and_a_missing_out_dir(tmp_path, capsys, straight):
+    """A finished run resumed again would evaluate again and append a second final row to eval.jsonl; a checkpoint
+    past `steps` would be rewritten as a shorter run; a missing out_dir would be created just to be refused."""
+    import shutil
+
+    out = tmp_path / "r"
+    shutil.copytree(straight, out)
+    evals = (out / "eval.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", "--resume", f"out_dir={out}"]) == 2
+    assert "already finished its 3 steps" in capsys.readouterr().err
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2"]) == 2
+    assert "at step 3, past steps=2" in capsys.readouterr().err
+    assert (out / "eval.jsonl").read_text() == evals
+    missing = tmp_path / "nowhere" / "run"
+    assert main(["train", "--resume", f"out_dir={missing}"]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
+
+
+def test_what_a_run_writes_is_readable_as_open_would_make_it(straight):
+    """Files written under a temporary name (mkstemp: 0600) and folders (mkdtemp: 0700) get the mode open() and
+    mkdir() give under the umask, as metrics.jsonl has: a teammate or a dashboard can read the whole run."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for name in ("metrics.jsonl", "summary.json", "run_config.yaml", "curves.png", "eval_step_3.jsonl",
+                 "checkpoints/step_000003/model.safetensors", "checkpoints/step_000003/trainer_state.pt"):
+        assert (straight / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    assert (straight / "checkpoints" / "step_000003").stat().st_mode & 0o777 == 0o777 & ~mask
