@@ -260,11 +260,36 @@ def bounded(data, where: str, limit: int = MAX_VALUES):
     return data
 
 
+class _KeyTwice(yaml.YAMLError):
+    pass
+
+
+class _OneValuePerKey(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping naming a key twice (PyYAML keeps the last one silently, so `steps: 1`
+    then `steps: 2` would run 2 steps unnoticed). A key given by a merge (`<<: *base`) may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise _KeyTwice(f"the key {key!r} is given twice (lines {seen[key] + 1} and "
+                                    f"{key_node.start_mark.line + 1}); keep one")
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str, what: str = "file") -> dict:
-    """A YAML mapping from `path`, with the file named in every error."""
+    """A YAML mapping from `path`, with the file named in every error; a key given twice in a mapping is an
+    error, not the last one kept."""
     text = _read_text(path, what)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_OneValuePerKey)   # noqa: S506 (a SafeLoader)
+    except _KeyTwice as e:
+        raise InputError(f"{path}: {e}", located=True) from None
     except yaml.YAMLError as e:
         raise InputError(f"{path} is not valid YAML: {e}", located=True) from None
     if data is None:

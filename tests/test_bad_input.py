@@ -234,9 +234,79 @@ def test_validate_says_ok_for_every_example(capsys):
     assert "cpu-local-split.json" in capsys.readouterr().err
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    with pytest.raises(ValueError, match="lr must be a finite number"):
-        main(["--debug", "train", "--config", TINY, "lr=.inf", f"out_dir={tmp_path}"])
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path, capsys):
+    assert main(["--debug", "train", "--config", TINY, "lr=.inf", f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith(
+        "hetrl train: ") and "lr must be a finite number" in err
+
+
+def test_validate_refuses_a_plan_that_does_not_fit_as_plan_evaluate_does(tmp_path, capsys):
+    """`hetrl validate --cluster C --workload W PLAN.json` checks memory too (its help says so): a plan of the
+    right form and tasks for a 70B-sized model on four L4s is refused with the cost model's reason."""
+    text = yaml.safe_load((ROOT / "examples" / "workloads" / "smollm2-135m-ppo-cpu.yaml").read_text())
+    big = dict(text["models"]["actor"]) if isinstance(text["models"]["actor"], dict) else {}
+    big.update(layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, intermediate=28672, vocab=128256)
+    text["models"] = {k: big for k in text["models"]}
+    w = _write(tmp_path, "big.yaml", text)
+    cluster, plan_ = "examples/clusters/cpu-2x2.yaml", "examples/plans/cpu-2x2-ppo.json"
+    assert main(["validate", "--cluster", cluster, "--workload", "examples/workloads/smollm2-135m-ppo-cpu.yaml",
+                 plan_]) == 0
+    assert "fits examples/clusters/cpu-2x2.yaml" in capsys.readouterr().out
+    line = one_line_error(capsys, main(["validate", "--cluster", cluster, "--workload", w, plan_]),
+                          "cpu-2x2-ppo.json", "the plan cannot run", "out of memory")
+    assert "GB usable" in line
+
+
+def test_a_one_gpu_type_cluster_says_why_streamrl_has_no_plan_and_the_json_is_standard(capsys):
+    """streamrl splits generation and training over two GPU types (or regions of one): on one type in one region
+    it says so, not "no plan fits in memory"; and --json is standard JSON (no Infinity) for the baseline."""
+    args = ["plan", "--cluster", "examples/clusters/h100-2x8.yaml", "--workload",
+            "examples/workloads/smollm2-135m-ppo-cpu.yaml"]
+    one_line_error(capsys, main([*args, "--method", "streamrl"]), "streamrl: it generates on one GPU type",
+                   "no two disjoint sets")
+    assert main([*args, "--method", "verl", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert report["baselines"]["streamrl"]["iteration_time_s"] is None
+    assert "GPU type" in report["baselines"]["streamrl"]["error"]
+    assert main(args[:5] + ["--method", "verl"]) == 0
+    assert "streamrl   no plan (it generates on one GPU type" in capsys.readouterr().out
+
+
+def test_png_and_out_errors_name_their_own_flag(tmp_path, capsys):
+    args = ["plan", "--cluster", str(CLUSTER), "--workload", str(WORKLOAD), "--method", "verl"]
+    one_line_error(capsys, main([*args, "--png", str(tmp_path / "no" / "x.png")]), "--png ", "does not exist")
+    one_line_error(capsys, main([*args, "--out", str(tmp_path / "no" / "x.json")]), "--out ", "does not exist")
+
+
+def test_a_plan_report_without_its_plan_says_so(tmp_path, capsys):
+    report = {"iteration_time_s": 1.0, "baselines": {}, "breakdown": {}}
+    path = _write(tmp_path, "report.json", json.dumps(report))
+    one_line_error(capsys, main(["plan", "--cluster", str(CLUSTER), "--workload", str(WORKLOAD), "--evaluate", path]),
+                   "report.json", "report without its 'plan' key")
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "dualkv", "--quick", "--repeats", "-1"],
+    ["bench", "tree", "--quick", "--repeats", "0"],
+    ["diagnose", "mismatch", "--prompts", "-3"],
+    ["diagnose", "mismatch", "--prompts", "0"],
+    ["bench", "train", "--steps", "two"],
+])
+def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "expected a whole number >= 1" in capsys.readouterr().err
+
+
+def test_a_task_config_typo_is_refused_up_front_with_the_option_meant(tmp_path, capsys):
+    run = _write(tmp_path, "run.yaml", {"model": "tiny", "task_config": {"max_digitz": 3}, "out_dir": str(tmp_path)})
+    one_line_error(capsys, main(["validate", run]), "unknown option(s) ['max_digitz']", "did you mean 'max_digits'")
+    one_line_error(capsys, main(["train", "--config", run]), "unknown option(s) ['max_digitz']")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    run = _write(tmp_path, "run2.yaml", {"model": "tiny", "task_config": {"min_terms": 3, "max_terms": 2}})
+    one_line_error(capsys, main(["validate", run]), "max_terms must be >= min_terms")
 
 
 def test_a_model_too_big_for_the_cluster_is_one_line_not_a_key_error(capsys):
@@ -303,3 +373,46 @@ def test_a_users_own_error_is_said_with_its_class_file_and_line(tmp_path, monkey
         said = _one_line(e)
     assert said.startswith("ValueError: init boom (") and said.endswith("my_env.py:2)"), said
     assert _one_line(InputError("steps must be an int")) == "steps must be an int"
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_not_the_last_one_kept(tmp_path, capsys):
+    run = _write(tmp_path, "run.yaml", "model: tiny\nsteps: 1\nsteps: 2\n")
+    one_line_error(capsys, main(["validate", run]), "run.yaml", "the key 'steps' is given twice (lines 2 and 3)")
+    # a merge key's value may still be overridden (the examples' anchors and aliases stay valid)
+    cluster = _write(tmp_path, "c.yaml", "base: &n {name: a, region: r, gpu: H100, count: 8}\nname: c\n"
+                     "nodes:\n  - <<: *n\n    count: 4\n")
+    capsys.readouterr()
+    from hetrl.schema import read_yaml
+
+    assert read_yaml(cluster)["nodes"][0]["count"] == 4
+
+
+def test_a_run_config_path_found_only_from_another_folder_says_where(tmp_path, capsys, monkeypatch):
+    """Paths in a run config are read from the current directory; run from elsewhere, the error names the folder
+    from which the path is found (examples/ is written to run from the repository root)."""
+    monkeypatch.chdir(tmp_path)
+    one_line_error(capsys, main(["validate", str(ROOT / "examples" / "runs" / "own_data.yaml")]),
+                   "data: examples/data/arithmetic_chat.jsonl is not found from the current directory",
+                   f"found from {ROOT}")
+
+
+def test_evaluate_and_method_together_are_refused(capsys):
+    one_line_error(capsys, main(["plan", "--cluster", "examples/clusters/cpu-2x2.yaml", "--workload",
+                                 "examples/workloads/smollm2-135m-ppo-cpu.yaml", "--method", "ilp", "--evaluate",
+                                 "examples/plans/cpu-2x2-ppo.json"]), "give one of the two")
+
+
+def test_import_names_the_engine_it_reads(tmp_path, capsys):
+    one_line_error(capsys, main(["plan", "--import", "foo", str(tmp_path)]), "engine must be verl", "'foo'")
+
+
+def test_the_plan_table_keeps_its_columns_apart_at_any_width():
+    from hetrl.planner.report import format_report
+
+    group = {"tasks": ["actor_gen"], "gpus": ["n:0"], "parallelism": {"actor_gen": {"tp": 1, "pp": 1, "dp": 100000}}}
+    r = {"method": "hybrid", "workload": "w", "cluster": "c", "iteration_time_s": 1.0, "samples_per_s": 1.0,
+         "tokens_per_s": 1.0, "search_time_s": 0.1, "plan": {"groups": [group]}, "task_times_s": {"actor_gen": 1.0},
+         "breakdown": {}, "baselines": {}}
+    row = next(line for line in format_report(r).splitlines() if "actor_gen" in line)
+    assert row.split()[-4:] == ["1", "1", "100000", "1.0"], row
+    assert "baselines:" not in format_report(r)

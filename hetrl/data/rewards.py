@@ -78,9 +78,10 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
     def answers(kwargs):
         head, _, rest = answer_key.partition(".")
         if head not in kwargs:
+            columns = sorted(k for k in kwargs if k not in TRL_OFFERED)
             raise InputError(f"reward: the built-in checks read the answer column {answer_key!r}, but the rows have "
-                             f"{', '.join(sorted(k for k in kwargs if k not in ('completions', 'completion_ids')))}; "
-                             "set answer_key=COLUMN (dotted for nested, e.g. reward_model.ground_truth)")
+                             f"{', '.join(columns) if columns else 'no column but the prompt'}; set answer_key=COLUMN "
+                             "(dotted for nested, e.g. reward_model.ground_truth), or give data with answers")
         return [nested({head: v}, answer_key) for v in kwargs[head]]
 
     def exact_match(completions, **kwargs):
@@ -160,6 +161,45 @@ def convention(fn: Callable) -> str:
     raise InputError(f"reward {getattr(fn, '__name__', fn)!r}: its parameters ({', '.join(names)}) fit none of "
                      "TRL's f(completions, **kwargs), verl's compute_score(data_source, solution_str, ground_truth, "
                      "extra_info=None) or a verl per-source scorer compute_score(solution_str, ground_truth, ...)")
+
+
+TRL_OFFERED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+               "environments")   # what a TRL-style reward gets besides the data's columns (environments: with one)
+
+
+def missing_columns(reward, columns: set[str], answer_key: str = "answer") -> list[str]:
+    """The data columns `reward` (a built-in name, a FILE.py:NAME spec or a callable) needs and the rows lack:
+    the answer column of the built-in checks (its first part where dotted), and the parameters without a default
+    that a TRL-style function requires and neither TRL's call nor the rows give. Checked before the model loads
+    (a reward would otherwise fail on the first batch); verl-style functions read missing columns as None."""
+    if isinstance(reward, str) and ":" not in reward:
+        head = answer_key.partition(".")[0]
+        return [head] if reward in ("exact_match", "math_verify") and head not in columns else []
+    fn = load_reward(reward) if isinstance(reward, str) else reward
+    if convention(fn) != "trl":
+        return []
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.default is p.empty and p.kind in named and p.name not in TRL_OFFERED
+            and p.name not in columns]
+
+
+def columns_problems(rewards: list, rows: list[dict], answer_key: str, where: str) -> list[str]:
+    """Each reward that needs a column the training `rows` (read from `where`) lack, one line each."""
+    columns = {k for r in rows for k in r}
+    out = []
+    for f in rewards:
+        missing = missing_columns(f, columns, answer_key)
+        if missing:
+            builtin_check = isinstance(f, str) and ":" not in f
+            name = f.rpartition(":")[2] if isinstance(f, str) else getattr(f, "__name__", f)
+            out.append(f"reward {name} needs the column(s) {', '.join(missing)}, which {where} "
+                       f"does not have (its columns: {', '.join(sorted(columns))})"
+                       + ("; set answer_key=COLUMN" if builtin_check else ""))
+    return out
 
 
 def _accepts(fn, name: str) -> bool:
@@ -488,7 +528,9 @@ class RewardSet:
         why = failure.why if failure.why.startswith(f"reward {name}") else \
             f"reward {name}: {_rows(a, b - a)}: {failure.why}"
         if self.errors == "stop":
-            raise InputError(f"{why}; fix the function, or set reward_errors=skip to drop the rows it fails on")
+            fix = "fix the data or answer_key" if getattr(self.funcs[i], "correctness", None) is not None else \
+                "fix the function"   # a built-in check (builtin() marks them) fails on the data, not its code
+            raise InputError(f"{why}; {fix}, or set reward_errors=skip to drop the rows it fails on")
         if b - a == 1 or not failure.raised:
             return {r: why for r in range(a, b)}, {}
         single = dict(zip(range(a, b), self._run([(i, r, r + 1) for r in range(a, b)], args)))

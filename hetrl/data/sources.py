@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from hetrl.schema import InputError, show
+from hetrl.schema import InputError, show, unknown_keys_error
 
 from .checks import READERS, check_prompts
 from .rewards import builtin, builtin_rewards, completion_text, extract_answer
@@ -135,6 +135,29 @@ class _Stream:
                              f"{self.max_prompt_tokens}; raise max_prompt_tokens")
 
 
+def check_task(name: str, options: dict) -> None:
+    """A reasoning-gym task and its task_config, checked against the task's own config class (its fields, then its
+    validate()) without generating a problem: what `hetrl train` and `hetrl validate` say before the model loads."""
+    import dataclasses
+
+    import reasoning_gym
+
+    known = reasoning_gym.factory.DATASETS
+    if name not in known:
+        raise InputError(f"unknown task {name!r}; reasoning-gym has: {', '.join(sorted(known))}")
+    config_cls = known[name][1]
+    fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+    unknown = [k for k in options if k not in fields]
+    if unknown:
+        raise unknown_keys_error(unknown, fields, f"task_config for {name!r}", "option")
+    try:
+        config = config_cls(**options)
+        if hasattr(config, "validate"):
+            config.validate()
+    except (TypeError, ValueError, AssertionError) as e:
+        raise InputError(f"bad task_config for {name!r}: {e}") from None
+
+
 class TaskSource(_Stream):
     """A reasoning-gym generator: problems {question, answer, metadata} as chat prompts."""
 
@@ -143,9 +166,7 @@ class TaskSource(_Stream):
         import reasoning_gym
 
         super().__init__(tokenizer, max_prompt_tokens)
-        known = set(reasoning_gym.factory.DATASETS)
-        if name not in known:
-            raise InputError(f"unknown task {name!r}; reasoning-gym has: {', '.join(sorted(known))}")
+        check_task(name, options)
         self.name, self.options, self.seed, self.prompt_suffix = name, dict(options), seed, prompt_suffix
         self.response_prefix = response_prefix
         try:

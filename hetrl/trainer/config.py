@@ -10,6 +10,7 @@ generator) unless `data` names the user's rows, which then replace the task (REA
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
 import typing
@@ -555,12 +556,37 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
+FILE_KEYS = ("data", "eval_data", "plan", "cluster", "emulate_cluster", "model", "reward", "tools", "environment")
+
+
+def _paths_from_here(loaded: dict, path: str) -> None:
+    """Paths in a run config are read from the current directory, as on the command line. One that is missing
+    from here but exists from the config's folder or one above it (the config was written to be run from there,
+    as examples/ is from the repository root) is refused with that said, instead of a bare "no such file"."""
+    folders = [pathlib.Path(path).resolve().parent, *pathlib.Path(path).resolve().parent.parents]
+    for key in FILE_KEYS:
+        values = loaded.get(key)
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            if not isinstance(value, str) or os.path.isabs(value):
+                continue
+            file = value.partition(":")[0] if key in ("reward", "tools", "environment") else value
+            if not file or os.path.exists(file):
+                continue
+            found = next((d for d in folders if (d / file).exists()), None)
+            if found is not None:
+                raise InputError(f"{path}: {key}: {file} is not found from the current directory ({os.getcwd()}); "
+                                 "a run config's paths are read from where hetrl runs, as on the command line, and "
+                                 f"this one is found from {found}: run hetrl there, or write the path from here",
+                                 located=True)
+
+
 def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str, Any]:
     """The run config as a mapping: the YAML at `path` (optional) with `key=value` overrides applied."""
     data: dict[str, Any] = {}
     if path is not None:
         loaded = read_yaml(path, "run config")
         _check_keys(loaded, path)
+        _paths_from_here(loaded, path)
         data.update(loaded)
     extra = parse_overrides(list(overrides))
     _check_keys(extra, "the command line")

@@ -125,7 +125,8 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted():
 def test_unknown_task_and_bad_options():
     with pytest.raises(ValueError, match="unknown task 'arithmetics'; reasoning-gym has: .*basic_arithmetic"):
         TaskSource("arithmetics", {}, 0, 10, tiny_tokenizer())
-    with pytest.raises(ValueError, match="bad task_config for 'basic_arithmetic'"):
+    with pytest.raises(ValueError, match=r"task_config for 'basic_arithmetic': unknown option\(s\) \['max_digitz'\] "
+                                         r"\(did you mean 'max_digits'\?\)"):
         _task(options={"max_digitz": 2})
 
 

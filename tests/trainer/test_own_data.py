@@ -208,7 +208,7 @@ def test_a_bad_reward_is_one_line(tmp_path, capsys, case):
     (lambda d: d / "missing.parquet", "missing.parquet: no such file or directory"),
     (lambda d: (d / "x.txt").write_text("hi") and d / "x.txt", "unknown file type '.txt'"),
     (lambda d: _write_jsonl(d / "x.jsonl", [{"prompt": 3}] * 10), "the prompt must be a string or a list of chat"),
-    (lambda d: _write_jsonl(d / "x.jsonl", [{"prompt": "a"}] * 3), "data has 3 rows, and eval_size=4"),
+    (lambda d: _write_jsonl(d / "x.jsonl", [{"prompt": "a", "answer": "1"}] * 3), "data has 3 rows, and eval_size=4"),
 ])
 def test_bad_data_is_one_line(tmp_path, capsys, setup, message):
     data = setup(tmp_path)
@@ -229,6 +229,8 @@ def test_a_reward_worker_that_calls_os_exit_is_one_line_and_skip_goes_on(tmp_pat
     assert main([*args, f"out_dir={tmp_path / 'b'}", "reward_errors=skip"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_errors"] for r in rows] == [8, 8] and all(r["groups_kept"] == 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "no step kept a group to learn from" in printed and "after none (no reward function scored" in printed
 
 
 def test_verls_own_gsm8k_scorer_copied_unchanged_trains(tmp_path, capsys, caplog):
@@ -310,3 +312,41 @@ def test_a_response_prefix_starts_every_reply_and_a_last_assistant_message_is_co
     task = TaskSource("basic_arithmetic", {}, 0, 2, tok, 1024, response_prefix="The answer is")
     assert task.eval_examples[0].row["prompt"][-1]["content"] == "The answer is"
     assert task.fingerprint != TaskSource("basic_arithmetic", {}, 0, 2, tok, 1024).fingerprint
+
+
+def test_a_reward_that_needs_a_column_the_data_lacks_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A built-in check without an answer column, and a TRL reward whose required `answer` the rows lack: one line
+    naming the reward, the column and the data's columns, before the model loads (nothing evaluated); `hetrl
+    validate` says the same."""
+    data = _write_jsonl(tmp_path / "noans.jsonl", [{"prompt": f"{i} + 1 =", "level": i} for i in range(12)])
+    (tmp_path / "r.py").write_text("def correct(completions, answer, **kw):\n    return [0.0] * len(completions)\n")
+    for reward, needle in (("exact_match", "reward exact_match needs the column(s) answer"),
+                           (f"{tmp_path / 'r.py'}:correct", "reward correct needs the column(s) answer")):
+        args = ["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", f"data={data}", f"reward={reward}", *QUICK]
+        assert main(args) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "its columns: level, prompt" in err[0], err
+        assert "held-out" not in captured.out
+        run = tmp_path / "run.yaml"
+        run.write_text(f"model: tiny\ndata: {data}\nreward: {reward}\n")
+        assert main(["validate", str(run)]) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_a_held_out_set_no_reward_scores_has_no_score_not_zero(tmp_path, capsys):
+    """A reward that is None (not applicable) for every row: the held-out reward is null, not 0.0, before and
+    after, each reply's reward is null, and the run says it learned nothing."""
+    (tmp_path / "r.py").write_text("def nones(completions, **kw):\n    return [None] * len(completions)\n")
+    data = _write_jsonl(tmp_path / "data.jsonl", _chat_rows())
+    out = tmp_path / "run"
+    assert main(["train", "--config", TINY, f"out_dir={out}", f"data={data}", f"reward={tmp_path / 'r.py'}:nones",
+                 *QUICK]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out reward before training: none (no reward function scored any held-out reply)" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_reward_before"] is None and summary["eval_reward_after"] is None
+    assert summary["gained"] == summary["lost"] == 0
+    assert all(r["eval_reward"] is None for r in map(json.loads, (out / "eval.jsonl").read_text().splitlines()))
+    replies = [json.loads(line) for line in (out / "eval_step_2.jsonl").read_text().splitlines()]
+    assert replies and all(r["reward"] is None for r in replies)
