@@ -219,6 +219,21 @@ def any_saved(run_dir: pathlib.Path) -> bool:
     return root.is_dir() and not root.is_symlink() and any(_NAME.fullmatch(p.name) for p in root.iterdir())
 
 
+def keep_newest(run_dir: pathlib.Path, keep: int) -> list[pathlib.Path]:
+    """Delete all but the newest `keep` step checkpoints of the run in `run_dir` (`keep_checkpoints`), after a save:
+    the newest is the one just written and named by `latest`, so a resume point always remains. Set-aside
+    `*.unreadable` ones and anything that is not a step directory are left alone. -> the deleted paths."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    if keep < 1 or root.is_symlink() or not root.is_dir():
+        return []
+    steps = sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
+                   key=step_of)
+    old = steps[:-keep]
+    for p in old:
+        shutil.rmtree(p)
+    return old
+
+
 def step_of(path: pathlib.Path) -> int:
     """The training step a `step_NNNNNN` checkpoint was written after."""
     return int(_NAME.fullmatch(pathlib.Path(path).name).group(1))

@@ -193,6 +193,7 @@ class RunConfig:
     eval_every: int = rule(0, ge=0)       # 0: only before and after training
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
+    keep_checkpoints: int = rule(0, ge=0)  # 0: keep every checkpoint; N: the newest N (older ones deleted as they go)
     profile_step: int = rule(0, ge=0)     # >0: that step under torch.profiler (out_dir/profile_step_N.*; local only)
     out_dir: str = "runs/default"
     report_to: str = rule("none", choices=REPORT_TO)   # metrics.jsonl's rows also to TensorBoard or wandb (offline)
@@ -513,9 +514,9 @@ _TYPES = typing.get_type_hints(RunConfig)
 # Fields a resumed run may change without changing what it computes: how long it runs, where it writes, how
 # often it saves, and where its roles run. Any other difference from the checkpoint's config is refused on
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
-RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "profile_step", "memory_limit_gib", "executor", "plan",
-                     "cluster", "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers", "report_to",
-                     "device", "nonfinite", "reward_errors", "reward_timeout_s", "strict")
+RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "keep_checkpoints", "profile_step", "memory_limit_gib",
+                     "executor", "plan", "cluster", "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers",
+                     "report_to", "device", "nonfinite", "reward_errors", "reward_timeout_s", "strict")
 
 
 def _check_keys(keys, where: str) -> None:

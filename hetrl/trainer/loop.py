@@ -49,7 +49,7 @@ from hetrl.data import Example, RewardSet, RowSource, Scores, Source
 from hetrl.data.containment import UserAbort
 from hetrl.data.rewards import TrainerState
 from hetrl.trainer import episodes, files, guards, profiling
-from hetrl.trainer.checkpoint import resume_command
+from hetrl.trainer.checkpoint import keep_newest, resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine, Episodes
 from hetrl.trainer.evaluation import (
@@ -368,6 +368,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
             "eval_before_means": before_means, "data_fingerprint": source.fingerprint,
             "reward_names": rewards.names, "kl_reward_coef": None if kl_ctrl is None else kl_ctrl.value},
             cfg.to_dict())
+        keep_newest(run_dir, cfg.keep_checkpoints)
         return last_saved
 
     stream = _RolloutStream(lambda start: collect_rollouts(cfg, source, rewards, engine, start, episode_worker),

@@ -276,3 +276,13 @@ def test_what_a_run_writes_is_readable_as_open_would_make_it(straight):
                  "checkpoints/step_000003/model.safetensors", "checkpoints/step_000003/trainer_state.pt"):
         assert (straight / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     assert (straight / "checkpoints" / "step_000003").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_keep_checkpoints_keeps_the_newest_and_the_run_still_resumes(tmp_path, capsys, straight):
+    out = tmp_path / "r"
+    assert main(["train", "--config", TINY, "steps=2", "keep_checkpoints=1", f"out_dir={out}"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_000002"]
+    assert main(["train", "--resume", f"out_dir={out}", "steps=3"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_000003"]
+    assert _rows(out) == _rows(straight)
+    assert _same_weights(_weights(out, 3), _weights(straight, 3))

@@ -106,6 +106,9 @@ def test_refusals_say_what_to_do(tmp_path, capsys):
     assert main(["train", "--config", TINY, "steps=1", f"out_dir={out}"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'none'}", "--resume"]) == 2
+    assert "does not exist, so there is no run to resume" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'empty'}", "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert main(["train", "--config", TINY, "memory_limit_gib=0.001", f"out_dir={tmp_path / 'm'}"]) == 2
     assert "Lower micro_batch_tokens" in capsys.readouterr().err
