@@ -278,11 +278,15 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
     evals = eval_dataset if eval_dataset is not None else cfg.eval_data
     evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
-    problems = columns_problems(run_rewards(cfg, reward_funcs), train, cfg.answer_key, f"data={cfg.data}")
+    rewards = run_rewards(cfg, reward_funcs)
+    problems = columns_problems(rewards, train, cfg.answer_key,
+                                "the train_dataset" if train_dataset is not None else f"data={cfg.data}")
+    if isinstance(evals, list):   # held-out rows are scored by the same rewards
+        problems += columns_problems(rewards, evals, cfg.answer_key, "the eval_dataset" if eval_dataset is not None
+                                     else f"eval_data={cfg.eval_data}")
     if problems:
         raise InputError("; ".join(problems))
     return train, evals
-
 
 
 def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:
