@@ -12,6 +12,7 @@ with nothing trained), breaks for good when a worker dies, and cannot stop a hun
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -37,9 +38,22 @@ class Failure:
     raised: bool = True
 
 
+_HETRL = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the hetrl package's folder
+
+
 def where(e: BaseException) -> str:
+    """The user's file and line an error came from: the innermost frame outside hetrl (the line of the user's
+    code that raised, or that called the library that did). None there (a call whose arguments do not fit the
+    user's signature fails before entering it): said so, instead of naming hetrl's own call site."""
     tb = traceback.extract_tb(e.__traceback__)
-    return f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
+    if not tb:
+        return "?"
+    users = [f for f in tb if not os.path.abspath(f.filename).startswith(_HETRL + os.sep)]
+    if users:
+        return f"{users[-1].filename}:{users[-1].lineno}"
+    if isinstance(e, TypeError):
+        return "when hetrl called it: its parameters do not take that call"
+    return f"{tb[-1].filename}:{tb[-1].lineno}"
 
 
 def contained(call: Callable[[], Any]) -> Any:

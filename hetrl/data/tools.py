@@ -118,7 +118,7 @@ def tool_schema(fn: Callable, where: str | None = None) -> dict:
     name = name_of(fn)
     at = f"tool {name}" + (f" ({where})" if where else "")
     if not callable(fn):
-        raise InputError(f"{at}: {type(fn).__name__} is not callable; a tool is a function")
+        raise InputError(f"{at}: its value is of type {type(fn).__name__}, not callable; a tool is a function")
     if not inspect.getdoc(fn):
         raise InputError(f"{at}: has no docstring; a tool needs a Google-style docstring (a description, then "
                          "Args: with one line per argument) for its schema")

@@ -519,7 +519,8 @@ RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "keep_checkpoints",
                      "report_to", "device", "nonfinite", "reward_errors", "reward_timeout_s", "strict")
 
 
-def _check_keys(keys, where: str) -> None:
+def check_keys(keys, where: str) -> None:
+    """Refuse keys that are neither RunConfig fields nor verl's / TRL's names for them (did you mean ...)."""
     unknown = set(keys) - set(FIELDS) - set(ALIAS_KEYS)
     if unknown:
         raise unknown_keys_error(unknown, FIELDS, where, what="config key")
@@ -586,11 +587,11 @@ def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str,
     data: dict[str, Any] = {}
     if path is not None:
         loaded = read_yaml(path, "run config")
-        _check_keys(loaded, path)
+        check_keys(loaded, path)
         _paths_from_here(loaded, path)
         data.update(loaded)
     extra = parse_overrides(list(overrides))
-    _check_keys(extra, "the command line")
+    check_keys(extra, "the command line")
     for key, value in extra.items():
         if key == "task_config" and isinstance(value, dict) and isinstance(data.get("task_config"), dict):
             data["task_config"] = {**data["task_config"], **value}

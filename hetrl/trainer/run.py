@@ -188,6 +188,11 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
         raise InputError(f"--resume: the run in {run_dir} already finished its {step} steps and its final "
                          f"evaluation (summary.json); to train further, resume with steps=N above {step}")
     changes = config_changes(checkpoint.saved_config(ckpt), cfg)
+    fixed = {k: v for k, v in changes.items() if k in FIXED_ON_RESUME}
+    if fixed:   # the checkpoint's weights are for the old value: loading them would fail (or fit nothing)
+        raise InputError(f"--resume: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in fixed.items())} cannot "
+                         f"change on a resume, even with --allow-config-change: {ckpt.name} holds weights for the "
+                         "old value. Resume with it, or start a new run in another out_dir")
     if changes:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         if not allow_config_change:
@@ -199,6 +204,9 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
         MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
             k: [a, b] for k, (a, b) in changes.items()}})
     return ckpt
+
+
+FIXED_ON_RESUME = ("model", "lora_rank", "lora_target_modules", "critic_model")   # what a checkpoint's weights are
 
 
 def _finished(run_dir: pathlib.Path, step: int) -> bool:

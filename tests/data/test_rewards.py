@@ -382,3 +382,28 @@ def test_a_reward_file_is_executed_once_per_version(tmp_path):
     os.utime(f, ns=(1, 2))
     load_reward(f"{f}:f")
     assert (tmp_path / "counted.runs").read_text() == "xx"
+
+
+def test_a_users_error_is_located_in_the_users_code_not_hetrls():
+    """contained() names the innermost frame outside hetrl: the user's raising line; a call whose arguments do not
+    fit the user's signature (it fails before entering it) is said as such, not as hetrl's call site."""
+    from hetrl.data.containment import contained
+
+    def needs_answer(completions, answer):
+        return [float(a) for a in answer]
+
+    def raises(completions):
+        raise ValueError("bad row")
+
+    got = contained(lambda: needs_answer(completions=["x"]))
+    assert "missing 1 required positional argument: 'answer'" in got.why
+    assert __file__ in got.why   # the lambda above is this file's: the innermost frame outside hetrl
+    from hetrl.data.rewards import call_trl
+
+    with pytest.raises(InputError) as e:
+        call_trl(needs_answer, "needs_answer", [{"prompt": "p"}], ["p"], ["x"], None)
+    assert "when hetrl called it: its parameters do not take that call" in str(e.value)
+    assert "hetrl/data" not in str(e.value)
+    with pytest.raises(InputError) as e:
+        call_trl(lambda completions, **kw: raises(completions), "r", [{"prompt": "p"}], ["p"], ["x"], None)
+    assert f"{__file__}:" in str(e.value) and "ValueError: bad row" in str(e.value)

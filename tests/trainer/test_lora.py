@@ -81,6 +81,19 @@ def test_a_lora_run_resumes_exactly(tmp_path):
     assert _rows(straight / "metrics.jsonl")[2]["loss"] == _rows(resumed / "metrics.jsonl")[2]["loss"]
 
 
+def test_a_resume_cannot_change_what_the_checkpoints_weights_are(tmp_path, capsys):
+    """lora_rank (or going to or from LoRA) on a resume, even with --allow-config-change: one line, exit 2, before
+    anything loads, and nothing logged as changed (it crashed loading the adapter and logged the change)."""
+    out = tmp_path / "r"
+    assert main(["train", "--config", TINY, f"out_dir={out}", *LORA, "steps=1"]) == 0
+    capsys.readouterr()
+    for change in (["lora_rank=8"], ["lora_rank=0"]):
+        assert main(["train", "--resume", f"out_dir={out}", "steps=2", *change, "--allow-config-change"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "lora_rank 4 -> " in err[0] and "cannot change on a resume" in err[0], err
+    assert not (out / "resumes.jsonl").exists()
+
+
 def test_weight_sync_of_a_lora_policy_carries_the_adapter_alone_and_lands():
     """What Ray sends between learner and rollout actors (no Ray needed): the adapter tensors, loaded into the
     other side's adapter."""

@@ -350,3 +350,12 @@ def test_a_held_out_set_no_reward_scores_has_no_score_not_zero(tmp_path, capsys)
     assert all(r["eval_reward"] is None for r in map(json.loads, (out / "eval.jsonl").read_text().splitlines()))
     replies = [json.loads(line) for line in (out / "eval_step_2.jsonl").read_text().splitlines()]
     assert replies and all(r["reward"] is None for r in replies)
+
+
+def test_an_unknown_keyword_of_hetrl_train_gets_the_command_lines_message(tmp_path):
+    with pytest.raises(hetrl.schema.InputError, match=r"hetrl.train's keyword arguments: unknown config key\(s\) "
+                                                      r"\['stepz'\] \(did you mean 'steps'\?\)"):
+        hetrl.train(TINY, out_dir=str(tmp_path / "run"), stepz=1)
+    with pytest.raises(hetrl.schema.InputError, match="unknown config key"):
+        hetrl.train({"model": "tiny", "lerning_rate": 1.0}, out_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
