@@ -31,7 +31,7 @@ from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, m
 from hetrl.trainer.checkpoint import resume_command
 from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
 from hetrl.trainer.engine import Engine, make_engine
-from hetrl.trainer.metrics import MetricsLog, tracker
+from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.precision import decide, driver_device
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         evals = MetricsLog(run_dir / "eval.jsonl")
         ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
+        if ckpt is not None and checkpoint.step_of(ckpt) == cfg.steps and _finished(run_dir, cfg.steps):
+            return _already_finished(run_dir, metrics, evals, cfg.steps)
         files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
         try:
@@ -184,9 +186,6 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
     if step > cfg.steps:
         raise InputError(f"--resume: the newest checkpoint ({ckpt.name}) is at step {step}, past steps={cfg.steps}; "
                          f"resume with steps >= {step}, or start a new run in another out_dir")
-    if step == cfg.steps and _finished(run_dir, step):
-        raise InputError(f"--resume: the run in {run_dir} already finished its {step} steps and its final "
-                         f"evaluation (summary.json); to train further, resume with steps=N above {step}")
     changes = config_changes(checkpoint.saved_config(ckpt), cfg)
     fixed = {k: v for k, v in changes.items() if k in FIXED_ON_RESUME}
     if fixed:   # the checkpoint's weights are for the old value: loading them would fail (or fit nothing)
@@ -207,6 +206,16 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
 
 
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_target_modules", "critic_model")   # what a checkpoint's weights are
+
+
+def _already_finished(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, steps: int) -> dict:
+    """--resume of a run that ended (summary.json written after its final evaluation): nothing is trained or
+    evaluated again (a second final row would land in eval.jsonl); the plot, the one file written after the
+    summary, is drawn again in case the run was stopped while drawing it. -> the run's summary."""
+    plot_curves(metrics.read(), evals.read(), run_dir / "curves.png")
+    tqdm.write(f"{run_dir}: the run already finished its {steps} steps and its final evaluation (summary.json); "
+               f"nothing to resume. To train further, resume with steps=N above {steps}")
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _finished(run_dir: pathlib.Path, step: int) -> bool:

@@ -248,17 +248,21 @@ def test_kill_9_at_every_rename_and_at_random_moments(tmp_path, straight):
         assert _same_weights(_weights(out, 3), _weights(straight, 3))
 
 
-def test_resume_refuses_a_finished_run_a_step_past_steps_and_a_missing_out_dir(tmp_path, capsys, straight):
-    """A finished run resumed again would evaluate again and append a second final row to eval.jsonl; a checkpoint
-    past `steps` would be rewritten as a shorter run; a missing out_dir would be created just to be refused."""
+def test_resume_of_a_finished_run_does_nothing_and_past_steps_or_a_missing_out_dir_is_refused(tmp_path, capsys,
+                                                                                               straight):
+    """A finished run resumed again evaluated again and appended a second final row to eval.jsonl: now it says
+    so and only draws the plot again (the one file written after summary.json); a checkpoint past `steps` would be
+    rewritten as a shorter run; a missing out_dir would be created just to be refused."""
     import shutil
 
     out = tmp_path / "r"
     shutil.copytree(straight, out)
     evals = (out / "eval.jsonl").read_text()
+    (out / "curves.png").unlink()
     capsys.readouterr()
-    assert main(["train", "--resume", f"out_dir={out}"]) == 2
-    assert "already finished its 3 steps" in capsys.readouterr().err
+    assert main(["train", "--resume", f"out_dir={out}"]) == 0
+    assert "already finished its 3 steps and its final evaluation" in capsys.readouterr().out
+    assert (out / "curves.png").is_file() and (out / "eval.jsonl").read_text() == evals
     assert main(["train", "--resume", f"out_dir={out}", "steps=2"]) == 2
     assert "at step 3, past steps=2" in capsys.readouterr().err
     assert (out / "eval.jsonl").read_text() == evals
