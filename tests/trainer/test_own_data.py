@@ -128,8 +128,8 @@ def test_two_weighted_rewards_with_a_none_from_python(tmp_path):
         assert e["reward"] == (4.0 if e["rewards"]["first"] is not None else 2.0)
     config = (out / "run_config.yaml").read_text()
     assert "data: <python>" in config and "<python>:first" in config
-    # the CLI cannot resume a run whose data came from Python: it says how
-    assert main(["train", "--resume", f"out_dir={out}"]) == 2
+    # the CLI cannot resume (to train further) a run whose data came from Python: it says how
+    assert main(["train", "--resume", f"out_dir={out}", "steps=3"]) == 2
 
 
 def test_the_held_out_split_is_never_trained_on_across_epochs():
