@@ -70,10 +70,10 @@ def _validate_run_config(path: str) -> str:
         raise InputError(f"{path}: {why}", located=True)
     # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is
     # checked, and all their problems are said together
-    from hetrl.data.rewards import columns_problems, convention, load_reward
+    from hetrl.data.rewards import columns_problems, load_rewards
     from hetrl.data.sources import check_task, read_checked
 
-    problems, counts, rows = [], {}, None
+    problems, rows = [], {}
     if cfg.data is None:   # a reasoning-gym task: its name and task_config
         try:
             check_task(cfg.task, cfg.task_config)
@@ -82,21 +82,18 @@ def _validate_run_config(path: str) -> str:
     for key in ("data", "eval_data"):
         if getattr(cfg, key) not in (None, "<python>"):
             try:
-                got = read_checked(getattr(cfg, key), key, cfg.prompt_key)
-                counts[key] = len(got)
-                rows = got if key == "data" else rows
+                rows[key] = read_checked(getattr(cfg, key), key, cfg.prompt_key)
             except InputError as e:
                 problems.append(str(e))
-    loaded = True
+    funcs = []
     for spec in cfg.rewards:
-        if ":" in spec:
-            try:
-                convention(load_reward(spec))
-            except InputError as e:
-                problems.append(str(e))
-                loaded = False
-    if rows is not None and loaded:   # the columns the rewards need, as hetrl train checks them
-        problems += columns_problems(list(cfg.rewards), rows, cfg.answer_key, f"data={cfg.data}")
+        try:
+            funcs += load_rewards([spec])
+        except InputError as e:
+            problems.append(str(e))
+    if len(funcs) == len(cfg.rewards):   # the columns the rewards need, as hetrl train checks them
+        for key, got in rows.items():
+            problems += columns_problems(funcs, got, cfg.answer_key, f"{key}={getattr(cfg, key)}")
     if cfg.tool_specs or cfg.environment is not None:   # the tools and environment the run names (import, schemas)
         from hetrl.data.tools import check_environment, load_environment, load_tools
 
@@ -112,6 +109,6 @@ def _validate_run_config(path: str) -> str:
                 problems.append(str(e))
     if problems:
         raise InputError(f"{path}: " + "; ".join(problems), located=True)
-    data = f", {counts['data']} rows of {cfg.data}" if "data" in counts else ""
+    data = f", {len(rows['data'])} rows of {cfg.data}" if "data" in rows else ""
     return f"run config: {cfg.algorithm} on {cfg.model}, {cfg.steps} steps, executor {cfg.executor}{data}"
 

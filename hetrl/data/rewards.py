@@ -168,14 +168,14 @@ TRL_OFFERED = ("prompts", "completions", "completion_ids", "trainer_state", "log
 
 
 def missing_columns(reward, columns: set[str], answer_key: str = "answer") -> list[str]:
-    """The data columns `reward` (a built-in name, a FILE.py:NAME spec or a callable) needs and the rows lack:
+    """The data columns `reward` (a built-in name or a loaded function) needs and the rows lack:
     the answer column of the built-in checks (its first part where dotted), and the parameters without a default
     that a TRL-style function requires and neither TRL's call nor the rows give. Checked before the model loads
     (a reward would otherwise fail on the first batch); verl-style functions read missing columns as None."""
-    if isinstance(reward, str) and ":" not in reward:
+    if isinstance(reward, str):
         head = answer_key.partition(".")[0]
         return [head] if reward in ("exact_match", "math_verify") and head not in columns else []
-    fn = load_reward(reward) if isinstance(reward, str) else reward
+    fn = reward
     if convention(fn) != "trl":
         return []
     try:
@@ -188,17 +188,26 @@ def missing_columns(reward, columns: set[str], answer_key: str = "answer") -> li
 
 
 def columns_problems(rewards: list, rows: list[dict], answer_key: str, where: str) -> list[str]:
-    """Each reward that needs a column the training `rows` (read from `where`) lack, one line each."""
+    """Each reward (built-in names and loaded functions, as `load_rewards` gives them) that needs a column the
+    `rows` (read from `where`) lack, one line each."""
     columns = {k for r in rows for k in r}
     out = []
     for f in rewards:
         missing = missing_columns(f, columns, answer_key)
         if missing:
-            builtin_check = isinstance(f, str) and ":" not in f
-            name = f.rpartition(":")[2] if isinstance(f, str) else getattr(f, "__name__", f)
-            out.append(f"reward {name} needs the column(s) {', '.join(missing)}, which {where} "
-                       f"does not have (its columns: {', '.join(sorted(columns))})"
-                       + ("; set answer_key=COLUMN" if builtin_check else ""))
+            out.append(f"reward {f if isinstance(f, str) else getattr(f, '__name__', f)} needs the column(s) "
+                       f"{', '.join(missing)}, which {where} does not have (its columns: {', '.join(sorted(columns))})"
+                       + ("; set answer_key=COLUMN" if isinstance(f, str) else ""))
+    return out
+
+
+def load_rewards(rewards: list) -> list:
+    """The run's rewards with every FILE.py:NAME (or module:NAME) spec imported and its convention checked, once,
+    before the model loads; built-in names and callables as given."""
+    out = [load_reward(f) if isinstance(f, str) and ":" in f else f for f in rewards]
+    for f in out:
+        if callable(f):
+            convention(f)
     return out
 
 

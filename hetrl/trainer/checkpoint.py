@@ -97,8 +97,7 @@ def stage(run_dir: pathlib.Path, name: str, state: dict) -> pathlib.Path:
     than the one that saves (the Ray executor's critic actor): `checkpoints/.pending.<name>.<random>`, created
     exclusively. -> its path, for `save(..., staged={name: path})`."""
     root = files.real_subdir(pathlib.Path(run_dir), "checkpoints")
-    fd, path = tempfile.mkstemp(dir=root, prefix=f".pending.{name}.")
-    as_open_would(path)
+    fd, path = tempfile.mkstemp(dir=root, prefix=f".pending.{name}.")   # its mode is set where save() takes it in
     with os.fdopen(fd, "wb") as f:
         torch.save(state, f)
     return pathlib.Path(path)

@@ -22,7 +22,7 @@ import yaml
 from tqdm import tqdm
 
 from hetrl.data import RewardSet, RowSource, Source, TaskSource
-from hetrl.data.rewards import columns_problems, convention, load_reward
+from hetrl.data.rewards import columns_problems, load_rewards
 from hetrl.data.sources import check_plain_text, check_task, read_checked
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
@@ -70,8 +70,10 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         evals = MetricsLog(run_dir / "eval.jsonl")
         ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
-        if ckpt is not None and checkpoint.step_of(ckpt) == cfg.steps and _finished(run_dir, cfg.steps):
-            return _already_finished(run_dir, metrics, evals, cfg.steps)
+        summary = _summary_at(run_dir, cfg.steps) if ckpt is not None and checkpoint.step_of(ckpt) == cfg.steps \
+            else None
+        if summary is not None:
+            return _already_finished(run_dir, metrics, evals, summary)
         files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
         try:
@@ -208,22 +210,24 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_target_modules", "critic_model")   # what a checkpoint's weights are
 
 
-def _already_finished(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, steps: int) -> dict:
+def _already_finished(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, summary: dict) -> dict:
     """--resume of a run that ended (summary.json written after its final evaluation): nothing is trained or
     evaluated again (a second final row would land in eval.jsonl); the plot, the one file written after the
     summary, is drawn again in case the run was stopped while drawing it. -> the run's summary."""
     plot_curves(metrics.read(), evals.read(), run_dir / "curves.png")
+    steps = summary["steps"]
     tqdm.write(f"{run_dir}: the run already finished its {steps} steps and its final evaluation (summary.json); "
                f"nothing to resume. To train further, resume with steps=N above {steps}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return summary
 
 
-def _finished(run_dir: pathlib.Path, step: int) -> bool:
-    """Whether the run in `run_dir` ended at `step`: its summary.json (written after the final evaluation) says so."""
+def _summary_at(run_dir: pathlib.Path, step: int) -> dict | None:
+    """The run's summary.json (written after the final evaluation) when it says the run ended at `step`."""
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("steps") == step
-    except (OSError, ValueError, AttributeError):
-        return False
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("steps") == step else None
 
 
 def _resume(engine: Engine, ckpt: pathlib.Path, source: Source, rewards: RewardSet, metrics: MetricsLog,
@@ -285,9 +289,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
     if cfg.critic_model is not None:
         build.critic_model_problem(cfg)
-    for f in run_rewards(cfg, reward_funcs):
-        if callable(f) or ":" in f:
-            convention(f if callable(f) else load_reward(f))
+    rewards = load_rewards(run_rewards(cfg, reward_funcs))
     if cfg.data is None:
         check_task(cfg.task, cfg.task_config)
     if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
@@ -295,7 +297,6 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
     evals = eval_dataset if eval_dataset is not None else cfg.eval_data
     evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
-    rewards = run_rewards(cfg, reward_funcs)
     problems = columns_problems(rewards, train, cfg.answer_key,
                                 "the train_dataset" if train_dataset is not None else f"data={cfg.data}")
     if isinstance(evals, list):   # held-out rows are scored by the same rewards
