@@ -540,7 +540,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise InputError(f"override {item!r} must look like key=value (e.g. steps=5)")
+            hint = (f"; a run YAML is given with --config {item}" if not sep and item.endswith((".yaml", ".yml"))
+                    else "")
+            raise InputError(f"override {item!r} must look like key=value (e.g. steps=5){hint}")
         head, _, sub = key.partition(".")
         if not sub and _is_text(key) and raw not in ("null", "~"):
             value = raw
@@ -612,14 +614,20 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     except InputError as e:
         if e.located:
             raise
-        from_cli = path is None or (e.field is not None and e.field in given)
+        if e.field is None:   # a rule between fields (max_leaves against responses_per_prompt): where both came from
+            raise InputError(f"{_where_rule(path, given)}: {e}", located=True) from None
+        from_cli = path is None or e.field in given
         said = str(e)
         if from_cli and e.field in as_typed and said.startswith(e.field):   # said under the name the user typed
             said = f"{as_typed[e.field]} ({e.field}){said[len(e.field):]}"
         raise InputError(f"{'the command line' if from_cli else path}: {said}", located=True) from None
     except ValueError as e:   # a rule between fields
-        raise InputError(f"{path + ' with the command line' if path and given else path or 'the command line'}: {e}",
-                         located=True) from None
+        raise InputError(f"{_where_rule(path, given)}: {e}", located=True) from None
+
+
+def _where_rule(path: str | None, given: set[str]) -> str:
+    """Where a rule between fields was broken: the run YAML, the command line, or both."""
+    return path + " with the command line" if path and given else path or "the command line"
 
 
 def config_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:

@@ -23,6 +23,19 @@ def test_overrides_parse_numbers_and_nested_task_options():
         "lr": 2e-5, "steps": 3, "dynamic_sampling": True, "task_config": {"max_digits": 1}}
     with pytest.raises(ValueError, match="must look like key=value"):
         parse_overrides(["steps"])
+    with pytest.raises(ValueError, match=r"'run.yaml' must look like key=value .*given with --config run.yaml"):
+        parse_overrides(["run.yaml"])
+
+
+def test_a_rule_between_fields_names_both_places_they_came_from(tmp_path):
+    """max_leaves set on the command line against the YAML's responses_per_prompt: neither place alone is to
+    blame, so the message names both (it named only the YAML)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("responses_per_prompt: 8\ntools: x.py:f\nbranches: 2\n")
+    with pytest.raises(ValueError, match=r"run.yaml with the command line: max_leaves \(4\) counts"):
+        load_config(str(path), ["max_leaves=4"])
+    with pytest.raises(ValueError, match=r"^the command line: max_leaves \(4\) counts"):
+        load_config(None, ["responses_per_prompt=8", "tools=x.py:f", "branches=2", "max_leaves=4"])
 
 
 def test_algorithm_presets_fill_unset_knobs():
