@@ -1,10 +1,11 @@
 """The process a user's tool functions run in (hetrl.data.tools.ToolProcesses): `python -m hetrl._tool_worker FD`, a
 fresh interpreter that imports nothing of hetrl but this file and the tools' own modules, and answers one call at a
 time over the socket FD (a multiprocessing Connection: stdout stays the tool's own). Not multiprocessing's spawn,
-which would run the user's main script again in the child when it has no `if __name__ == "__main__"` guard. A call that
-hangs (a C call holding the GIL included) is ended by killing this process; a tool that calls os._exit ends only
-this process. Hand-written because `concurrent.futures.ProcessPoolExecutor` cannot kill one stuck call (it breaks
-the whole pool) and cannot say which call ended its worker.
+which would run the user's main script again in the child when it has no `if __name__ == "__main__"` guard. A call
+that hangs (a C call holding the GIL included) is ended by killing this process; a tool that calls os._exit ends
+only this process. It runs in a session of its own, so a Ctrl-C at the terminal reaches the trainer (which finishes
+its step and saves a checkpoint) and not the tools. Hand-written because `concurrent.futures.ProcessPoolExecutor`
+cannot kill one stuck call (it breaks the whole pool) and cannot say which call ended its worker.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import inspect
 import json
 import sys
 import time
+import traceback
 
 
 def _locate(locator: tuple[str, str | None, str]):
@@ -56,10 +58,17 @@ def invoke(fn, arguments: dict):
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
+def raised_at(e: BaseException) -> str:
+    """Where a tool's exception was raised: the innermost frame's FILE:LINE (the user's own code, or the library
+    their tool called)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def serve(conn) -> None:
     """Per call (locator, arguments): ("unlocatable", "Class: message") when the function cannot be found here;
     else ("loaded", wall-clock time) once it is (the tool's module imported: its timeout starts then), then ("ok",
-    text or None, type name) or ("raised", "Class: message")."""
+    text or None, type name) or ("raised", "Class: message", FILE:LINE)."""
     found = {}
     while True:
         try:
@@ -77,7 +86,7 @@ def serve(conn) -> None:
             value = invoke(found[locator], arguments)
             reply = ("ok", render(value), type(value).__name__)
         except BaseException as e:  # noqa: BLE001 - the tool's failure (SystemExit too) is its answer
-            reply = ("raised", f"{type(e).__name__}: {e}", "")
+            reply = ("raised", f"{type(e).__name__}: {e}", raised_at(e))
         conn.send(reply)
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from hetrl._tool_worker import invoke, render
+from hetrl._tool_worker import invoke, raised_at, render
 from hetrl.schema import InputError
 
 from .containment import name_of, user_call
@@ -332,14 +332,31 @@ class ToolProcesses:
         self.idle: list = []
 
     def take(self):
-        if self.idle:
-            return self.idle.pop()
+        while self.idle:
+            worker = self.idle.pop()
+            if worker[0].poll() is None:
+                return worker
+            self.end(worker)    # ended while idle (killed from outside): a fresh one instead
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}   # what this process imports
+        # a session of its own: a Ctrl-C at the terminal is the trainer's to handle (finish the step, checkpoint),
+        # not a signal that kills the idle tool processes under it
         proc = subprocess.Popen([sys.executable, "-m", "hetrl._tool_worker", str(theirs.fileno())],
-                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
         theirs.close()
         return proc, Connection(ours.detach())
+
+    def send(self, call):
+        """A worker that has been sent `call`: an idle one, or a fresh one where the idle one's pipe is broken."""
+        worker = self.take()
+        try:
+            worker[1].send(call)
+        except OSError:   # it ended between the check and the send
+            self.end(worker)
+            worker = self.take()
+            worker[1].send(call)
+        return worker
 
     def give_back(self, worker) -> None:
         if len(self.idle) < self.KEEP:
@@ -406,8 +423,7 @@ def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: floa
             pass
         where = locator(fn) if isolation == "process" else None
         if where is not None and where not in _UNLOCATABLE:
-            worker = _PROCESSES.take()
-            worker[1].send((where, call.arguments))
+            worker = _PROCESSES.send((where, call.arguments))
             procs.append((i, worker, where, time.perf_counter()))
             continue
         threads.append((i, _thread(call.name, fn, call.arguments, slots[i]), time.perf_counter()))
@@ -444,7 +460,7 @@ def run_calls(calls: list[tuple[dict[str, Callable], ToolCall]], timeout_s: floa
             results[i] = _error(name, f"{name} {timed_out}", time.perf_counter() - t0)
             continue
         _PROCESSES.give_back((proc, conn))
-        answer = {"value": reply[1:]} if reply[0] == "ok" else {"raised": reply[1]}
+        answer = {"value": reply[1:]} if reply[0] == "ok" else {"raised": reply[1], "at": reply[2]}
         results[i] = _answer(name, answer, time.perf_counter() - t0)
     for i, thread, t0 in threads:
         thread.join(max(0.0, t0 + timeout_s - time.perf_counter()))
@@ -460,19 +476,35 @@ def _thread(name: str, fn, arguments: dict, slot: dict) -> threading.Thread:
             value = invoke(fn, arguments)
             slot["value"] = (render(value), type(value).__name__)
         except BaseException as e:  # noqa: BLE001 - the tool's failure is its answer, whatever it raised
-            slot["raised"] = f"{type(e).__name__}: {e}"
+            slot["raised"], slot["at"] = f"{type(e).__name__}: {e}", raised_at(e)
 
     thread = threading.Thread(target=target, daemon=True, name=f"hetrl-tool-{name}")
     thread.start()
     return thread
 
 
+_TOLD: set = set()   # (tool, what went wrong) already logged: once each, the rest are counted in tool_errors
+
+
+def _tell_once(name: str, what: str, message: str) -> None:
+    """A user's tool failing is the model's answer (an error message it reads), and the user's bug: said once per
+    tool and kind of failure, so that a tool that fails on every call does not go unnoticed."""
+    if (name, what) not in _TOLD:
+        _TOLD.add((name, what))
+        log.warning("%s; the model gets it as the call's error message (further failures like it: the tool_errors "
+                    "metric)", message)
+
+
 def _answer(name: str, slot: dict, seconds: float) -> ToolResult:
     if "raised" in slot:
+        at = f" at {slot['at']}" if slot.get("at") else ""
+        _tell_once(name, slot["raised"].partition(":")[0], f"tool {name} raised {slot['raised']}{at}")
         return _error(name, slot["raised"], seconds)
     text, kind = slot["value"]
     if text is None:
-        return _error(name, f"{name} returned {kind}, not text, a number or JSON", seconds)
+        why = f"{name} returned {kind}, not text, a number or JSON"
+        _tell_once(name, kind, f"tool {why}")
+        return _error(name, why, seconds)
     return ToolResult(name, capped(name, text), False, seconds)
 
 

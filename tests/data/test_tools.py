@@ -285,6 +285,44 @@ def test_a_tool_that_ends_its_process_or_holds_the_gil_does_not_take_the_trainer
     assert [r.content for r in again] == ["3", "4"]
 
 
+def test_a_failing_tool_is_told_to_the_user_once_with_where_it_raised(tmp_path, caplog):
+    """A tool that raises (or returns what is not data) is the model's error message and the user's bug: logged
+    once per tool and kind of failure, naming the tool, the exception and the user's FILE:LINE (a tool failing on
+    every call was seen only as tool_error_frac 1.0)."""
+    (tmp_path / "mytools.py").write_text(TOOLS_SRC)
+    tools = {f.__name__: f for f in load_tools(f"{tmp_path / 'mytools.py'}:boom,weird")}
+    with caplog.at_level("WARNING", logger="hetrl.data.tools"):
+        for _ in range(2):
+            got = run_calls([(tools, ToolCall("boom", {"a": 1})), (tools, ToolCall("weird", {}))], timeout_s=5.0)
+            assert [r.error for r in got] == [True, True]
+    told = [r.getMessage() for r in caplog.records]
+    line = TOOLS_SRC[:TOOLS_SRC.index('raise RuntimeError("kaput")')].count("\n") + 1
+    assert len(told) == 2, told
+    assert told[0].startswith(f"tool boom raised RuntimeError: kaput at {tmp_path / 'mytools.py'}:{line}; "), told[0]
+    assert told[1].startswith("tool weird returned object, not text"), told[1]
+    assert got[0].content == "{'error': 'RuntimeError: kaput'}"   # the model's message names no file
+
+
+def test_a_ctrl_c_at_the_terminal_does_not_reach_the_tool_processes(tmp_path):
+    """Tool processes run in their own session (a Ctrl-C to the terminal's process group killed the idle ones, and
+    the next call's send raised BrokenPipeError, ending the run before its checkpoint); an idle one that ends
+    anyway is replaced by a fresh one."""
+    import os
+    import signal
+
+    from hetrl.data import tools as tools_module
+
+    (tmp_path / "mytools.py").write_text(TOOLS_SRC)
+    tools = {f.__name__: f for f in load_tools(f"{tmp_path / 'mytools.py'}:ok")}
+    assert run_calls([(tools, ToolCall("ok", {"a": 1}))], timeout_s=5.0)[0].content == "2"
+    idle = list(tools_module._PROCESSES.idle)
+    assert idle and all(os.getsid(proc.pid) != os.getsid(0) for proc, _ in idle)
+    for proc, _ in idle:
+        os.kill(proc.pid, signal.SIGINT)   # what a Ctrl-C in the tool's own session would do
+        proc.wait(5)
+    assert run_calls([(tools, ToolCall("ok", {"a": 2}))], timeout_s=5.0)[0].content == "3"
+
+
 def test_tools_of_different_episodes_run_at_once_and_time_out(tools):
     t0 = time.perf_counter()
     got = run_calls([(tools, ToolCall("slow", {"s": 0.6})), (tools, ToolCall("slow", {"s": 0.6})),
