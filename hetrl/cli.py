@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as e:
+        if isinstance(e, ConnectionError):   # a pipe to one of hetrl's own processes broke: a bug, not the input
+            raise
         if args.debug:   # the traceback too; the exit code stays the input error's
             traceback.print_exc()
         print(f"hetrl {args.command}: {_one_line(e)}", file=sys.stderr)

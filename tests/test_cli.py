@@ -59,6 +59,19 @@ def test_debug_and_verbose_before_or_after_the_subcommand(monkeypatch, argv):
     assert (seen[0].debug, seen[0].verbose) == ("--debug" in argv, "-v" in argv)
 
 
+def test_a_broken_pipe_inside_hetrl_is_not_reported_as_an_input_error(monkeypatch):
+    """OSError is an input error (a path, a permission); a broken pipe to one of hetrl's own processes is not: it
+    keeps its traceback (it printed 'hetrl train: Broken pipe', exit 2)."""
+    import hetrl.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_train", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["train", "steps=1"])
+
+
 def test_an_unknown_option_is_still_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "steps=1", "--stpes", "2"])
