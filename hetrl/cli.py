@@ -131,7 +131,7 @@ def _diagnose(args) -> int:
     m = report["engine_vs_trainer"]
     print(f"{'rollout engine vs trainer':>34}        : |dlogp| mean {m['abs_diff_mean']:.2e}  p99 "
           f"{m['abs_diff_p99']:.2e}  max {m['abs_diff_max']:.2e}")
-    print(f"verdict: {report['verdict']}\nwrote {args.out}/mismatch.md, .json and .png")
+    print(f"verdict: {report['verdict']}\nwrote {report['out']}/mismatch.md, .json and .png")
     return 0
 
 
@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     mm = dg_sub.add_parser("mismatch", help="score one rollout batch three ways (the rollout engine, the trainer at "
                            "the run's precision, fp64) and say which side drifts from the exact log-probs")
     mm.add_argument("--config", help=f"run YAML (default: {DEFAULT_RUN} when it exists, else built-in defaults)")
-    mm.add_argument("--out", default="runs/diagnose_mismatch", help="folder for mismatch.md, .json and .png")
+    mm.add_argument("--out", help="folder for mismatch.md, .json and .png (default: the run's "
+                    "out_dir/diagnose_mismatch)")
     mm.add_argument("--prompts", type=_positive_int, default=None, help="prompts to sample (default: prompts_per_step)")
     mm.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. rollout_engine=vllm")
     mm.set_defaults(func=_diagnose)

@@ -34,10 +34,11 @@ BUCKETS = (0, 4, 16, 64, 256, 1024)
 FP64 = RunPrecision("fp64", autocast=False)
 
 
-def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.Path = "runs/diagnose_mismatch",
+def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.Path | None = None,
              prompts: int | None = None) -> dict:
-    """Score one rollout batch of the run `config` (+ `overrides`) three ways; -> the report (also written to `out`).
-    `prompts`: how many of the run's prompts (default prompts_per_step), each with responses_per_prompt samples."""
+    """Score one rollout batch of the run `config` (+ `overrides`) three ways; -> the report (also written to `out`,
+    by default the run's out_dir/diagnose_mismatch). `prompts`: how many of the run's prompts (default
+    prompts_per_step), each with responses_per_prompt samples."""
     # the run's own start and data path (run imports the loop; not at import)
     from hetrl.trainer.run import build_source, decide_run, load_policy
 
@@ -45,7 +46,7 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
     if cfg.executor != "local":
         raise ValueError("hetrl diagnose mismatch scores one batch in this process; use executor=local (the "
                          "engines and precisions are those of the run)")
-    out = pathlib.Path(out)
+    out = pathlib.Path(cfg.out_dir) / "diagnose_mismatch" if out is None else pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device, precision, engine_name = decide_run(cfg)
     tools, environment_factory = episodes.resolve_tools(cfg, None, None)
@@ -80,7 +81,7 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
     files.write_text(out / "mismatch.json", json.dumps(report, indent=2))
     files.write_text(out / "mismatch.md", _table(report))
     _plot(report, out / "mismatch.png")
-    return report
+    return report | {"out": str(out)}
 
 
 def _engine_label(name: str, engine) -> str:

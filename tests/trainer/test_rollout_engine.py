@@ -127,10 +127,13 @@ def test_another_engines_logprobs_are_measured_and_corrected_never_taken_as_old(
 
 def test_diagnose_mismatch_scores_one_batch_three_ways(tmp_path, capsys):
     """`hetrl diagnose mismatch` on the tiny config (hf engine, fp32): both sides within fp32 rounding of the fp64
-    forward, the table, JSON and PNG written; the bf16-mixed run adds the trainer in fp32 and is farther off."""
-    out = tmp_path / "d"
-    assert main(["diagnose", "mismatch", "--config", TINY, "--out", str(out), "precision=fp32"]) == 0
-    assert "verdict:" in capsys.readouterr().out
+    forward, the table, JSON and PNG written (by default in the run's out_dir/diagnose_mismatch: it went to
+    runs/diagnose_mismatch under the current directory whatever out_dir said); the bf16-mixed run adds the trainer in
+    fp32 and is farther off."""
+    out = tmp_path / "run" / "diagnose_mismatch"
+    assert main(["diagnose", "mismatch", "--config", TINY, f"out_dir={tmp_path / 'run'}", "precision=fp32"]) == 0
+    said = capsys.readouterr().out
+    assert "verdict:" in said and f"wrote {out}/mismatch.md, .json and .png" in said
     report = json.loads((out / "mismatch.json").read_text())
     assert set(report["vs_fp64"]) == {"rollout engine (hf, fp32)", "trainer (fp32)"}
     assert all(m["abs_diff_max"] < 1e-5 for m in report["vs_fp64"].values())
