@@ -297,6 +297,13 @@ class RunConfig:
                 raise ValueError("bypass_mode=true takes the rollout's log-probs as the old ones; old_logprobs="
                                  "recompute asks for the trainer's: set one of them")
             object.__setattr__(self, "old_logprobs", "rollout")
+        asked = [f"{k}={getattr(self, k)}" for k, off in (("rollout_is", ("auto", None)), ("rollout_rs", (None,)))
+                 if getattr(self, k) not in off]
+        if self.old_logprobs == "rollout" and asked:
+            said = "bypass_mode=true" if self.bypass_mode else "old_logprobs=rollout"
+            raise ValueError(f"{said} takes the rollout's log-probs as the old ones, so there is no mismatch to "
+                             f"correct and {', '.join(asked)} would do nothing; leave them out, or let the trainer "
+                             "recompute the old log-probs (old_logprobs=auto or recompute)")
         if self.rollout_is is None and self.rollout_rs is None:
             return
         import torch

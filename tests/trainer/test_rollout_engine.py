@@ -65,7 +65,11 @@ def test_bad_correction_knobs_are_refused_up_front():
     for overrides, says in ((["rollout_is=tok"], "did you mean 'token'"),
                             (["rollout_is_threshold=abc"], "rollout_is_threshold"),
                             (["rollout_rs=token_k9", "rollout_rs_threshold=2"], "token_k9"),
-                            (["bypass_mode=true", "old_logprobs=recompute"], "bypass_mode")):
+                            (["bypass_mode=true", "old_logprobs=recompute"], "bypass_mode"),
+                            # the rollout's log-probs as the old ones leave nothing to correct (it was ignored)
+                            (["bypass_mode=true", "rollout_is=sequence"], r"rollout_is=sequence would do nothing"),
+                            (["old_logprobs=rollout", "rollout_rs=token_k1", "rollout_rs_threshold=2"],
+                             r"old_logprobs=rollout .* rollout_rs=token_k1 would do nothing")):
         with pytest.raises(ValueError, match=says):
             load_config(TINY, overrides)
     assert load_config(TINY, ["bypass_mode=true"]).old_logprobs == "rollout"
