@@ -12,6 +12,8 @@ its GPUs, as in the plan, so each asks for an equal fraction of them.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from hetrl.planner import ClusterSpec, Plan, WorkloadSpec, load_cluster, load_pl
 from hetrl.planner import plan as plan_search
 from hetrl.planner.spec import ModelSpec, TokenLengths
 from hetrl.trainer.config import logits_give_old_logprobs
+
+log = logging.getLogger(__name__)
 
 
 class ExecutorFailure(RuntimeError):
@@ -180,4 +184,26 @@ def plan_for_run(cfg, model_config, prompt_len: int, precision: str,
                             precision, rollout_engine)
     if cfg.plan:
         return cluster, load_plan(cfg.plan, cluster, workload)
-    return cluster, plan_search(cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan
+    found = plan_search(cluster, workload, "hybrid", seed=cfg.seed, time_limit_s=30).plan
+    return cluster, _lora_learners(cfg, found)
+
+
+def _lora_learners(cfg, plan: Plan) -> Plan:
+    """A LoRA run's searched plan with actor_train on ZeRO-1 (DDP-style learners, no offload): hetrl runs LoRA only
+    there, and the adapter's optimizer states are small; the planner prices full fine-tuning, whose ZeRO-3 it may
+    choose (a user's own plan with ZeRO-2/3 is refused by the executor instead)."""
+    if not cfg.lora_rank:
+        return plan
+    groups, changed = [], None
+    for g in plan.groups:
+        par = []
+        for t, p in g.parallelism:
+            if t == "actor_train" and (p.zero > 1 or p.offload != "none"):
+                changed = p
+                p = dataclasses.replace(p, zero=1, offload="none")
+            par.append((t, p))
+        groups.append(dataclasses.replace(g, parallelism=tuple(par)))
+    if changed is not None:
+        log.info("lora_rank=%d: actor_train runs ZeRO-1 without offload (the plan searched for full fine-tuning "
+                 "gave it zero %d, offload %s)", cfg.lora_rank, changed.zero, changed.offload)
+    return dataclasses.replace(plan, groups=tuple(groups))

@@ -658,6 +658,28 @@ def test_fsdp2_learners_with_lora_are_refused_in_one_line_before_ray_starts(tmp_
         RayEngine(cfg, model.config, tokenizer, 40, decide(cfg))
 
 
+def test_a_lora_runs_searched_plan_trains_on_zero_1(tmp_path, caplog):
+    """Without plan=, a LoRA run's plan is searched for full fine-tuning, which may give actor_train ZeRO-3 (on
+    cpu-local with SmolLM2 it did, and the run was refused as if the user's plan had asked for it): the searched
+    plan's actor_train runs ZeRO-1 without offload, said in the log; other tasks keep theirs."""
+    from hetrl.trainer.placement import _lora_learners
+
+    plan = json.loads(json.dumps(PLAN))
+    plan["groups"][1]["parallelism"]["actor_train"] |= {"zero": 3, "offload": "optimizer"}
+    cluster = load_cluster(CLUSTER)
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"emulate_cluster={CLUSTER}", "executor=ray", KL])
+    spec = model_spec_from_hf(load_model("tiny", seed=0)[0].config, "tiny")
+    searched = plan_from_dict(plan, cluster, run_workload(cfg, spec, TokenLengths(8, 8.0), "fp32"))
+    assert _lora_learners(cfg, searched) is searched
+    with caplog.at_level("INFO", logger="hetrl.trainer.placement"):
+        lora = _lora_learners(load_config(TINY, [f"out_dir={tmp_path}", f"emulate_cluster={CLUSTER}",
+                                                 "executor=ray", KL, "lora_rank=4"]), searched)
+    train = {t: p for g in lora.groups for t, p in g.parallelism}["actor_train"]
+    assert (train.zero, train.offload) == (1, "none") and "zero 3, offload optimizer" in caplog.text
+    assert [[t for t, _ in g.parallelism] for g in lora.groups] == [[t for t, _ in g.parallelism]
+                                                                    for g in searched.groups]
+
+
 def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(tmp_path):
     """run_workload prices what the run does: fp32 on a CPU (bf16 where bf16-mixed), its mini-batches as optimizer
     steps, and the old log-prob pass only for the groups after the first mini-batch (Ray or local) where the
