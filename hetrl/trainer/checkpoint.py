@@ -44,7 +44,13 @@ _TEMP = re.compile(r"\.step_\d{6}\..+")
 
 
 def resume_command(cfg) -> str:
-    """The command that continues the run of RunConfig `cfg` from its latest intact checkpoint."""
+    """The command that continues the run of RunConfig `cfg` from its latest intact checkpoint: from Python with
+    the same arguments where the run was given data, rewards or tools from Python (the command line has none)."""
+    from hetrl.trainer.config import from_python
+
+    passed = from_python(cfg)
+    if passed:
+        return f"hetrl.train(..., {', '.join(f'{a}=...' for a in passed)}, out_dir={cfg.out_dir!r}, resume=True)"
     return f"hetrl train --resume out_dir={cfg.out_dir}"
 
 

@@ -32,6 +32,18 @@ LR_SCHEDULES = ("constant", "linear", "cosine")   # transformers' get_scheduler 
 BUILTIN_REWARDS = ("verifier", "partial", "exact_match", "math_verify", "format")
 TASK_REWARDS = ("verifier", "partial")
 PYTHON = "<python>"   # data or a reward passed to hetrl.train() from Python, not by a path
+
+
+def from_python(cfg) -> list[str]:
+    """hetrl.train's arguments a run was given from Python (its config records them as `<python>`): a resume has
+    to pass them again, from Python."""
+    def has(value) -> bool:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return any(isinstance(v, str) and v.startswith(PYTHON) for v in items)
+
+    return [arg for field, arg in (("data", "train_dataset"), ("eval_data", "eval_dataset"), ("reward", "reward_funcs"),
+                                   ("tools", "tools"), ("environment", "environment_factory"))
+            if has(getattr(cfg, field))]
 REPORT_TO = ("none", "tensorboard", "wandb")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("float32", "bfloat16", "float64")

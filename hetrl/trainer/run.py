@@ -29,7 +29,7 @@ from hetrl.models import load_model
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, memory, vllm_engine
 from hetrl.trainer.checkpoint import resume_command
-from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, load_config
+from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, from_python, load_config
 from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.precision import decide, driver_device
@@ -62,6 +62,12 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
     if any(getattr(cfg, k) != v for k, v in changes.items()):
         cfg = dataclasses.replace(cfg, **changes)
     run_dir = pathlib.Path(cfg.out_dir)
+    missing = [a for a, given in zip(("train_dataset", "eval_dataset", "reward_funcs", "tools", "environment_factory"),
+                                     (train_dataset, eval_dataset, reward_funcs, tools, environment_factory))
+               if given is None and a in from_python(cfg)]
+    if resume and missing:   # before anything loads: a reward recorded as <python>:NAME cannot be imported
+        raise InputError(f"this run was given {', '.join(missing)} from Python; resume it from Python with the same: "
+                         f"hetrl.train(..., {', '.join(f'{a}=...' for a in missing)}, resume=True)")
     if resume and not run_dir.is_dir():   # before prepare_out_dir would create it
         raise InputError(f"--resume: {run_dir} does not exist, so there is no run to resume; check out_dir=..., or "
                          "start a new run without --resume")

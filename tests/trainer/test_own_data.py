@@ -108,7 +108,7 @@ def test_answer_key_reaches_nested_ground_truth_for_the_builtin_checks(tmp_path)
     assert rewards.score(rows, [r["prompt"] for r in rows], ["so 2", "4"]).total == [1.0, 0.0]
 
 
-def test_two_weighted_rewards_with_a_none_from_python(tmp_path):
+def test_two_weighted_rewards_with_a_none_from_python(tmp_path, capsys):
     seen = []
 
     def first(completions, level, **kwargs):
@@ -128,8 +128,17 @@ def test_two_weighted_rewards_with_a_none_from_python(tmp_path):
         assert e["reward"] == (4.0 if e["rewards"]["first"] is not None else 2.0)
     config = (out / "run_config.yaml").read_text()
     assert "data: <python>" in config and "<python>:first" in config
-    # the CLI cannot resume (to train further) a run whose data came from Python: it says how
+    # the CLI cannot resume (to train further) a run whose data and rewards came from Python: it says how, before
+    # anything loads (the reward recorded as <python>:first was imported first and failed as a module name)
+    capsys.readouterr()
     assert main(["train", "--resume", f"out_dir={out}", "steps=3"]) == 2
+    assert "this run was given train_dataset, reward_funcs from Python; resume it from Python with the same: " \
+           "hetrl.train(..., train_dataset=..., reward_funcs=..., resume=True)" in capsys.readouterr().err
+    from hetrl.trainer.checkpoint import resume_command
+    from hetrl.trainer.config import load_config
+
+    assert resume_command(load_config(str(out / "run_config.yaml"))) == \
+        f"hetrl.train(..., train_dataset=..., reward_funcs=..., out_dir={str(out)!r}, resume=True)"
 
 
 def test_the_held_out_split_is_never_trained_on_across_epochs():
