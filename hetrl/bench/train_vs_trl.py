@@ -269,7 +269,7 @@ def run_trl(case: Case, seed: int, steps: int, work: pathlib.Path, dualkv: bool,
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    source = build_source(cfg, tokenizer, rows, evals)
+    source = build_source(cfg, tokenizer, rows, evals, model.config)
     rewards = build_rewards(cfg, source)
     examples, _, _ = source.train_examples(0, steps * cfg.prompts_per_step)   # hetrl's prompts, in hetrl's order
     by_index = [e.row for e in examples]

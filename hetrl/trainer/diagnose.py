@@ -53,7 +53,7 @@ def mismatch(config: str | None, overrides: list[str] = (), out: str | pathlib.P
     model, tokenizer = load_policy(cfg, device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
     exact_model = float64_norms(copy.deepcopy(model).double().eval())
-    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer)
+    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, model_config=model.config)
     examples, _, _ = source.train_examples(0, prompts or cfg.prompts_per_step)
     engine = make_engine(cfg, model, tokenizer, max(len(e.prompt_ids) for e in examples), precision, agent,
                          rollout_engine=engine_name)

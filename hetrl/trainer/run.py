@@ -121,7 +121,8 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
     train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
     model, tokenizer = load_policy(cfg, device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
-    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset)
+    source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset,
+                          model.config)
     rewards = build_rewards(cfg, source, reward_funcs, agent)
     if agent is not None:
         tqdm.write(f"tools: {', '.join(s['function']['name'] for s in agent.schemas)}; chat template: "
@@ -267,13 +268,36 @@ def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: path
                          f"{', '.join(rewards.names)}; pass the same reward functions")
 
 
-def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=None) -> Source:
-    """The run's prompts: the user's rows (`data=` or a dataset from Python) or the reasoning-gym task."""
+def prompt_cap(cfg: RunConfig, model_config) -> int:
+    """The longest prompt the run keeps: max_prompt_tokens, or less where the model's context
+    (max_position_embeddings) minus the longest reply (max_new_tokens, eval_max_new_tokens) is less, said in the
+    log; refused where a reply alone fills the context (past it a model's positions are not ones it was trained on,
+    and the replies are garbage without an error)."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(context, int) or context <= 0:
+        return cfg.max_prompt_tokens
+    knob, reply = max((("max_new_tokens", cfg.max_new_tokens), ("eval_max_new_tokens", cfg.eval_max_new_tokens)),
+                      key=lambda kv: kv[1])
+    if reply >= context:
+        raise InputError(f"{knob}={reply} fills model {cfg.model}'s context of {context} tokens "
+                         f"(max_position_embeddings) and leaves no room for a prompt; use less than {context}")
+    if context - reply < cfg.max_prompt_tokens:
+        log.warning("model %s's context is %d tokens and replies take up to %d (%s): prompts longer than %d tokens "
+                    "are skipped as too long (max_prompt_tokens=%d asks for more)", cfg.model, context, reply, knob,
+                    context - reply, cfg.max_prompt_tokens)
+        return context - reply
+    return cfg.max_prompt_tokens
+
+
+def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=None, model_config=None) -> Source:
+    """The run's prompts: the user's rows (`data=` or a dataset from Python) or the reasoning-gym task; prompts
+    longer than `prompt_cap` (max_prompt_tokens within the model's context) are skipped and counted."""
+    cap = prompt_cap(cfg, model_config)
     if cfg.data is None and eval_dataset is not None:
         raise InputError("eval_dataset is the held-out part of train_dataset; pass train_dataset too")
     check_plain_text(tokenizer, prompt_suffix=cfg.prompt_suffix, response_prefix=cfg.response_prefix)
     if cfg.data is None:
-        return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cfg.max_prompt_tokens,
+        return TaskSource(cfg.task, cfg.task_config, cfg.seed, cfg.eval_size, tokenizer, cap,
                           cfg.prompt_suffix, cfg.response_prefix)
     if cfg.data == PYTHON and train_dataset is None:
         raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
@@ -284,7 +308,7 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
         raise InputError("this run's eval data was passed from Python; pass it again: "
                          "hetrl.train(..., eval_dataset=...)")
     return RowSource(data, evals, eval_size=cfg.eval_size, seed=cfg.seed, tokenizer=tokenizer,
-                     prompt_key=cfg.prompt_key, max_prompt_tokens=cfg.max_prompt_tokens,
+                     prompt_key=cfg.prompt_key, max_prompt_tokens=cap,
                      prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data,
                      response_prefix=cfg.response_prefix)
 

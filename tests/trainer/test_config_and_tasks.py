@@ -168,3 +168,21 @@ def test_config_models_are_the_real_architectures_with_random_weights(tmp_path):
     run = tmp_path / "run.yaml"
     run.write_text("model: config:llama-9b\n")
     assert main(["validate", str(run)]) == 2
+
+
+def test_prompts_are_kept_within_the_models_context(caplog):
+    """max_prompt_tokens + the longest reply past the model's max_position_embeddings: prompts are capped at the
+    context minus the reply (said in the log), and a reply that fills the context is refused (both went through
+    silently, the positions past the context being ones the model never saw)."""
+    from types import SimpleNamespace
+
+    from hetrl.trainer.run import prompt_cap
+
+    model = SimpleNamespace(max_position_embeddings=2048)
+    assert prompt_cap(RunConfig(max_prompt_tokens=512), model) == 512
+    assert prompt_cap(RunConfig(max_prompt_tokens=512), SimpleNamespace()) == 512   # a model that does not say
+    with caplog.at_level("WARNING", logger="hetrl.trainer.run"):
+        assert prompt_cap(RunConfig(max_prompt_tokens=4096, max_new_tokens=48), model) == 2000
+    assert "prompts longer than 2000 tokens are skipped as too long (max_prompt_tokens=4096" in caplog.text
+    with pytest.raises(ValueError, match=r"eval_max_new_tokens=5000 fills model .*context of 2048 tokens"):
+        prompt_cap(RunConfig(eval_max_new_tokens=5000), model)
