@@ -16,6 +16,7 @@ inspection, and the fallback is said.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -135,23 +136,42 @@ def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: d
     _clean_stale_temps(root, {p.name for p in staged.values()})
     name = f"step_{step:06d}"
     tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))   # fresh and exclusive
-    hf_logging.disable_progress_bar()  # a bar per checkpoint would bury the training bar
     try:
-        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": gathered[0]} if gathered else {}))
-    finally:
-        hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(tmp)
-    files.write_text(tmp / CONFIG, yaml.safe_dump(config, sort_keys=False))
-    with open(tmp / STATE, "xb") as f:
-        torch.save({"step": step, "optimizer": gathered[1] if gathered else optimizer.state_dict(),
-                    "rng": _rng_state(), **extra}, f)
-    for fname, p in staged.items():
-        os.replace(p, tmp / fname)
-    _write_manifest(tmp, step)
+        hf_logging.disable_progress_bar()  # a bar per checkpoint would bury the training bar
+        try:
+            model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": gathered[0]} if gathered else {}))
+        finally:
+            hf_logging.enable_progress_bar()
+        tokenizer.save_pretrained(tmp)
+        files.write_text(tmp / CONFIG, yaml.safe_dump(config, sort_keys=False))
+        with open(tmp / STATE, "xb") as f:
+            torch.save({"step": step, "optimizer": gathered[1] if gathered else optimizer.state_dict(),
+                        "rng": _rng_state(), **extra}, f)
+        for fname, p in staged.items():
+            os.replace(p, tmp / fname)
+        _write_manifest(tmp, step)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)   # a half-written checkpoint would hold the space it ran out of
+        if _out_of_space(e):
+            raise OSError(errno.ENOSPC, f"no space left on the device writing checkpoint {name} (the earlier "
+                          "checkpoints are intact); free space and resume the run with --resume", str(root)) from e
+        raise
     final = _put_in_place(tmp, root / name)
     files.write_text(root / "latest", name + "\n")
     _remove_replaced(root, name)
     return final
+
+
+def _out_of_space(e: BaseException | None) -> bool:
+    """Whether `e` or what it was raised from is a full disk or quota (torch.save reports one as a RuntimeError
+    raised while handling the OSError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _put_in_place(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path:
