@@ -15,6 +15,10 @@ from hetrl.schema import InputError
 
 def _bench_demo(args) -> int:
     from hetrl.bench import dualkv
+    from hetrl.planner.report import check_output_path
+
+    if args.out:
+        check_output_path(args.out, "--out", "demo.json")   # before the model loads, not after the run
 
     cfg = (dualkv.DemoConfig(responses=8, max_new_tokens=32, repeats=3, few_shot=4, seed=args.seed) if args.quick
            else dualkv.DemoConfig(responses=16, max_new_tokens=48, repeats=5, seed=args.seed))
@@ -47,6 +51,10 @@ def _bench_tree(args) -> int:
     from hetrl.bench import tree
     from hetrl.bench.harness import write_results
 
+    if args.out:
+        from hetrl.planner.report import check_output_dir
+
+        check_output_dir(args.out)
     result = tree.run(args.quick, args.repeats, memory=not args.no_memory, max_leaves=args.max_leaves)
     text = tree.markdown(result)
     print(text)
@@ -57,6 +65,10 @@ def _bench_tree(args) -> int:
 
 
 def _bench_dualkv(args) -> int:
+    if args.out:
+        from hetrl.planner.report import check_output_dir
+
+        check_output_dir(args.out)
     if args.layer:
         from hetrl.bench import dualkv_layer
 
@@ -212,6 +224,15 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _device(text: str) -> str:
+    """argparse type of a torch device the benchmarks take: cpu, cuda or cuda:N."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
@@ -344,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one decoder layer, forward + backward, DualKV vs packed (varlen) and prefix-grouper in the "
                          "DualKV paper's "
                          "Table 2 setup (P 5K-32K, mb 4-32, R ~ U(131, 2048)); tiny: small sizes for CPU")
-    dk.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (the layer benchmark; bf16 on CUDA)")
+    dk.add_argument("--device", default="cpu", type=_device,
+                    help="cpu | cuda | cuda:N (the layer benchmark; bf16 on CUDA)")
     dk.add_argument("--checkpointing", action="store_true",
                     help="the layer benchmark also times DualKV with activation checkpointing (its peak memory on "
                     "CUDA)")

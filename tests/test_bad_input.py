@@ -300,6 +300,26 @@ def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
     assert "expected a whole number >= 1" in capsys.readouterr().err
 
 
+def test_bench_outputs_and_options_are_checked_before_anything_runs(tmp_path, capsys):
+    """--out below a file (bench demo ran 5 minutes, then named its .tmp file), a folder --out that is a file ('File
+    exists'), --device gpu (a torch traceback), and --set of what the benchmark sets per run (steps=2 ran 16 steps)
+    or of a key that does not exist: one line each, exit 2, nothing run."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    one_line_error(capsys, main(["bench", "demo", "--quick", "--out", f"{afile}/x.json"]),
+                   f"--out {afile}/x.json: {afile} is a file, not a folder")
+    one_line_error(capsys, main(["bench", "dualkv", "--quick", "--out", str(afile)]),
+                   f"--out {afile}: {afile} is a file; --out names a folder")
+    one_line_error(capsys, main(["bench", "tree", "--quick", "--out", f"{afile}/d"]), f"{afile} is a file")
+    one_line_error(capsys, main(["bench", "train", "--set", "model=tiny", "steps=2", "--out", str(tmp_path)]),
+                   "--set steps=2: the benchmark sets steps for each run; use --steps N")
+    one_line_error(capsys, main(["bench", "train", "--set", "stpes=2", "--out", str(tmp_path)]),
+                   "--set: unknown config key(s) ['stpes'] (did you mean 'steps'?)")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "dualkv", "--layer", "tiny", "--device", "gpu"])
+    assert exc.value.code == 2 and "expected cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+
+
 def test_a_task_config_typo_is_refused_up_front_with_the_option_meant(tmp_path, capsys):
     run = _write(tmp_path, "run.yaml", {"model": "tiny", "task_config": {"max_digitz": 3}, "out_dir": str(tmp_path)})
     one_line_error(capsys, main(["validate", run]), "unknown option(s) ['max_digitz']", "did you mean 'max_digits'")

@@ -524,6 +524,18 @@ def main(cases: list[str], systems: list[str], seeds: list[int], steps: int | No
     for c in cases:
         if c not in CASES:
             raise ValueError(f"--case: {c!r} is not one of {', '.join(CASES)}")
+    for o in overrides:   # the benchmark sets these per run; --set's would be overridden (they were, silently)
+        key = o.partition("=")[0]
+        if key in ("steps", "seed", "out_dir"):
+            flag = {"steps": "--steps N", "seed": "--seeds S [S ...]", "out_dir": "--work DIR"}[key]
+            raise ValueError(f"--set {o}: the benchmark sets {key} for each run; use {flag}")
+    if overrides:
+        from hetrl.trainer.config import load_config
+
+        try:   # a bad key or value, before any run
+            load_config(None, [BENCH_PRECISION, *overrides])
+        except ValueError as e:
+            raise ValueError(f"--set: {str(e).removeprefix('the command line: ')}") from None
     out.mkdir(parents=True, exist_ok=True)
     store = out / f"{RESULTS}.jsonl"
     records = read_records(out)

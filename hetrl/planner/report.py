@@ -114,17 +114,35 @@ def plan_report(cluster_path: str, workload_path: str, method: str = "hybrid", *
     return report
 
 
-def check_output_path(path: str, flag: str = "--out") -> None:
+def check_output_path(path: str, flag: str = "--out", example: str | None = None) -> None:
     """Refuse an output file (`flag`: --out or --png) that cannot be written (a directory, a missing or read-only
-    folder) before any search."""
+    folder, a file where a folder should be) before any search or run; `example`: a file name for the hint."""
     folder = os.path.dirname(os.path.abspath(path))
-    example = "plan.png" if flag == "--png" else "plan.json"
+    example = example or ("plan.png" if flag == "--png" else "plan.json")
+    below = next((p for p in _parents(folder) if os.path.lexists(p) and not os.path.isdir(p)), None)
+    if below is not None:
+        raise InputError(f"{flag} {path}: {below} is a file, not a folder")
     if os.path.isdir(path):
         raise InputError(f"{flag} {path} is a directory; give a file name, e.g. {os.path.join(path, example)}")
     if not os.path.isdir(folder):
         raise InputError(f"{flag} {path}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: the folder {folder} is not writable by this user")
+
+
+def _parents(folder: str) -> list[str]:
+    """`folder` and the folders above it, outermost first."""
+    out = [folder]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out[::-1]
+
+
+def check_output_dir(path: str, flag: str = "--out") -> None:
+    """Refuse an output folder that is a file, or lies below one, before a benchmark runs."""
+    below = next((p for p in _parents(os.path.abspath(path)) if os.path.lexists(p) and not os.path.isdir(p)), None)
+    if below is not None:
+        raise InputError(f"{flag} {path}: {below} is a file; {flag} names a folder for the results")
 
 
 def write_json(report: dict, path: str) -> None:
