@@ -363,9 +363,10 @@ def reward_list(reward_funcs) -> list:
 
 
 def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_funcs, tools=None,
-                  environment_factory=None) -> dict:
+                  environment_factory=None, cfg_reward=None) -> dict:
     """The config fields recorded for data, rewards, tools or an environment given from Python: `<python>` where no
-    path names them."""
+    path names them. `cfg_reward`: a reward given in the same call (hetrl.train's reward=), refused beside
+    reward_funcs (a config file's reward is what reward_funcs stands in for)."""
     changes = {}
     if tools is not None:
         changes["tools"] = tuple(f"{PYTHON}:{getattr(t, '__name__', type(t).__name__)}" for t in tools)
@@ -386,4 +387,8 @@ def python_fields(cfg_data, cfg_eval_data, train_dataset, eval_dataset, reward_f
             raise InputError("reward_funcs is empty; give at least one reward function")
         changes["reward"] = tuple(f if isinstance(f, str) else f"{PYTHON}:{getattr(f, '__name__', type(f).__name__)}"
                                   for f in reward_funcs)
+        said = (cfg_reward,) if isinstance(cfg_reward, str) else tuple(cfg_reward or ())
+        if said and said != changes["reward"]:
+            raise InputError(f"give the reward once: reward={', '.join(said)} and reward_funcs from Python; "
+                             "reward_funcs takes names and FILE.py:NAME specs too")
     return changes

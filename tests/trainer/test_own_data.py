@@ -368,3 +368,16 @@ def test_an_unknown_keyword_of_hetrl_train_gets_the_command_lines_message(tmp_pa
     with pytest.raises(hetrl.schema.InputError, match="unknown config key"):
         hetrl.train({"model": "tiny", "lerning_rate": 1.0}, out_dir=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_given_in_the_config_and_from_python_is_refused(tmp_path):
+    """hetrl.train(reward=exact_match, reward_funcs=[f]) ran f alone without a word (data given both ways was
+    refused); a config file's reward is what reward_funcs stands in for (TINY's partial, above)."""
+    def f(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"give the reward once: reward=exact_match and reward_funcs from Python"):
+        hetrl.train(TINY, reward="exact_match", reward_funcs=[f], out_dir=str(tmp_path / "r"))
+    with pytest.raises(ValueError, match=r"give the data once: data=x.jsonl in the config and train_dataset"):
+        hetrl.train(TINY, data="x.jsonl", train_dataset=_chat_rows(), out_dir=str(tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
