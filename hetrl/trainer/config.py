@@ -421,6 +421,13 @@ class RunConfig:
                              "processes; set reward_workers=0")
 
     def _check_branches(self) -> None:
+        unused = [f"{k}={getattr(self, k)}" for k, default in (("max_tool_calls", 4), ("tool_timeout_s", 10.0),
+                                                                ("tool_isolation", "process"))
+                  if getattr(self, k) != default]
+        if unused and not self.multi_turn:
+            raise ValueError(f"{', '.join(unused)} shape{'s' if len(unused) == 1 else ''} tool calls, and the run has "
+                             "no tools: give tools=FILE.py:NAME or environment=FILE.py:Class, or leave "
+                             f"{'it' if len(unused) == 1 else 'them'} out")
         if self.branches > 1 and not self.multi_turn:
             raise ValueError(f"branches={self.branches} forks an episode after a tool result; it needs "
                              "tools=FILE.py:NAME or environment=FILE.py:Class (or use branches=1)")

@@ -186,3 +186,13 @@ def test_prompts_are_kept_within_the_models_context(caplog):
     assert "prompts longer than 2000 tokens are skipped as too long (max_prompt_tokens=4096" in caplog.text
     with pytest.raises(ValueError, match=r"eval_max_new_tokens=5000 fills model .*context of 2048 tokens"):
         prompt_cap(RunConfig(eval_max_new_tokens=5000), model)
+
+
+def test_tool_knobs_without_tools_are_refused():
+    """max_tool_calls, tool_timeout_s and tool_isolation set on a run without tools did nothing, silently (branches
+    without tools was refused)."""
+    with pytest.raises(ValueError, match=r"max_tool_calls=7 shapes tool calls, and the run has no tools"):
+        load_config(None, ["max_tool_calls=7"])
+    with pytest.raises(ValueError, match=r"tool_timeout_s=3.0, tool_isolation=thread shape tool calls"):
+        RunConfig(tool_timeout_s=3, tool_isolation="thread")
+    assert RunConfig(tools="x.py:f", max_tool_calls=7).max_tool_calls == 7
