@@ -8,7 +8,8 @@ node-major inside a group (TP groups fill a node before spanning two).
 
 Given (1) and (2), `configure` picks (3) deterministically: each task's fastest option, then more
 sharding for the task holding the most memory until the group fits, then that fit improved one task at a
-time while a change shortens the group's own seconds (trading a task's speed for generation's KV cache).
+time while a change shortens the group's own seconds (trading a task's speed for generation's KV cache; a
+faster option that does not fit is made to fit by sharding the others further, as the first fit does).
 Everything about a group's
 own time and memory depends only on (tasks, counts); what crosses groups (sample transfer, weight
 sync) depends only on each group's `Signature` (its regions and network speed). Exhaustive search,
@@ -233,6 +234,11 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
         if floor >= best_s * BETTER:
             continue
         found = _configure(cluster, w, tasks, counts, gpus, data_split, swap, ranked)
+        if found is not None and swap:
+            # swapping only adds seconds: where the options swap found fit without it, improve from there unswapped
+            # (the ladder pass's own search can end elsewhere)
+            found = min((f for f in (found, _configure(cluster, w, tasks, counts, gpus, data_split, False, ranked,
+                                                       dict(found.parallelism))) if f is not None), key=group_seconds)
         if found is not None and (s := group_seconds(found)) < best_s * BETTER:
             best, best_s = found, s
         if best is not None and sum(x for _, x in best.seconds) <= floor / BETTER:
@@ -290,12 +296,16 @@ def _frontier(task: str, ranked) -> list[tuple[Parallelism, float, float]]:
     return out
 
 
-def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict) -> GroupConfig | None:
-    """A first fit (each task's fastest option, then more sharding for the task holding the most memory until
-    the group fits), then improved one task at a time over the options that trade seconds for memory until no
-    single change shortens `group_seconds`. A change is tried only while the tasks' seconds alone with it stay
+def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict,
+               start: dict | None = None) -> GroupConfig | None:
+    """A first fit (each task's fastest option, then more sharding for the task holding the most memory, or the
+    next heaviest where it can shard no further, until the group fits), then improved one task at a time over the
+    options that trade seconds for memory until no change shortens `group_seconds`; a change that does not fit
+    is made to fit by sharding the other tasks further in the same way (`make_room`: one task's speed paid for by
+    the memory of any number of others). A change is tried only while the tasks' seconds alone with it stay
     under the best (options come fastest first, so the first that does not ends that task's turn). `ranked`:
-    each task's options by `_ranked` for the pass (none empty)."""
+    each task's options by `_ranked` for the pass (none empty); `start`: options to improve from instead of the
+    first fit (None when they do not fit)."""
     seen: dict[tuple, GroupConfig | None] = {}
 
     def evaluate(choice: dict) -> GroupConfig | None:   # a sweep meets the configurations of the last one again
@@ -305,23 +315,48 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
         return seen[key]
 
     index = dict.fromkeys(tasks, 0)
-    found = None
-    for _ in range(sum(len(r) for r in ranked.values()) + 1):
+    found = None if start is None else evaluate(start)
+    for _ in range(0 if start else sum(len(r) for r in ranked.values()) + 1):
         found = evaluate({t: ranked[t][index[t]][0] for t in tasks})
         if found is not None:
             break
-        # shard the task holding the most memory further (next option with a smaller per-GPU share)
-        heavy = max(tasks, key=lambda t: ranked[t][index[t]][2])
-        cur = ranked[heavy][index[heavy]][2]
-        nxt = next((i for i in range(index[heavy] + 1, len(ranked[heavy])) if ranked[heavy][i][2] < cur), None)
-        if nxt is None:
+        # shard the task holding the most memory further (its next option with a smaller per-GPU share); when it
+        # has none, the next heaviest that has one
+        for heavy in sorted(tasks, key=lambda t: -ranked[t][index[t]][2]):
+            cur = ranked[heavy][index[heavy]][2]
+            nxt = next((i for i in range(index[heavy] + 1, len(ranked[heavy])) if ranked[heavy][i][2] < cur), None)
+            if nxt is not None:
+                index[heavy] = nxt
+                break
+        else:
             return None
-        index[heavy] = nxt
     if found is None:
         return None
     alone = {t: {p: s for p, s, _ in r} for t, r in ranked.items()}
+    position = {t: {p: i for i, (p, _, _) in enumerate(r)} for t, r in ranked.items()}
     choice, best = dict(found.parallelism), group_seconds(found)
     candidates = {t: _frontier(t, ranked[t]) for t in tasks}
+
+    def make_room(trial: dict, keep: str) -> tuple[dict, GroupConfig | None]:
+        """`trial` made to fit as the first fit does (the others holding the most memory sharded further, `keep`
+        as it is), while the tasks' seconds alone stay under the best: one task's speed paid for by the memory of
+        any number of others."""
+        for _ in range(sum(len(r) for r in ranked.values())):
+            for heavy in sorted((u for u in tasks if u != keep), key=lambda u: -ranked[u][position[u][trial[u]]][2]):
+                i = position[heavy][trial[heavy]]
+                nxt = next((j for j in range(i + 1, len(ranked[heavy])) if ranked[heavy][j][2] < ranked[heavy][i][2]),
+                           None)
+                if nxt is not None:
+                    trial = {**trial, heavy: ranked[heavy][nxt][0]}
+                    break
+            else:
+                return trial, None
+            if sum(alone[u][trial[u]] for u in tasks) >= best * BETTER:
+                return trial, None
+            if (cfg := evaluate(trial)) is not None:
+                return trial, cfg
+        return trial, None
+
     improved = True
     while improved:
         improved = False
@@ -332,10 +367,33 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
                     break
                 if p == choice[t]:
                     continue
-                cfg = evaluate({**choice, t: p})
+                trial = {**choice, t: p}
+                cfg = evaluate(trial)
+                if cfg is None:
+                    trial, cfg = make_room(trial, t)
                 if cfg is not None and (secs := group_seconds(cfg)) < best * BETTER:
-                    found, best, choice, improved = cfg, secs, {**choice, t: p}, True
+                    found, best, choice, improved = cfg, secs, trial, True
+                    rest = sum(alone[u][choice[u]] for u in tasks if u != t)
     return found
+
+
+def every_configuration(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...],
+                        counts: tuple[int, ...]) -> GroupConfig | None:
+    """The oracle for `configure`: every option of every task in every pass (resident; the memory ladder; swap),
+    each combination priced whole; the one with the shortest group_seconds (None when none fits). Exponential in
+    the tasks: for tests and studies of small groups, not for the search."""
+    gpus = gpu_ids(cluster, counts)
+    phases = {next(i for i, ph in enumerate(PHASES) if t in ph) for t in tasks}
+    best, best_s = None, math.inf
+    for strategies, swap in ((False, False), (True, False), (True, True)):
+        if swap and len(phases) < 2:
+            break
+        options = [[p for p, _, _ in _ranked(cluster, w, t, gpus, "by_speed", strategies)] for t in tasks]
+        for combo in itertools.product(*options):
+            cfg = _evaluate(cluster, w, tasks, counts, gpus, "by_speed", swap, dict(zip(tasks, combo)))
+            if cfg is not None and group_seconds(cfg) < best_s:
+                best, best_s = cfg, group_seconds(cfg)
+    return best
 
 
 # ------------------------------------------------------------------------------------------ plans
