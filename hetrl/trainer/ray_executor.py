@@ -682,9 +682,10 @@ def ray_temp_dir(cfg: RunConfig) -> str:
                          f"sockets under it (at most {UNIX_SOCKET_PATH_CHARS - RAY_SOCKET_SUFFIX_CHARS}); give a "
                          "shorter path")
     short = tempfile.mkdtemp(prefix="hetrl-ray-")
-    tqdm.write(f"ray: out_dir's path is too long for Ray's unix sockets ({len(str(path))} > "
-               f"{UNIX_SOCKET_PATH_CHARS - RAY_SOCKET_SUFFIX_CHARS} characters); Ray's session files are in {short} "
-               "(set ray_temp_dir=PATH to choose)")
+    tqdm.write(f"ray: Ray's session files would go to {path} ({len(str(path))} characters), too long for the unix "
+               f"sockets Ray makes under it (a socket path holds at most {UNIX_SOCKET_PATH_CHARS} characters, "
+               f"{RAY_SOCKET_SUFFIX_CHARS} of them Ray's own); they are in {short} instead (ray_temp_dir=PATH "
+               "chooses)")
     return short
 
 
