@@ -280,7 +280,10 @@ class RunConfig:
         if self.executor == "local":
             given = [k for k in ("plan", "cluster", "emulate_cluster") if getattr(self, k) is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} place roles on Ray and need executor=ray")
+                one = len(given) == 1
+                raise ValueError(f"{', '.join(given)} place{'s' if one else ''} the run's roles on Ray and "
+                                 f"need{'s' if one else ''} executor=ray; for a local run leave "
+                                 f"{'it' if one else 'them'} out ({' '.join(f'{k}=null' for k in given)})")
             if self.weight_sync != "auto":
                 raise ValueError(f"weight_sync={self.weight_sync} is how Ray's rollout actors get the weights; the "
                                  "local executor loads them in-process: leave weight_sync=auto or use executor=ray")

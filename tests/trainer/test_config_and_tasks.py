@@ -196,3 +196,12 @@ def test_tool_knobs_without_tools_are_refused():
     with pytest.raises(ValueError, match=r"tool_timeout_s=3.0, tool_isolation=thread shape tool calls"):
         RunConfig(tool_timeout_s=3, tool_isolation="thread")
     assert RunConfig(tools="x.py:f", max_tool_calls=7).max_tool_calls == 7
+
+
+def test_ray_fields_on_a_local_run_say_how_to_leave_them_out():
+    """A Ray run resumed with executor=local keeps its run_config's emulate_cluster: the refusal says =null."""
+    with pytest.raises(ValueError, match=r"emulate_cluster places the run's roles on Ray and needs executor=ray; "
+                                         r"for a local run leave it out \(emulate_cluster=null\)"):
+        load_config(None, ["emulate_cluster=examples/clusters/cpu-2x2.yaml"])
+    with pytest.raises(ValueError, match=r"plan, emulate_cluster place .* \(plan=null emulate_cluster=null\)"):
+        RunConfig(plan="p.json", emulate_cluster="c.yaml")
