@@ -29,6 +29,9 @@ def _decode(raw: bytes, where: str) -> str:
                          "as UTF-8") from None
 
 
+BOM = b"\xef\xbb\xbf"
+
+
 def _lines(path: pathlib.Path, what: str):
     """(line number, text) of each line, UTF-8 checked; at most MAX_LINE_BYTES of a line is ever held."""
     with open(path, "rb") as f:
@@ -37,6 +40,8 @@ def _lines(path: pathlib.Path, what: str):
                 raise InputError(f"{what}={path}: line {n} is longer than {MAX_LINE_BYTES // 2**20} MiB "
                                  "(hetrl.data.checks.MAX_LINE_BYTES); a prompt that long cannot be trained on: "
                                  "split or drop that row")
+            if n == 1:
+                raw = raw.removeprefix(BOM)   # Windows editors' UTF-8 byte-order mark, as utf-8-sig reads it
             yield n, _decode(raw, f"{what}={path}: line {n}")
 
 
@@ -62,7 +67,7 @@ def read_json(path: pathlib.Path, what: str) -> list[dict]:
     if path.stat().st_size > MAX_JSON_BYTES:
         raise InputError(f"{what}={path}: a {path.stat().st_size / 2**30:.1f} GiB JSON document; write it as JSON "
                          "lines (.jsonl), which are read a line at a time")
-    text = _decode(path.read_bytes(), f"{what}={path}")
+    text = _decode(path.read_bytes().removeprefix(BOM), f"{what}={path}")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -85,7 +90,7 @@ def read_csv(path: pathlib.Path, what: str) -> list[dict]:
     for _ in _lines(path, what):      # the encoding and line lengths first, named by line number
         pass
     with open(path, "rb") as f:
-        encoding = "utf-8-sig" if f.read(3) == b"\xef\xbb\xbf" else "utf-8"
+        encoding = "utf-8-sig" if f.read(3) == BOM else "utf-8"
     csv.field_size_limit(MAX_LINE_BYTES)
     rows = []
     try:

@@ -56,6 +56,11 @@ def test_values_are_kept_as_written(tmp_path):
     assert load_rows(str(tmp_path / "d.json")) == rows
     (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in rows))    # JSON lines in .json
     assert load_rows(str(tmp_path / "lines.json")) == rows
+    # a UTF-8 byte-order mark (Windows editors write one) is read past, as in CSV (JSON said "Unexpected UTF-8 BOM")
+    for name, text in (("bom.jsonl", "".join(json.dumps(r) + "\n" for r in rows)), ("bom.json", json.dumps(rows)),
+                       ("bom.csv", "prompt,code\na,007\n")):
+        (tmp_path / name).write_bytes("\ufeff".encode() + text.encode())
+        assert load_rows(str(tmp_path / name))[0]["prompt"] == "a", name
 
 
 def test_empty_prompts_are_named_by_file_row_and_column(tmp_path):
