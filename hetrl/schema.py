@@ -282,6 +282,19 @@ class _OneValuePerKey(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML parse error as a reader wants it: the line and column, the problem, and where the construct it is
+    in started (PyYAML's own text names the input '<unicode string>' and quotes it over several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(e).split())
+    said = f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+    start = getattr(e, "context_mark", None)
+    if e.context and start is not None:
+        said += f" ({e.context} at line {start.line + 1}, column {start.column + 1})"
+    return said
+
+
 def read_yaml(path: str, what: str = "file") -> dict:
     """A YAML mapping from `path`, with the file named in every error; a key given twice in a mapping is an
     error, not the last one kept."""
@@ -291,7 +304,7 @@ def read_yaml(path: str, what: str = "file") -> dict:
     except _KeyTwice as e:
         raise InputError(f"{path}: {e}", located=True) from None
     except yaml.YAMLError as e:
-        raise InputError(f"{path} is not valid YAML: {e}", located=True) from None
+        raise InputError(f"{path} is not valid YAML: {yaml_problem(e)}", located=True) from None
     if data is None:
         data = {}
     bounded(data, path)

@@ -53,7 +53,8 @@ CLUSTER_CASES = [
     ("unknown-gpu", _cluster(gpu="B300"), ["unknown GPU type 'B300'"]),
     ("nodes-map", {"name": "x", "nodes": {"a": 1}}, ["nodes must be a list"]),
     ("not-a-mapping", "- a\n- b\n", ["must be a mapping"]),
-    ("invalid-yaml", "name: [unclosed\n", ["is not valid YAML"]),
+    ("invalid-yaml", "name: [unclosed\n", ["is not valid YAML: line 2, column 1: expected ',' or ']', but got "
+                                           "'<stream end>' (while parsing a flow sequence at line 1, column 7)"]),
     ("alias-bomb", ALIAS_BOMB, ["expands to more than 1,000,000 values"]),
     ("name-not-text", {**_cluster(), "name": ["a", "b"]}, ["name must be a string"]),
 ]
