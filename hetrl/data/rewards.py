@@ -125,7 +125,8 @@ def _same_answer(got: str, gold: str) -> bool:
 def load_reward(spec: str) -> Callable:
     """The function a spec names: `path/to/file.py:NAME` or `package.module:NAME`."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise InputError(f"reward {spec!r}: expected FILE.py:NAME or package.module:NAME")
+        raise InputError(f"reward {spec!r}: expected a built-in name, FILE.py:NAME or package.module:NAME"
+                         + (" (or, from Python, a callable)" if not isinstance(spec, str) else ""))
     return lookup(load_module(spec, "reward"), spec, spec.rsplit(":", 1)[1], "reward")
 
 

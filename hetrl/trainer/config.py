@@ -10,6 +10,7 @@ generator) unless `data` names the user's rows, which then replace the task (REA
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import pathlib
 import re
@@ -393,8 +394,10 @@ class RunConfig:
             if not isinstance(r, str) or not r.strip():
                 raise ValueError(f"reward entries must be names or FILE.py:NAME specs, got {r!r}")
             if ":" not in r and r not in BUILTIN_REWARDS:
-                raise ValueError(f"reward {r!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}); a function of "
-                                 "yours is given as FILE.py:NAME or package.module:NAME")
+                close = difflib.get_close_matches(r, BUILTIN_REWARDS, n=1)
+                raise ValueError(f"reward {r!r} is not a built-in ({', '.join(BUILTIN_REWARDS)})"
+                                 + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + "; a function of yours is given as FILE.py:NAME or package.module:NAME")
             if r in TASK_REWARDS and self.task is None:
                 missing = "" if pathlib.Path(str(self.data)).exists() else " (and that path does not exist)"
                 raise ValueError(f"reward {r!r} is a reasoning-gym task's own check, and this run trains on "

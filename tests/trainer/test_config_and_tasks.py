@@ -48,6 +48,7 @@ def test_algorithm_presets_fill_unset_knobs():
 
 
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(reward="exact_matc"), r"reward 'exact_matc' is not a built-in .* \(did you mean 'exact_match'\?\)"),
     (dict(algorithm="reinforce"),
      r"algorithm must be one of grpo, dapo, ppo, gspo, dr_grpo, rloo, reinforce_pp, cispo, got 'reinforce'"),
     (dict(data="x.jsonl"), r"reward 'verifier' is a reasoning-gym task's own check, and this run trains on "
