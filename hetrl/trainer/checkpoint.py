@@ -139,7 +139,8 @@ def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: d
     try:
         hf_logging.disable_progress_bar()  # a bar per checkpoint would bury the training bar
         try:
-            model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": gathered[0]} if gathered else {}))
+            model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": gathered[0]} if gathered else {}),
+                                  **_adapter_options(model))
         finally:
             hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
@@ -160,6 +161,21 @@ def save(run_dir: pathlib.Path, step: int, model, tokenizer, optimizer, extra: d
     files.write_text(root / "latest", name + "\n")
     _remove_replaced(root, name)
     return final
+
+
+EMBEDDINGS = ("embed_tokens", "lm_head")   # peft's EMBEDDING_LAYER_NAMES among the modules LoRA can target here
+
+
+def _adapter_options(model) -> dict:
+    """A peft adapter's save options: its embedding layers saved only where LoRA targets them. peft's default
+    ("auto") looks for the base model's config.json by the model's name, on the Hub where it is not a local folder,
+    and warns that it could not find one for the embedded model (read from a package, offline)."""
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        return {}
+    targets = config.target_modules or ()
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    return {"save_embedding_layers": any(t in EMBEDDINGS for t in targets)}
 
 
 def _out_of_space(e: BaseException | None) -> bool:

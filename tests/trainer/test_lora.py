@@ -134,3 +134,20 @@ def test_lora_on_smollm2_keeps_the_base_weights_bit_identical(tmp_path):
             assert torch.equal(p, base_params[name.replace(".base_layer", "")]), name
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base_params[n])]
     assert changed and all(n.endswith("proj.weight") for n in changed)   # only where an adapter was merged
+
+
+def test_an_adapter_checkpoint_of_the_embedded_model_does_not_look_for_its_config_on_the_hub(tmp_path):
+    """peft's save_embedding_layers="auto" looks for the base model's config.json by its name (on the Hub where it
+    is not a local folder) and warned 'Could not find a config file' on every LoRA checkpoint of SmolLM2 (read from
+    a package, offline); the embeddings are saved only where LoRA targets them."""
+    import warnings
+
+    from hetrl.trainer import checkpoint
+
+    model, tok = load_model("smollm2-135m")
+    pol = build.policy(load_config(None, ["lora_rank=4"]), model)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        path = checkpoint.save(tmp_path, 1, pol.saved, tok, torch.optim.SGD(pol.trainable(), lr=0.1), {}, {})
+    assert not [w for w in said if "Could not find a config file" in str(w.message)], [str(w.message) for w in said]
+    assert all("lora_" in k for k in load_file(path / "adapter_model.safetensors"))
