@@ -39,6 +39,9 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
     fields |= resolve_aliases(overrides)   # verl's and TRL's names (loss_type=dr_grpo, beta=...) too
     fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs,
                             tools, environment_factory, overrides.get("reward"))
-    return _train(RunConfig(**fields), resume=resume, allow_config_change=allow_config_change,
-                  train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs, tools=tools,
-                  environment_factory=environment_factory)
+    from hetrl.cli import warnings_beside_bars
+
+    with warnings_beside_bars():   # a warning during the progress bar gets a line of its own, not the bar's end
+        return _train(RunConfig(**fields), resume=resume, allow_config_change=allow_config_change,
+                      train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs, tools=tools,
+                      environment_factory=environment_factory)

@@ -224,6 +224,19 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def warnings_beside_bars():
+    """A context where log lines printed to the terminal during a progress bar get a line of their own (tqdm's
+    logging_redirect_tqdm), not the bar's end: where the root logger prints to the terminal, or prints nowhere yet
+    (Python's last-resort handler would write over the bar); other handlers (files, pytest's) are left as they are."""
+    import contextlib
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    handlers = logging.getLogger().handlers
+    console = [h for h in handlers if type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr)]
+    return logging_redirect_tqdm() if console or not handlers else contextlib.nullcontext()
+
+
 def _device(text: str) -> str:
     """argparse type of a torch device the benchmarks take: cpu, cuda or cuda:N."""
     import re
@@ -421,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         args.config = DEFAULT_RUN
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        return args.func(args)
+        with warnings_beside_bars():
+            return args.func(args)
     except (ValueError, OSError) as e:
         if isinstance(e, ConnectionError):   # a pipe to one of hetrl's own processes broke: a bug, not the input
             raise

@@ -72,6 +72,25 @@ def test_a_broken_pipe_inside_hetrl_is_not_reported_as_an_input_error(monkeypatc
         main(["train", "steps=1"])
 
 
+def test_a_warning_during_a_progress_bar_gets_its_own_line(capsys, monkeypatch):
+    """A log warning printed while a bar is drawn (the first step's reward check) went to the end of the bar's
+    line; with a terminal handler (the CLI's basicConfig) it is written through tqdm, which clears the bar first."""
+    import logging
+    import sys
+
+    from tqdm import tqdm
+
+    from hetrl.cli import warnings_beside_bars
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler(sys.stderr)])
+    with warnings_beside_bars():
+        bar = tqdm(total=2, desc="train", file=sys.stderr)
+        bar.update()
+        logging.getLogger("hetrl.data.rewards").warning("warning: careful")
+        bar.close()
+    assert "\rwarning: careful\n" in capsys.readouterr().err
+
+
 def test_an_unknown_option_is_still_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "steps=1", "--stpes", "2"])
