@@ -595,11 +595,25 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 FILE_KEYS = ("data", "eval_data", "plan", "cluster", "emulate_cluster", "model", "reward", "tools", "environment")
 
 
+RAN_IN = "# hetrl train ran in "   # the first line of a run's run_config.yaml: where its relative paths are from
+
+
+def _ran_in(path: str) -> list[pathlib.Path]:
+    """The directory a run's saved run_config.yaml says the run was started in (none for other configs)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return []
+    return [pathlib.Path(first[len(RAN_IN):])] if first.startswith(RAN_IN) else []
+
+
 def _paths_from_here(loaded: dict, path: str) -> None:
     """Paths in a run config are read from the current directory, as on the command line. One that is missing
-    from here but exists from the config's folder or one above it (the config was written to be run from there,
-    as examples/ is from the repository root) is refused with that said, instead of a bare "no such file"."""
-    folders = [pathlib.Path(path).resolve().parent, *pathlib.Path(path).resolve().parent.parents]
+    from here but exists from the directory a saved run started in, or from the config's folder or one above it
+    (the config was written to be run from there, as examples/ is from the repository root) is refused with that
+    said, instead of a bare "no such file"."""
+    folders = [*_ran_in(path), pathlib.Path(path).resolve().parent, *pathlib.Path(path).resolve().parent.parents]
     for key in FILE_KEYS:
         values = loaded.get(key)
         for value in values if isinstance(values, (list, tuple)) else [values]:

@@ -29,7 +29,15 @@ from hetrl.models import load_model
 from hetrl.schema import InputError
 from hetrl.trainer import allocator, build, checkpoint, episodes, files, loop, memory, vllm_engine
 from hetrl.trainer.checkpoint import resume_command
-from hetrl.trainer.config import PYTHON, RunConfig, config_changes, config_data, from_python, load_config
+from hetrl.trainer.config import (
+    PYTHON,
+    RAN_IN,
+    RunConfig,
+    config_changes,
+    config_data,
+    from_python,
+    load_config,
+)
 from hetrl.trainer.engine import Engine, make_engine
 from hetrl.trainer.metrics import MetricsLog, plot_curves, tracker
 from hetrl.trainer.precision import decide, driver_device
@@ -80,7 +88,8 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
             else None
         if summary is not None:
             return _already_finished(run_dir, metrics, evals, summary)
-        files.write_text(run_dir / RUN_CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        files.write_text(run_dir / RUN_CONFIG,   # where it ran: what its relative paths are read from
+                         f"{RAN_IN}{os.getcwd()}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
         try:
             # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory

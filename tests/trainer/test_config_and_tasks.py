@@ -1,3 +1,5 @@
+import pathlib
+
 import pytest
 
 from hetrl.data import RewardSet, TaskSource, extract_answer, prompt_ids
@@ -206,3 +208,22 @@ def test_ray_fields_on_a_local_run_say_how_to_leave_them_out():
         load_config(None, ["emulate_cluster=examples/clusters/cpu-2x2.yaml"])
     with pytest.raises(ValueError, match=r"plan, emulate_cluster place .* \(plan=null emulate_cluster=null\)"):
         RunConfig(plan="p.json", emulate_cluster="c.yaml")
+
+
+def test_a_saved_run_config_says_where_its_relative_paths_are_from(tmp_path, monkeypatch):
+    """A run's run_config.yaml records the directory it ran in; a resume from elsewhere whose relative tools path
+    is not found from there is told where it is found (it was a bare 'no such file')."""
+    import os
+
+    from hetrl.trainer.config import RAN_IN
+
+    root = pathlib.Path(__file__).parents[2]
+    saved = tmp_path / "run" / "run_config.yaml"
+    saved.parent.mkdir()
+    saved.write_text(f"{RAN_IN}{root}\n" + "model: tiny\ntools: examples/tools/calculator.py:multiply\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"tools: examples/tools/calculator.py is not found from the current "
+                                         rf"directory \({os.getcwd()}\).* found from {root}: run hetrl there"):
+        load_config(str(saved))
+    monkeypatch.chdir(root)
+    assert load_config(str(saved)).tools == "examples/tools/calculator.py:multiply"
