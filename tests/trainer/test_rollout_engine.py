@@ -19,7 +19,6 @@ from hetrl.trainer import vllm_engine
 from hetrl.trainer.config import load_config
 from hetrl.trainer.learner import Learner
 from hetrl.trainer.loop import Rollout, update_policy
-from hetrl.trainer.precision import FP32, RunPrecision
 from hetrl.trainer.rollout import Sample
 
 from .test_train import _fp64_batch
@@ -44,12 +43,16 @@ def test_auto_takes_vllm_only_on_cuda_where_it_is_installed(monkeypatch):
         assert vllm_engine.choose(load_config(TINY, ["rollout_engine=hf"]), torch.device("cuda")) == "hf"
 
 
-def test_what_vllm_does_not_run_is_refused_in_one_line():
+def test_what_vllm_does_not_run_is_refused_in_one_line(monkeypatch):
+    """float64 on vLLM: refused by the config (so `hetrl validate` says it too; it said ok and train refused), and
+    not what auto picks."""
     tools = f"tools={ROOT / 'examples' / 'tools' / 'calculator.py'}:multiply"
-    vllm_engine.check_config(load_config(TINY, ["rollout_engine=vllm", tools]), FP32)   # multi-turn runs on vLLM
+    load_config(TINY, ["rollout_engine=vllm", tools])   # multi-turn runs on vLLM
     with pytest.raises(ValueError, match="float64") as e:
-        vllm_engine.check_config(load_config(TINY, ["rollout_engine=vllm"]), RunPrecision("fp64", autocast=False))
+        load_config(TINY, ["rollout_engine=vllm", "dtype=float64"])
     assert "\n" not in str(e.value) and "dtype=float32" in str(e.value)
+    monkeypatch.setattr(vllm_engine, "installed", lambda: True)
+    assert vllm_engine.choose(load_config(TINY, ["dtype=float64"]), torch.device("cuda")) == "hf"
 
 
 def test_the_log_says_the_engine_and_its_correction():
