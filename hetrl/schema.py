@@ -87,6 +87,17 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
+def _kind(tp) -> str:
+    """A type as a YAML writer reads it: a string, a list of strings, an int, a finite number, ..."""
+    origin = typing.get_origin(tp) or tp
+    if origin is tuple:
+        targs = typing.get_args(tp)
+        return f"a list of {_kind(targs[0]).split(' ', 1)[-1]}s" if len(targs) == 2 and targs[1] is Ellipsis \
+            else "a list"
+    return {str: "a string", int: "an int", float: "a finite number", bool: "true or false",
+            dict: "a mapping"}.get(origin, getattr(origin, "__name__", str(origin)))
+
+
 def _union_args(tp) -> tuple | None:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return typing.get_args(tp)
@@ -108,8 +119,7 @@ def _coerce(name: str, value, tp, meta: dict):
                 return _coerce(name, value, a, meta)
             except InputError:
                 pass
-        raise InputError(f"{name} must be {' or '.join(getattr(a, '__name__', str(a)) for a in rest)}, "
-                         f"got {show(value)}")
+        raise InputError(f"{name} must be {' or '.join(_kind(a) for a in rest)}, got {show(value)}")
     if "choices" in meta:
         # true == 1 in Python: a bool is a choice only where the choices are bools
         if value not in meta["choices"] or (isinstance(value, bool) and not any(isinstance(c, bool)

@@ -586,6 +586,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
                 value = bounded(yaml.safe_load(raw), f"the override {key}") if raw else ""
                 if isinstance(value, str) and NUMBER.match(value):
                     value = float(value)    # YAML 1.1 reads 2e-5 (no dot) as a string
+                if isinstance(value, dict) and not sub and str in typing.get_args(_TYPES.get(key)):
+                    value = raw   # tools=file.py: (a spec, its name missing) is text, not YAML's {file.py: null}
             except yaml.YAMLError as e:
                 raise InputError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
         if sub:

@@ -227,3 +227,11 @@ def test_a_saved_run_config_says_where_its_relative_paths_are_from(tmp_path, mon
         load_config(str(saved))
     monkeypatch.chdir(root)
     assert load_config(str(saved)).tools == "examples/tools/calculator.py:multiply"
+
+
+def test_a_spec_field_says_what_it_takes():
+    """tools=FILE.py: (its name missing) was read as YAML's mapping {FILE.py: null}, and a wrong type was said as
+    'str or tuple'."""
+    assert parse_overrides(["tools=bad.py:"]) == {"tools": "bad.py:"}
+    with pytest.raises(ValueError, match=r"tools must be a string or a list of strings, got 5"):
+        RunConfig(tools=5)
