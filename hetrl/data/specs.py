@@ -34,6 +34,10 @@ def load_module(spec: str, kind: str):
     except SyntaxError as e:
         raise InputError(f"{kind} {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
     except BaseException as e:  # noqa: BLE001 - the user's module failed (or exited) while importing: say where
+        if isinstance(e, ModuleNotFoundError) and e.name and (where == e.name or where.startswith(e.name + ".")):
+            # the spec's own module (not one it imports): where the import machinery failed says nothing
+            raise InputError(f"{kind} {spec!r}: no module named {e.name!r} is importable from here (a package "
+                             "installed, or on PYTHONPATH); a file is given as path/to/file.py:NAME") from None
         detail = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
         raise InputError(f"{kind} {spec!r}: importing it failed at {_where(e)}: {detail}") from None
 

@@ -110,6 +110,10 @@ def test_bad_spec_forms_are_refused(tmp_path):
     for spec in ("noseparator", "a:b:c", ":r", f"{tmp_path / 'missing.py'}:r"):
         with pytest.raises(InputError):
             load_reward(spec)
+    # a package.module that is not importable: said as that, not where the import machinery failed (<frozen ...>)
+    with pytest.raises(InputError, match=r"reward 'nosuchpkg.rewards:r': no module named 'nosuchpkg' is importable "
+                                         r"from here .*path/to/file.py:NAME"):
+        load_reward("nosuchpkg.rewards:r")
 
 
 @pytest.mark.parametrize("ret, match", [

@@ -285,10 +285,13 @@ def test_a_tool_that_ends_its_process_or_holds_the_gil_does_not_take_the_trainer
     assert [r.content for r in again] == ["3", "4"]
 
 
-def test_a_failing_tool_is_told_to_the_user_once_with_where_it_raised(tmp_path, caplog):
+def test_a_failing_tool_is_told_to_the_user_once_with_where_it_raised(tmp_path, caplog, monkeypatch):
     """A tool that raises (or returns what is not data) is the model's error message and the user's bug: logged
     once per tool and kind of failure, naming the tool, the exception and the user's FILE:LINE (a tool failing on
     every call was seen only as tool_error_frac 1.0)."""
+    from hetrl.data import tools as tools_module
+
+    monkeypatch.setattr(tools_module, "_TOLD", set())   # what the tests before told
     (tmp_path / "mytools.py").write_text(TOOLS_SRC)
     tools = {f.__name__: f for f in load_tools(f"{tmp_path / 'mytools.py'}:boom,weird")}
     with caplog.at_level("WARNING", logger="hetrl.data.tools"):
