@@ -9,7 +9,9 @@ against the same oracle, for a before-and-after comparison.
 
 Groups: 1, 2, 4 or 8 GPUs of one type (A10G, L4, L40S over PCIe; A100-40G, A100-80G, H100 over NVLink), one of six
 Qwen3 workloads, two or three placement units of it (at most three tasks), drawn with `--seed`. Everything is the
-cost model's prediction (no GPU runs); a few minutes on 2 cores. Results: benchmarks/results/NAME.md (and .json).
+cost model's prediction (no GPU runs); about 10 minutes on 2 cores. Results: benchmarks/results/level4_oracle.md
+(and .json; another --name writes NAME.md, as benchmarks/results/level4_oracle_before.md for the rule before
+make_room).
 """
 
 from __future__ import annotations
