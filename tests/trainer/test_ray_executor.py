@@ -152,7 +152,7 @@ def test_ray_config_is_refused_without_a_cluster_and_async_needs_ray():
         load_config(TINY, ["executor=ray"])
     with pytest.raises(ValueError, match="needs executor=ray"):
         load_config(TINY, ["mode=async"])
-    with pytest.raises(ValueError, match="need executor=ray"):
+    with pytest.raises(ValueError, match="plan places the run.s roles on Ray and needs executor=ray"):
         load_config(TINY, ["plan=p.json"])
 
 
