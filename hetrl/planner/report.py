@@ -119,7 +119,7 @@ def check_output_path(path: str, flag: str = "--out", example: str | None = None
     folder, a file where a folder should be) before any search or run; `example`: a file name for the hint."""
     folder = os.path.dirname(os.path.abspath(path))
     example = example or ("plan.png" if flag == "--png" else "plan.json")
-    below = next((p for p in _parents(folder) if os.path.lexists(p) and not os.path.isdir(p)), None)
+    below = _file_in_the_way(folder)
     if below is not None:
         raise InputError(f"{flag} {path}: {below} is a file, not a folder")
     if os.path.isdir(path):
@@ -130,17 +130,17 @@ def check_output_path(path: str, flag: str = "--out", example: str | None = None
         raise InputError(f"{flag} {path}: the folder {folder} is not writable by this user")
 
 
-def _parents(folder: str) -> list[str]:
-    """`folder` and the folders above it, outermost first."""
-    out = [folder]
-    while os.path.dirname(out[-1]) != out[-1]:
-        out.append(os.path.dirname(out[-1]))
-    return out[::-1]
+def _file_in_the_way(folder: str) -> str | None:
+    """The outermost of `folder` and the folders above it that exists and is not a folder (None: none is)."""
+    chain = [os.path.abspath(folder)]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    return next((p for p in reversed(chain) if os.path.lexists(p) and not os.path.isdir(p)), None)
 
 
 def check_output_dir(path: str, flag: str = "--out") -> None:
     """Refuse an output folder that is a file, or lies below one, before a benchmark runs."""
-    below = next((p for p in _parents(os.path.abspath(path)) if os.path.lexists(p) and not os.path.isdir(p)), None)
+    below = _file_in_the_way(path)
     if below is not None:
         raise InputError(f"{flag} {path}: {below} is a file; {flag} names a folder for the results")
 
