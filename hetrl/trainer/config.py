@@ -430,9 +430,9 @@ class RunConfig:
                              "processes; set reward_workers=0")
 
     def _check_branches(self) -> None:
-        unused = [f"{k}={getattr(self, k)}" for k, default in (("max_tool_calls", 4), ("tool_timeout_s", 10.0),
-                                                                ("tool_isolation", "process"))
-                  if getattr(self, k) != default]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unused = [f"{k}={getattr(self, k)}" for k in ("max_tool_calls", "tool_timeout_s", "tool_isolation")
+                  if getattr(self, k) != defaults[k]]
         if unused and not self.multi_turn:
             raise ValueError(f"{', '.join(unused)} shape{'s' if len(unused) == 1 else ''} tool calls, and the run has "
                              "no tools: give tools=FILE.py:NAME or environment=FILE.py:Class, or leave "

@@ -70,9 +70,9 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
     if any(getattr(cfg, k) != v for k, v in changes.items()):
         cfg = dataclasses.replace(cfg, **changes)
     run_dir = pathlib.Path(cfg.out_dir)
-    missing = [a for a, given in zip(("train_dataset", "eval_dataset", "reward_funcs", "tools", "environment_factory"),
-                                     (train_dataset, eval_dataset, reward_funcs, tools, environment_factory))
-               if given is None and a in from_python(cfg)]
+    passed = dict(train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs, tools=tools,
+                  environment_factory=environment_factory)
+    missing = [a for a in from_python(cfg) if passed[a] is None]
     if resume and missing:   # before anything loads: a reward recorded as <python>:NAME cannot be imported
         raise InputError(f"this run was given {', '.join(missing)} from Python; resume it from Python with the same: "
                          f"hetrl.train(..., {', '.join(f'{a}=...' for a in missing)}, resume=True)")
