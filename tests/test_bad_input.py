@@ -438,3 +438,15 @@ def test_the_plan_table_keeps_its_columns_apart_at_any_width():
     row = next(line for line in format_report(r).splitlines() if "actor_gen" in line)
     assert row.split()[-4:] == ["1", "1", "100000", "1.0"], row
     assert "baselines:" not in format_report(r)
+
+
+def test_a_plan_slower_than_a_baseline_is_said_slower(tmp_path, capsys):
+    """--evaluate of a user's plan slower than verl said '0.74x faster'."""
+    tasks = ["actor_gen", "ref_infer", "actor_infer", "actor_train", "critic_infer", "critic_train"]
+    plan = {"groups": [{"tasks": tasks, "gpus": ["node-a:0"], "parallelism": {t: {"tp": 1, "pp": 1, "dp": 1}
+                                                                              for t in tasks}}]}
+    path = _write(tmp_path, "plan.json", json.dumps(plan))
+    assert main(["plan", "--cluster", "examples/clusters/cpu-2x2.yaml", "--workload",
+                 "examples/workloads/smollm2-135m-ppo-cpu.yaml", "--evaluate", path]) == 0
+    out = capsys.readouterr().out
+    assert "x slower" in out and "0." not in out.split("verl ", 1)[1].split("\n")[0].split("->")[1]

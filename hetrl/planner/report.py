@@ -200,8 +200,9 @@ def format_report(r: dict) -> str:
             lines.append(f"  {name:<10} {'no plan fits' if 'no plan fits' in why else 'no plan'} "
                          f"({_shorten(why, name)})")
         else:
-            lines.append(f"  {name:<10} {_seconds(b['iteration_time_s']):>10}/iter  "
-                         f"-> this plan is {b['speedup']:.2f}x faster")
+            ratio = b["speedup"]   # a plan given to --evaluate can be slower than a baseline
+            said = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+            lines.append(f"  {name:<10} {_seconds(b['iteration_time_s']):>10}/iter  -> this plan is {said}")
     return "\n".join(lines)
 
 

@@ -365,6 +365,10 @@ class RunConfig:
             if name in self.loss_options and not self.loss_options[name] > 0:
                 raise ValueError(f"loss_options {name} must be > 0 (SAPO's gate temperature), got "
                                  f"{self.loss_options[name]!r}")
+        if self.use_kl_in_reward and not self.kl_coef:
+            raise ValueError("use_kl_in_reward=true subtracts kl_coef x the KL from the reward, and kl_coef is 0 "
+                             f"(algorithm={self.algorithm}'s default): give kl_coef > 0 (verl's kl_ctrl.kl_coef, "
+                             "0.001 by default there), or leave use_kl_in_reward out")
         if not self.use_kl_in_reward and (self.kl_ctrl != "fixed"):
             raise ValueError(f"kl_ctrl={self.kl_ctrl} adapts the KL coefficient in the reward (verl's "
                              "algorithm.kl_ctrl); it needs use_kl_in_reward=true (the KL loss term's coefficient is "
@@ -493,7 +497,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 ALIASES = {"loss_agg_mode": "loss_agg", "clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
            "kl_loss_coef": "kl_coef", "norm_adv_by_std_in_grpo": "scale_advantages", "kl_penalty": "kl_loss_type",
            "entropy_coef": "entropy_coeff", "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high",
-           "vllm_importance_sampling_cap": "rollout_is_threshold"}
+           "vllm_importance_sampling_cap": "rollout_is_threshold", "num_generations": "responses_per_prompt",
+           "max_completion_length": "max_new_tokens"}
 TRL_OPTIONS = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}   # into loss_options
 TRL_KEYS = ("loss_type", "importance_sampling_level", "scale_rewards")
 ALIAS_KEYS = (*ALIASES, *TRL_OPTIONS, *TRL_KEYS)
@@ -538,6 +543,8 @@ def resolve_aliases(data: dict[str, Any]) -> dict[str, Any]:
             raise InputError(f"scale_rewards={value} has no counterpart here (batch: PPO-Lite's std over the batch); "
                              "valid: group, none, true, false")
         put("scale_advantages", scaled, f"scale_rewards={value}")
+    if "epsilon" in out and "epsilon_high" not in out and "clip_high" not in out and "clip_ratio_high" not in out:
+        out["epsilon_high"] = out["epsilon"]   # TRL: epsilon_high defaults to epsilon (a symmetric clip)
     for alias, field_name in ALIASES.items():
         if alias in out:
             put(field_name, out.pop(alias), alias)

@@ -76,6 +76,9 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
     if resume and missing:   # before anything loads: a reward recorded as <python>:NAME cannot be imported
         raise InputError(f"this run was given {', '.join(missing)} from Python; resume it from Python with the same: "
                          f"hetrl.train(..., {', '.join(f'{a}=...' for a in missing)}, resume=True)")
+    if cfg.has_critic and cfg.critic_warmup_steps >= cfg.steps:   # legitimate as the first part of a longer run
+        log.warning("warning: critic_warmup_steps (%d) covers all %d steps of this run: only the critic is trained "
+                    "(resume with more steps to train the policy)", cfg.critic_warmup_steps, cfg.steps)
     if resume and not run_dir.is_dir():   # before prepare_out_dir would create it
         raise InputError(f"--resume: {run_dir} does not exist, so there is no run to resume; check out_dir=..., or "
                          "start a new run without --resume")

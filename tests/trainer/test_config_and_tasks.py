@@ -235,3 +235,21 @@ def test_a_spec_field_says_what_it_takes():
     assert parse_overrides(["tools=bad.py:"]) == {"tools": "bad.py:"}
     with pytest.raises(ValueError, match=r"tools must be a string or a list of strings, got 5"):
         RunConfig(tools=5)
+
+
+def test_knobs_that_would_crash_or_do_nothing_are_refused_up_front():
+    """use_kl_in_reward with kl_coef 0 crashed in the first step (AttributeError on the reference's log-probs it
+    never computed) after validate said ok."""
+    with pytest.raises(ValueError, match=r"use_kl_in_reward=true subtracts kl_coef x the KL .* kl_coef is 0"):
+        RunConfig(use_kl_in_reward=True)
+    assert RunConfig(algorithm="ppo", use_kl_in_reward=True).kl_coef == 0.001   # ppo's preset has one
+
+
+def test_trls_names_follow_trl():
+    """TRL's epsilon_high defaults to epsilon (epsilon=0.3 gave a 0.3 / 0.2 clip); num_generations and
+    max_completion_length are TRL's names for responses_per_prompt and max_new_tokens."""
+    assert (load_config(None, ["epsilon=0.3"]).clip_low, load_config(None, ["epsilon=0.3"]).clip_high) == (0.3, 0.3)
+    cfg = load_config(None, ["epsilon=0.3", "epsilon_high=0.4"])
+    assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.4)
+    cfg = load_config(None, ["num_generations=4", "max_completion_length=12"])
+    assert (cfg.responses_per_prompt, cfg.max_new_tokens) == (4, 12)

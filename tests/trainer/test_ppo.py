@@ -52,10 +52,12 @@ def test_ppo_resume_reproduces_the_next_step_exactly(tmp_path):
     assert same[0] == same[1]
 
 
-def test_critic_warmup_leaves_the_policy_alone(tmp_path):
+def test_critic_warmup_leaves_the_policy_alone(tmp_path, caplog):
     out = tmp_path / "w"
-    assert main(["train", "--config", TINY, "algorithm=ppo", "critic_warmup_steps=1", "steps=1",
-                 f"out_dir={out}"]) == 0
+    with caplog.at_level("WARNING", logger="hetrl.trainer.run"):
+        assert main(["train", "--config", TINY, "algorithm=ppo", "critic_warmup_steps=1", "steps=1",
+                     f"out_dir={out}"]) == 0
+    assert "critic_warmup_steps (1) covers all 1 steps of this run: only the critic is trained" in caplog.text
     assert _rows(out)[0]["policy_updated"] is False
     from hetrl.models import load_model
 
