@@ -230,4 +230,4 @@ def test_branch_knobs_are_checked():
     with pytest.raises(ValueError, match="not defined on trees"):
         load_config(tiny, [calc, "branches=2", "adv_estimator=rloo"])
     with pytest.raises(ValueError, match="not defined on trees"):
-        load_config(tiny, [calc, "branches=2", "use_kl_in_reward=true"])
+        load_config(tiny, [calc, "branches=2", "use_kl_in_reward=true", "kl_coef=0.01"])
