@@ -243,11 +243,13 @@ def loss_aggregation(name: str, loss_agg_mode: str | None) -> str:
     token-mean)."""
     fixed = lookup(POLICY_LOSSES, "loss_mode", name).aggregation
     if fixed is not None and loss_agg_mode not in (None, fixed):
-        raise ValueError(f"loss_mode={name} aggregates by {fixed} (its definition, as verl's); loss_agg_mode="
-                         f"{loss_agg_mode} does not apply to it: leave loss_agg_mode unset or set it to {fixed}")
+        raise ValueError(f"loss_mode={name} aggregates by {fixed} (its definition, as verl's); loss_agg "
+                         f"(verl's loss_agg_mode)={loss_agg_mode} does not apply to it: leave loss_agg unset or set "
+                         f"it to {fixed}")
     mode = fixed or loss_agg_mode or "token-mean"
     if mode not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGGREGATIONS)}, got {mode!r}")
+        raise ValueError(f"loss_agg (verl's loss_agg_mode) must be one of {', '.join(LOSS_AGGREGATIONS)}, got "
+                         f"{mode!r}")
     return mode
 
 

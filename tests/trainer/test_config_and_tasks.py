@@ -253,3 +253,9 @@ def test_trls_names_follow_trl():
     assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.4)
     cfg = load_config(None, ["num_generations=4", "max_completion_length=12"])
     assert (cfg.responses_per_prompt, cfg.max_new_tokens) == (4, 12)
+
+
+def test_a_loss_with_its_own_aggregation_names_the_knob_the_user_typed():
+    with pytest.raises(ValueError, match=r"loss_agg \(verl's loss_agg_mode\)=token-mean does not apply to it: leave "
+                                         r"loss_agg unset"):
+        load_config(None, ["loss_mode=sapo", "loss_agg=token-mean"])
