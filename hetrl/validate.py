@@ -14,7 +14,7 @@ from hetrl.schema import InputError, read_json, read_yaml
 def validate_file(path: str, cluster: str | None = None, workload: str | None = None) -> str:
     """-> a short description of the valid file at `path`; raises InputError (one line) otherwise."""
     from hetrl.planner import load_cluster, load_workload
-    from hetrl.planner.plan import load_plan, plan_shape
+    from hetrl.planner.plan import check_form, load_plan, plan_shape
     from hetrl.planner.spec import cluster_from_dict, workload_from_dict
 
     if path.endswith(".json"):
@@ -32,7 +32,14 @@ def validate_file(path: str, cluster: str | None = None, workload: str | None = 
                                  located=True)
             return (f"plan: {len(p.groups)} group(s), fits {cluster} with {workload} (cost model: "
                     f"{e.iteration_time_s:.3g} s per iteration)")
-        p = plan_shape(read_json(path, "plan JSON"), path)
+        data = read_json(path, "plan JSON")
+        p = plan_shape(data, path)
+        plan_data = data["plan"] if "plan" in data and "groups" not in data else data
+        names = list(dict.fromkeys(n for g in plan_data["groups"] for n in g["gpus"]))   # plan_shape's numbering
+        try:
+            check_form(p, lambda i: names[i])
+        except ValueError as e:
+            raise InputError(f"{path}: {e}", located=True) from None
         return (f"plan: {len(p.groups)} group(s); its form only (add --cluster C.yaml --workload W.yaml to check "
                 "GPU names, tasks and memory)")
     if not path.endswith((".yaml", ".yml")):

@@ -450,3 +450,27 @@ def test_a_plan_slower_than_a_baseline_is_said_slower(tmp_path, capsys):
                  "examples/workloads/smollm2-135m-ppo-cpu.yaml", "--evaluate", path]) == 0
     out = capsys.readouterr().out
     assert "x slower" in out and "0." not in out.split("verl ", 1)[1].split("\n")[0].split("->")[1]
+
+
+def test_validate_checks_a_plans_own_form_without_a_cluster(tmp_path, capsys):
+    """A GPU in two groups, a task placed twice, tp*pp*dp not the group's size: none needs the cluster or the
+    workload, and `hetrl validate PLAN.json` alone said ok to all three."""
+    def plan(**change):
+        dp2 = {"tp": 1, "pp": 1, "dp": 2}
+        groups = [{"tasks": ["actor_gen", "actor_train"], "gpus": ["n:0", "n:1"],
+                   "parallelism": {"actor_gen": dp2, "actor_train": dp2}},
+                  {"tasks": ["ref_infer"], "gpus": ["n:2"], "parallelism": {"ref_infer": {"tp": 1, "pp": 1, "dp": 1}}}]
+        for i, g in change.items():
+            groups[int(i[1:])] |= g
+        return json.dumps({"groups": groups})
+
+    cases = [(plan(g1={"gpus": ["n:1"]}), "task groups must own disjoint GPUs; shared: ['n:1']"),
+             (plan(g1={"tasks": ["actor_train"], "parallelism": {"actor_train": {"tp": 1, "pp": 1, "dp": 1}}}),
+              "places actor_train more than once"),
+             (plan(g0={"parallelism": {"actor_gen": {"tp": 1, "pp": 1, "dp": 2},
+                                       "actor_train": {"tp": 2, "pp": 2, "dp": 2}}}),
+              "actor_train: tp*pp*dp = 2*2*2 = 8 must equal the group's 2 GPUs")]
+    for i, (text, needle) in enumerate(cases):
+        path = _write(tmp_path, f"p{i}.json", text)
+        one_line_error(capsys, main(["validate", path]), f"p{i}.json: ", needle)
+    assert main(["validate", _write(tmp_path, "ok.json", plan())]) == 0

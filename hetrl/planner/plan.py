@@ -241,15 +241,16 @@ def plan_shape(data, where: str, gpu_ids: dict[str, int] | None = None, cluster:
     return Plan(tuple(groups))
 
 
-def check_structure(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec) -> None:
-    """Every task exactly once, disjoint GPU sets, tp*pp*dp = group size, bound tasks together."""
-    want = workload_tasks(workload)
+def check_form(plan: Plan, gpu_name) -> None:
+    """What a plan must hold whatever the cluster and workload: no task twice, disjoint GPU sets, tp*pp*dp = group
+    size. `gpu_name`: GPU id -> its name, for the message."""
     got = [t for g in plan.groups for t in g.tasks]
-    if sorted(got) != sorted(want):
-        raise ValueError(f"the plan must place each task once: {', '.join(want)}; it places {', '.join(got)}")
+    twice = sorted({t for t in got if got.count(t) > 1})
+    if twice:
+        raise ValueError(f"the plan must place each task once; it places {', '.join(twice)} more than once")
     used = [i for g in plan.groups for i in g.gpus]
     if len(used) != len(set(used)):
-        dup = sorted({cluster.gpus[i].name for i in used if used.count(i) > 1})
+        dup = sorted({gpu_name(i) for i in used if used.count(i) > 1})
         raise ValueError(f"task groups must own disjoint GPUs; shared: {dup}")
     for g in plan.groups:
         for t, p in g.parallelism:
@@ -257,6 +258,17 @@ def check_structure(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec) ->
                 names, values = ("tp*pp*dp*sp", f"{p.tp}*{p.pp}*{p.dp}*{p.sp}") if p.sp > 1 else \
                     ("tp*pp*dp", f"{p.tp}*{p.pp}*{p.dp}")
                 raise ValueError(f"{t}: {names} = {values} = {p.size} must equal the group's {len(g.gpus)} GPUs")
+
+
+def check_structure(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec) -> None:
+    """Every task exactly once, disjoint GPU sets, tp*pp*dp = group size (check_form), bound tasks together."""
+    want = workload_tasks(workload)
+    got = [t for g in plan.groups for t in g.tasks]
+    check_form(plan, lambda i: cluster.gpus[i].name)
+    if sorted(got) != sorted(want):
+        raise ValueError(f"the plan must place each task once: {', '.join(want)}; it places {', '.join(got)}")
+    for g in plan.groups:
+        for t, p in g.parallelism:
             model = workload.model(ROLE_OF_TASK[t])
             if p.ep > 1 and (not model.experts or model.experts % p.ep):
                 raise ValueError(f"{t}: ep {p.ep} needs an MoE whose experts it divides; {model.name} has "
