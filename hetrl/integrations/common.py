@@ -233,6 +233,11 @@ def engine_workload(d: Draft, w: WorkloadSpec, plan: Plan, engine: str, splittin
               "tokens")
         w = dataclasses.replace(w, turns=1, tool_tokens=None, tool_latency_s=0.0, branches=1, max_leaves=None,
                                 responses_per_prompt=w.leaves, response_tokens=w.completion_tokens)
+    if w.rollout_batch_multiplier > 1:
+        d.gap("workload.rollout_batch_multiplier", f"{w.rollout_batch_multiplier:g}x the prompts generated and groups "
+              f"whose rewards do not vary dropped (DAPO's dynamic sampling): the export does not configure it, so "
+              f"{engine} trains every group it generates")
+        w = dataclasses.replace(w, rollout_batch_multiplier=1.0)
     if w.dualkv:
         d.gap("workload.dualkv", f"{engine} computes each response with its own copy of the prompt")
     if w.precision != "bf16":

@@ -176,3 +176,22 @@ def test_cli_export_and_import(tmp_path, capsys):
     assert "exported for OpenRLHF" in capsys.readouterr().out
     run = (orl / "run.sh").read_text()
     assert "openrlhf.cli.train_ppo_ray" in run and "--ds.zero_stage" in run and os.access(orl / "run.sh", os.X_OK)
+
+
+@pytest.mark.parametrize("engine", ["verl", "openrlhf"])
+def test_dynamic_sampling_the_export_does_not_configure_is_a_gap(tmp_path, engine):
+    """A DAPO workload's dynamic sampling (rollout_batch_multiplier) was dropped from the export without a word;
+    it is a gap now, and the engine's prediction prices every generated group as trained."""
+    import yaml
+
+    from hetrl.planner import plan as search
+
+    text = yaml.safe_load((ROOT / "examples" / "workloads" / "qwen3-4b-grpo-sync.yaml").read_text())
+    w_path = tmp_path / "dapo.yaml"
+    w_path.write_text(yaml.safe_dump({**text, "algorithm": "dapo", "rollout_batch_multiplier": 2.0,
+                                      "models": {**text["models"], "reference": None}}))
+    c = str(ROOT / "examples" / "clusters" / "paper-single-region.yaml")
+    found = search(load_cluster(c), load_workload(str(w_path)), "hybrid", time_limit_s=2, seed=0)
+    r = export(engine, c, str(w_path), found.plan.to_dict(load_cluster(c)), str(tmp_path / engine))
+    gap = next(g for g in r["gaps"] if g["field"] == "workload.rollout_batch_multiplier")
+    assert "2x the prompts generated" in gap["text"] and "trains every group it generates" in gap["text"]
