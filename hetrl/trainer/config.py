@@ -652,6 +652,10 @@ def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str,
         data.update(loaded)
     extra = parse_overrides(list(overrides))
     check_keys(extra, "the command line")
+    for key in extra:   # the command line wins over the YAML's value of a field under another name (beta, kl_coef)
+        field = ALIASES.get(key, key)
+        for other in [k for k in data if k != key and ALIASES.get(k, k) == field]:
+            del data[other]
     for key, value in extra.items():
         if key == "task_config" and isinstance(value, dict) and isinstance(data.get("task_config"), dict):
             data["task_config"] = {**data["task_config"], **value}

@@ -259,3 +259,14 @@ def test_a_loss_with_its_own_aggregation_names_the_knob_the_user_typed():
     with pytest.raises(ValueError, match=r"loss_agg \(verl's loss_agg_mode\)=token-mean does not apply to it: leave "
                                          r"loss_agg unset"):
         load_config(None, ["loss_mode=sapo", "loss_agg=token-mean"])
+
+
+def test_the_command_line_wins_over_the_yaml_under_another_name(tmp_path):
+    """YAML kl_coef: 0.02 with beta=0.01 on the command line was refused as given twice; the command line wins, as
+    it does for the same name. Both names in one place are still refused."""
+    path = tmp_path / "run.yaml"
+    path.write_text("kl_coef: 0.02\nclip_ratio_high: 0.3\n")
+    cfg = load_config(str(path), ["beta=0.01", "clip_high=0.28"])
+    assert (cfg.kl_coef, cfg.clip_high) == (0.01, 0.28)
+    with pytest.raises(ValueError, match="beta sets kl_coef to 0.01, but kl_coef is also given as 0.02"):
+        load_config(None, ["beta=0.01", "kl_coef=0.02"])
