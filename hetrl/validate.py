@@ -75,6 +75,12 @@ def _validate_run_config(path: str) -> str:
     why = unknown_model(cfg.model)
     if why:
         raise InputError(f"{path}: {why}", located=True)
+    from hetrl.trainer.precision import driver_device
+
+    try:   # device=cuda on a machine without one: what `hetrl train` refuses first, on this machine
+        driver_device(cfg)
+    except ValueError as e:
+        raise InputError(f"{path}: {e} (checked on this machine)", located=True) from None
     # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is
     # checked, and all their problems are said together
     from hetrl.data.rewards import columns_problems, load_rewards
