@@ -235,7 +235,9 @@ class RunConfig:
         if self.algorithm in _PRESETS:
             preset = _PRESETS[self.algorithm]
             if (self.loss_mode not in (None, preset["loss_mode"]) and self.clip_low is None and self.clip_high is None
-                    and (preset["clip_low"], preset["clip_high"]) != (_PLAIN["clip_low"], _PLAIN["clip_high"])):
+                    and (preset["clip_low"], preset["clip_high"]) != (_PLAIN["clip_low"], _PLAIN["clip_high"])
+                    and self.loss_mode in POLICY_LOSSES   # sapo, gpg, kl_cov take no clip range
+                    and "clip_ratio_low" in options_of(POLICY_LOSSES[self.loss_mode].fn)):
                 raise ValueError(f"loss_mode={self.loss_mode} with algorithm={self.algorithm} would take "
                                  f"{self.algorithm}'s clip range ({preset['clip_low']:g}, {preset['clip_high']:g}), "
                                  f"made for loss_mode={preset['loss_mode']}; set clip_low and clip_high, or use "
@@ -245,6 +247,7 @@ class RunConfig:
                     object.__setattr__(self, name, value)
         check(self)
         self._check_algorithm()
+        self._check_no_effect()
         self._check_data_and_rewards()
         if self.mini_batches > self.prompts_per_step:
             raise ValueError(
@@ -373,6 +376,46 @@ class RunConfig:
             raise ValueError(f"kl_ctrl={self.kl_ctrl} adapts the KL coefficient in the reward (verl's "
                              "algorithm.kl_ctrl); it needs use_kl_in_reward=true (the KL loss term's coefficient is "
                              "fixed)")
+
+    def _check_no_effect(self) -> None:
+        """A knob set away from its default (the dataclass's, or for a preset's knob the algorithm's value) where the
+        run has no use for it is refused, naming it and how to make it count: ignored, it would read as if it had
+        worked. A preset's own value is never refused (a saved run_config.yaml holds every value resolved)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)} | _PRESETS[self.algorithm]
+        loss_takes = options_of(POLICY_LOSSES[self.loss_mode].fn)
+        estimator_takes = options_of(ADVANTAGE_ESTIMATORS[self.adv_estimator])
+        clipping = ", ".join(n for n, loss in POLICY_LOSSES.items() if "clip_ratio_low" in options_of(loss.fn))
+        rules = (   # (knobs, when they do nothing, why, how to make them count)
+            (("kl_loss_type",), not self.kl_coef, "it is the estimator of the KL to the reference, and kl_coef is 0 "
+             "(no KL term)", "give kl_coef > 0 (0.001 is verl's)"),
+            (("loss_scale_factor",), self.aggregation != "seq-mean-token-sum-norm",
+             f"it divides seq-mean-token-sum-norm's sums, and the loss aggregates by {self.aggregation}",
+             "set loss_agg=seq-mean-token-sum-norm"),
+            (("clip_low", "clip_high"), "clip_ratio_low" not in loss_takes,
+             f"loss_mode={self.loss_mode} does not clip the ratio", f"use a clipping loss_mode ({clipping})"),
+            (("lam", "whiten_advantages", "vf_clip", "critic_lr"), not self.has_critic,
+             f"GAE and the critic are algorithm=ppo's, and algorithm={self.algorithm} has no critic",
+             "use algorithm=ppo"),
+            (("gamma",), "gamma" not in estimator_takes,
+             f"it discounts rewards over tokens, and adv_estimator={self.adv_estimator} does not (gae and "
+             "reinforce_plus_plus do)", "use algorithm=ppo or reinforce_pp"),
+            (("scale_advantages",), "norm_adv_by_std_in_grpo" not in estimator_takes,
+             f"it divides GRPO's group advantages by their std, and adv_estimator={self.adv_estimator} has none to "
+             "divide", "use adv_estimator=grpo or grpo_passk" + (" (PPO's is whiten_advantages)" if self.has_critic
+                                                                 else "")),
+            (("max_sampling_rounds",), not self.dynamic_sampling,
+             "it bounds dynamic sampling's rounds per step, and dynamic_sampling is off",
+             "set dynamic_sampling=true (algorithm=dapo's)"),
+            (("kl_target", "kl_horizon"), self.kl_ctrl == "fixed",
+             "kl_target and kl_horizon steer the adaptive KL controller, and kl_ctrl is fixed",
+             "set kl_ctrl=adaptive (with use_kl_in_reward=true)"),
+        )
+        for names, idle, why, fix in rules:
+            given = [f"{k}={getattr(self, k)}" for k in names if getattr(self, k) != defaults[k]]
+            if idle and given:
+                one = len(given) == 1
+                raise ValueError(f"{', '.join(given)} {'has' if one else 'have'} no effect in this run: {why}; "
+                                 f"{fix}, or leave {'it' if one else 'them'} out")
 
     @property
     def clip_options(self) -> dict:

@@ -48,7 +48,7 @@ def test_every_preset_runs_a_step_with_a_finite_loss(tmp_path, algorithm):
     ("loss_mode=kl_cov", "loss_options={kl_cov_ratio: 0.2}"), ("clip_ratio_c=3.0", "loss_agg_mode=token-sum"),
     ("use_kl_in_reward=true", "kl_ctrl=adaptive", "kl_coef=0.05", "steps=2"),
     ("loss_type=dr_grpo", "scale_rewards=none", "beta=0.01", "lr_scheduler_type=cosine", "warmup_steps=1"),
-    ("entropy_coeff=0.01", "kl_loss_type=k3+"), ("adv_estimator=remax",),
+    ("entropy_coeff=0.01", "kl_coef=0.01", "kl_loss_type=k3+"), ("adv_estimator=remax",),
 ])
 def test_estimators_and_losses_run_in_the_trainer(tmp_path, overrides):
     """Also ReMax, whose baseline is one more (greedy) rollout per prompt, scored by the run's rewards."""

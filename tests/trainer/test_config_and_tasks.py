@@ -4,7 +4,7 @@ import pytest
 
 from hetrl.data import RewardSet, TaskSource, extract_answer, prompt_ids
 from hetrl.models import tiny_tokenizer
-from hetrl.trainer.config import RunConfig, load_config, parse_overrides
+from hetrl.trainer.config import ALGORITHMS, RunConfig, load_config, parse_overrides
 
 ARITH = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=["+", "-"], allow_negation=False,
              allow_parentheses=False)
@@ -243,6 +243,40 @@ def test_knobs_that_would_crash_or_do_nothing_are_refused_up_front():
     with pytest.raises(ValueError, match=r"use_kl_in_reward=true subtracts kl_coef x the KL .* kl_coef is 0"):
         RunConfig(use_kl_in_reward=True)
     assert RunConfig(algorithm="ppo", use_kl_in_reward=True).kl_coef == 0.001   # ppo's preset has one
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kl_loss_type="k2"), r"kl_loss_type=k2 has no effect in this run: .* kl_coef is 0 .*give kl_coef > 0"),
+    (dict(loss_scale_factor=100.0), r"loss_scale_factor=100.0 has no effect .* aggregates by seq-mean-token-mean"),
+    (dict(loss_mode="sapo", clip_high=0.28), r"clip_high=0.28 has no effect .* loss_mode=sapo does not clip"),
+    (dict(loss_mode="gpg", clip_low=0.1), r"clip_low=0.1 has no effect .* loss_mode=gpg does not clip"),
+    (dict(lam=0.9, critic_lr=1e-3), r"lam=0.9, critic_lr=0.001 have no effect .* algorithm=grpo has no critic; use "
+                                    r"algorithm=ppo, or leave them out"),
+    (dict(vf_clip=0.1), r"vf_clip=0.1 has no effect .* no critic"),
+    (dict(gamma=0.99), r"gamma=0.99 has no effect .* adv_estimator=grpo does not"),
+    (dict(adv_estimator="rloo", scale_advantages=False), r"scale_advantages=False has no effect .* adv_estimator=rloo"),
+    (dict(max_sampling_rounds=5), r"max_sampling_rounds=5 has no effect .* dynamic_sampling is off"),
+    (dict(kl_target=0.2), r"kl_target=0.2 has no effect .* kl_ctrl is fixed"),
+    (dict(use_kl_in_reward=True, kl_coef=0.1, kl_horizon=50), r"kl_horizon=50 has no effect .* kl_ctrl is fixed"),
+])
+def test_a_knob_that_does_nothing_in_the_run_is_refused(kwargs, match):
+    """Each was accepted and silently ignored: the loss, estimator or controller that reads it is not in the run."""
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(kl_coef=0.01, kl_loss_type="k2"), dict(algorithm="reinforce_pp", kl_coef=0.0),   # its preset's k2
+    dict(algorithm="dr_grpo", loss_scale_factor=100.0), dict(algorithm="ppo", lam=0.9, gamma=0.99, vf_clip=0.1),
+    dict(algorithm="reinforce_pp", gamma=0.9), dict(algorithm="dapo", max_sampling_rounds=5),
+    dict(use_kl_in_reward=True, kl_coef=0.1, kl_ctrl="adaptive", kl_target=0.2),
+    dict(algorithm="gspo", loss_mode="sapo"), dict(algorithm="cispo", loss_mode="gpg"),   # a preset's clip, unused
+    *(dict(algorithm=a) for a in ALGORITHMS),
+])
+def test_a_knob_that_counts_and_a_presets_own_value_are_kept(kwargs):
+    """A saved run_config.yaml holds every knob resolved (the preset's values too): it loads again as it was."""
+    cfg = RunConfig(**kwargs)
+    assert RunConfig(**cfg.to_dict()) == cfg
 
 
 def test_trls_names_follow_trl():
