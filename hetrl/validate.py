@@ -75,10 +75,14 @@ def _validate_run_config(path: str) -> str:
     why = unknown_model(cfg.model)
     if why:
         raise InputError(f"{path}: {why}", located=True)
+    from hetrl.trainer.metrics import check_tracker
     from hetrl.trainer.precision import driver_device
 
-    try:   # device=cuda on a machine without one: what `hetrl train` refuses first, on this machine
+    # what `hetrl train` refuses first, on this machine: device=cuda without CUDA, impl=flex on the CPU, report_to
+    # without its package
+    try:
         driver_device(cfg)
+        check_tracker(cfg.report_to)
     except ValueError as e:
         raise InputError(f"{path}: {e} (checked on this machine)", located=True) from None
     # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is

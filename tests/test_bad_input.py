@@ -486,3 +486,22 @@ def test_validate_refuses_a_device_this_machine_does_not_have(tmp_path, capsys):
         assert main(["validate", run]) == 0
     else:
         one_line_error(capsys, main(["validate", run]), "run.yaml: device=cuda", "checked on this machine")
+
+
+def test_validate_refuses_what_train_refuses_before_its_first_step(tmp_path, capsys, monkeypatch):
+    """validate said ok to a tracker whose package is missing, to impl=flex on the CPU (train failed at its first
+    update, after the model loaded and the held-out evaluation ran) and to a micro-batch smaller than one sequence
+    (train failed at the packing, naming its internal max_tokens)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)   # as where wandb is not installed
+    run = _write(tmp_path, "run.yaml", {"model": "tiny", "report_to": "wandb"})
+    one_line_error(capsys, main(["validate", run]), "run.yaml: report_to=wandb needs the wandb package",
+                   "wandb==0.31.0")
+    run = _write(tmp_path, "run.yaml", {"model": "tiny", "impl": "flex", "device": "cpu"})
+    one_line_error(capsys, main(["validate", run]), "run.yaml: impl=flex cannot train on the CPU", "impl=sdpa")
+    one_line_error(capsys, main(["train", "--config", TINY, "impl=flex", "device=cpu",
+                                 f"out_dir={tmp_path / 'flex'}"]), "impl=flex cannot train on the CPU")
+    run = _write(tmp_path, "run.yaml", {"model": "tiny", "micro_batch_tokens": 500})
+    one_line_error(capsys, main(["validate", run]), "run.yaml: micro_batch_tokens (500) is below one sequence",
+                   "max_prompt_tokens (512)", "max_new_tokens (16) is 528 tokens", "raise micro_batch_tokens to 528")

@@ -253,6 +253,12 @@ class RunConfig:
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) cannot exceed prompts_per_step ({self.prompts_per_step}): "
                 "groups are never split across mini-batches; lower mini_batches or raise prompts_per_step")
+        sequence = self.max_prompt_tokens + self.max_new_tokens   # with tools too: tool results share max_new_tokens
+        if self.micro_batch_tokens < sequence:
+            raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) is below one sequence: a prompt of up "
+                             f"to max_prompt_tokens ({self.max_prompt_tokens}) with its reply of up to max_new_tokens "
+                             f"({self.max_new_tokens}) is {sequence} tokens, and a micro-batch never splits a "
+                             f"sequence; raise micro_batch_tokens to {sequence} or more, or lower max_prompt_tokens")
         if self.precision == "bf16-mixed" and self.dtype != "float32":
             raise ValueError(f"precision=bf16-mixed keeps fp32 master weights and autocasts to bf16; it needs "
                              f"dtype=float32, got dtype={self.dtype} (dtype=bfloat16 alone is pure bf16)")

@@ -3,6 +3,7 @@ or wandb (`report_to`), and the reward/accuracy plot."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -58,10 +59,9 @@ class Tracker:
     """The rows of metrics.jsonl and eval.jsonl, also as scalars (x = the row's step) in TensorBoard
     (out_dir/tensorboard) or wandb (offline mode, out_dir/wandb; `wandb sync` uploads it later)."""
 
-    EXTRAS = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0"}
-
     def __init__(self, kind: str, run_dir: pathlib.Path, config: dict):
         self.kind = kind
+        check_tracker(kind)
         try:
             if kind == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
@@ -78,8 +78,7 @@ class Tracker:
                 self.run = wandb.init(project="hetrl", dir=str(run_dir), mode="offline", config=config,
                                       name=pathlib.Path(run_dir).name, resume="allow")
         except ImportError as e:
-            raise InputError(f"report_to={kind} needs the {kind} package ({e.name} is missing): pip install "
-                              f"'{self.EXTRAS[kind]}' (or pip install -e '.[{kind}]'), or report_to=none") from None
+            raise InputError(_missing(kind, e.name)) from None
 
     def log(self, row: dict) -> None:
         step = row.get("step", 0)
@@ -97,6 +96,20 @@ class Tracker:
             self.writer.close()
         else:
             self.run.finish()
+
+
+TRACKER_EXTRAS = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0"}   # report_to -> its pip pin
+
+
+def _missing(kind: str, module: str) -> str:
+    return (f"report_to={kind} needs the {kind} package ({module} is missing): pip install "
+            f"'{TRACKER_EXTRAS[kind]}' (or pip install -e '.[{kind}]'), or report_to=none")
+
+
+def check_tracker(kind: str) -> None:
+    """report_to=`kind`'s package is installed, found without importing it (`hetrl validate` asks this too)."""
+    if kind != "none" and importlib.util.find_spec(kind) is None:
+        raise InputError(_missing(kind, kind))
 
 
 def tracker(kind: str, run_dir: pathlib.Path, config: dict) -> Tracker | None:

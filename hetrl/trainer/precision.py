@@ -77,8 +77,16 @@ def device(name: str, check: bool = True) -> torch.device:
 
 def driver_device(cfg) -> torch.device:
     """Where the driver computes: a local run's `device`; on Ray the driver only coordinates (the CPU), the actors
-    computing on their plan GPUs."""
-    return device(cfg.device) if cfg.executor == "local" else torch.device("cpu")
+    computing on their plan GPUs. A local run on the CPU with impl=flex is refused here, before the model loads:
+    its first update would fail, torch having no FlexAttention backward on the CPU."""
+    if cfg.executor != "local":
+        return torch.device("cpu")
+    chosen = device(cfg.device)
+    if cfg.impl == "flex" and chosen.type == "cpu":
+        said = "" if cfg.device == "cpu" else f" (device={cfg.device} is the CPU here)"
+        raise InputError(f"impl=flex cannot train on the CPU{said}: torch has no FlexAttention backward there; use "
+                         "impl=auto (sdpa on the CPU, flex on CUDA) or impl=sdpa, or a CUDA device")
+    return chosen
 
 
 def decide(cfg) -> RunPrecision:

@@ -185,7 +185,7 @@ def test_prompts_are_kept_within_the_models_context(caplog):
     assert prompt_cap(RunConfig(max_prompt_tokens=512), model) == 512
     assert prompt_cap(RunConfig(max_prompt_tokens=512), SimpleNamespace()) == 512   # a model that does not say
     with caplog.at_level("WARNING", logger="hetrl.trainer.run"):
-        assert prompt_cap(RunConfig(max_prompt_tokens=4096, max_new_tokens=48), model) == 2000
+        assert prompt_cap(RunConfig(max_prompt_tokens=4096, max_new_tokens=48, micro_batch_tokens=4144), model) == 2000
     assert "prompts longer than 2000 tokens are skipped as too long (max_prompt_tokens=4096" in caplog.text
     with pytest.raises(ValueError, match=r"eval_max_new_tokens=5000 fills model .*context of 2048 tokens"):
         prompt_cap(RunConfig(eval_max_new_tokens=5000), model)

@@ -13,7 +13,7 @@ from tests.dualkv.oracle import tiny_model
 
 
 def test_trainer_estimate_is_the_planners_task_memory():
-    cfg = RunConfig(micro_batch_tokens=256, kl_coef=0.05)
+    cfg = RunConfig(micro_batch_tokens=256, max_prompt_tokens=128, kl_coef=0.05)
     for dtype, precision, scale in ((torch.float32, "fp32", 1), (torch.float64, "fp32", 2)):
         model = tiny_model("llama", dtype=dtype)
         got = memory.estimate(cfg, model, 40, decide(cfg))

@@ -234,7 +234,8 @@ def test_two_data_parallel_learners_equal_one_learner_fp64(local_ray, tmp_path, 
     zero-weight passes so that both all-gather as often), with DualKV log-probs inside: the same step; also with
     FSDP2's CPU offload (on a CPU host the states live in host memory anyway: this checks the wiring and that
     the numbers stay); and with the plan's recompute (activation checkpointing) on the FSDP2 ranks."""
-    cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
+    cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0.1", "micro_batch_tokens=48", "max_prompt_tokens=40", "lr=0.01",
+               "weight_decay=0.01")
     groups = _groups(shapes=shapes)
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
     g = torch.Generator().manual_seed(1)
@@ -471,7 +472,8 @@ def test_two_data_parallel_critics_equal_one_critic_fp64(local_ray, tmp_path, ze
     holding half the AdamW states (the plan's zero: 1, ZeRO-1). The second step has one group, so rank 1 gets none
     and joins the all-reduce with zero gradients. With the plan's zero: 3 or 2 the two ranks are FSDP2 shards of
     the decoder and the head (rank 1 then runs zero-weight passes to match rank 0's): the same steps."""
-    cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
+    cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "max_prompt_tokens=40",
+               "critic_lr=0.01",
                "weight_decay=0.01", "vf_clip=0.05")
     results = {}
     for world in (1, 2):
@@ -504,7 +506,8 @@ def test_sharded_critics_checkpoint_in_the_replicas_format_and_resume(local_ray,
     """zero: 3 critics gather decoder, head and AdamW states into the critic.pt one critic writes (zero: 1 critics
     their AdamW partitions): two such critics resumed from it take the step they would have taken, and so does
     one critic alone (fp64)."""
-    cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "critic_lr=0.01",
+    cfg = _cfg(tmp_path, "algorithm=ppo", "dtype=float64", "micro_batch_tokens=48", "max_prompt_tokens=40",
+               "critic_lr=0.01",
                "weight_decay=0.01")
     groups, returns, weights = _critic_batch(5, FOUR)
 
@@ -615,7 +618,8 @@ def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray
     """zero: 3 (and 2) learners gather their shards into the same checkpoint files as one learner writes (weights
     and torch's own optimizer.state_dict() form), zero: 1 learners their AdamW partitions: two such learners
     resumed from it take the step they would have taken, and so does one learner alone (fp64)."""
-    cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0", "micro_batch_tokens=48", "lr=0.01", "weight_decay=0.01")
+    cfg = _cfg(tmp_path, "dtype=float64", "kl_coef=0", "micro_batch_tokens=48", "max_prompt_tokens=40", "lr=0.01",
+               "weight_decay=0.01")
     groups = _groups()
     lens = torch.tensor([len(r) for _, rs in groups for r in rs])
     advantages = torch.repeat_interleave(torch.randn(lens.numel(), generator=torch.Generator().manual_seed(2),
@@ -713,7 +717,7 @@ def test_a_runs_workload_says_its_precision_mini_batches_and_old_logprob_passes(
     assert workload("prompts_per_step=6", "mini_batches=4").optimizer_steps == 1   # uneven: priced as one step
     # tools: at most max_tool_calls + 1 turns, turns and tool results sharing max_new_tokens, as the run caps them
     calc = ROOT / "examples" / "tools" / "calculator.py"
-    tools = ("executor=ray", f"tools={calc}:multiply", "max_prompt_tokens=2048", "micro_batch_tokens=2048")
+    tools = ("executor=ray", f"tools={calc}:multiply", "max_prompt_tokens=2048", "micro_batch_tokens=4096")
     w = workload(*tools, "max_tool_calls=2", "branches=2", "max_leaves=6", "max_new_tokens=50")
     assert (w.turns, w.branches, w.max_leaves, w.response_tokens.max, w.tool_tokens.max) == (3, 2, 6, 10, 10)
     assert w.completion_tokens.max <= 50 and w.leaves == 6
@@ -807,7 +811,7 @@ def test_a_tools_run_on_ray_logs_tool_metrics_and_the_environments_reward(local_
         cfg = load_config(TINY, ["executor=ray", f"emulate_cluster={CLUSTER}", f"out_dir={out}", "eval_size=4",
                                  f"environment={_probe_env(tmp_path)}", f"tools={calc}:multiply", "steps=2",
                                  "checkpoint_every=0", f"mode={mode}", "max_prompt_tokens=2048",
-                                 "micro_batch_tokens=2048"])
+                                 "micro_batch_tokens=4096"])
         train(cfg)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]

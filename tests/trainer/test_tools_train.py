@@ -57,7 +57,7 @@ def test_an_environment_from_python_adds_its_reward(tmp_path):
 
     out = tmp_path / "e"
     summary = hetrl.train(TINY, tools=[add], environment_factory=CalculatorEnv, steps=1, out_dir=str(out),
-                          eval_size=4, max_prompt_tokens=2048, micro_batch_tokens=2048)
+                          eval_size=4, max_prompt_tokens=2048, micro_batch_tokens=4096)
     assert summary["config"]["tools"] == ["<python>:add"]
     assert summary["config"]["environment"] == "<python>:CalculatorEnv"
     (row,) = _rows(out)
