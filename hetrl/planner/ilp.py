@@ -6,8 +6,9 @@ max over groups and the terms between two groups (sample transfer, weight sync),
 the pair of group *signatures*: sample transfer is linearised per generation signature with a big-M row
 (tight once generation's signature is fixed), weight sync with product variables. Sections:
 
-  1. candidates  x[b, c]: task block b runs on GPU counts c (pre-configured, memory-feasible)
-  2. variables   z[G] grouping chosen; x[b, c] binary; u[st, sg] >= 0 sync products; T* continuous
+  1. candidates  x[b, k]: task block b runs as its k-th candidate, a configuration on some GPU counts
+                 (memory-feasible; space.configurations: the shortest on those counts and its trade-offs)
+  2. variables   z[G] grouping chosen; x[b, k] binary; u[st, sg] >= 0 sync products; T* continuous
   3. constraints C1 one grouping; C2 each block of it gets one configuration; C3 pool capacity;
                  C4 Y[s] = generation-side x of signature s; transfer >= sum_sb t(s, sb) y[b, sb] - M (1 - Y[s])
                     for every block b apart from generation; sync products u >= Y_train + Y_gen - 1;
@@ -26,7 +27,7 @@ import time
 
 from .cost import INFER_TASKS, TRAIN_TASKS
 from .search import Deadline, SearchResult
-from .space import build_plan, configure, groupings, iteration_s, pools, signature, sync_s, transfer_s
+from .space import build_plan, configurations, groupings, iteration_s, pools, signature, sync_s, transfer_s
 from .spec import ClusterSpec, WorkloadSpec
 
 MAX_CANDIDATES = 200_000
@@ -61,9 +62,7 @@ def ilp(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float = 120.0) -> S
         for b in by_size:
             if time.perf_counter() > enumeration_end:
                 break
-            cfg = configure(cluster, w, b, c)
-            if cfg:
-                cands[b].append(cfg)
+            cands[b].extend(configurations(cluster, w, b, c))
             done += 1
         else:
             continue

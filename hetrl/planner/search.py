@@ -4,7 +4,7 @@
   hybrid      HetRL's search: successive halving over task groupings (level 1) with a doubling
               budget; inside each surviving grouping a genetic search over GPU counts per pool and
               group (levels 2-3: mutation, moves and swaps of GPUs between task groups, crossover, culling);
-              level 4 (TP/PP/DP) by space.configure; level 5 (shard order) is node-major.
+              level 4 (TP/PP/DP) by space.configurations; level 5 (shard order) is node-major.
   verl        all tasks colocated on one homogeneous pool (one GPU type, all of it or one region's);
               the best such pool.
   verl-all    verl as the HetRL paper ran it: all tasks colocated on every GPU of the cluster, DP replicas
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from .plan import Plan
-from .space import GroupConfig, build_plan, compositions, configure, groupings, iteration_s, pools
+from .space import GroupConfig, best_combination, build_plan, compositions, configurations, groupings, pools
 from .spec import ClusterSpec, WorkloadSpec
 
 EXHAUSTIVE_LIMIT = 400_000
@@ -62,18 +62,21 @@ class Deadline:
         return f"stopped at the {self.limit_s:g} s time limit after {what}"
 
 
-def _score(cluster, w, grouping, counts, deadline: Deadline | None = None) -> tuple[float, list[GroupConfig] | None]:
+def _score(cluster, w, grouping, counts, deadline: Deadline | None = None,
+           exact: bool = False) -> tuple[float, list[GroupConfig] | None]:
+    """A plan's seconds and its groups' configurations: each group's `configurations`, combined by
+    `best_combination` (`exact`: every combination, for the oracle)."""
     if any(sum(c) == 0 for c in counts):
         return math.inf, None
-    configs = []
+    options = []
     for tasks, c in zip(grouping, counts):
         if deadline is not None and deadline.passed():   # between group configurations
             raise _OutOfTime
-        cfg = configure(cluster, w, tasks, c)
-        if cfg is None:
+        found = configurations(cluster, w, tasks, c)
+        if not found:
             return math.inf, None
-        configs.append(cfg)
-    return iteration_s(cluster, w, configs), configs
+        options.append(found)
+    return best_combination(cluster, w, options, exact)
 
 
 def _result(method, cluster, best_configs, best_t, t0, n, gap=None, stopped=None) -> SearchResult:
@@ -108,7 +111,7 @@ def exhaustive(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float | None
                 return _result("exhaustive", cluster, best, best_t, t0, n,
                                stopped=deadline.stopped(f"scoring {n:,} of {size:,} plans"))
             counts = tuple(tuple(c[g] for c in combo) for g in range(k))
-            t, configs = _score(cluster, w, grouping, counts)
+            t, configs = _score(cluster, w, grouping, counts, exact=True)
             n += 1
             if t < best_t:
                 best, best_t = configs, t
@@ -151,9 +154,9 @@ def verl_all(cluster: ClusterSpec, w: WorkloadSpec) -> SearchResult:
     t0 = time.perf_counter()
     (tasks,) = next(g for g in groupings(w) if len(g) == 1)
     every = tuple(p.steps for p in pools(cluster))
-    configs = configure(cluster, w, tasks, every, "even")
-    t = iteration_s(cluster, w, [configs]) if configs else math.inf
-    return _result("verl-all", cluster, [configs] if configs else None, t, t0, 1)
+    found = configurations(cluster, w, tasks, every, "even")
+    t, configs = best_combination(cluster, w, [found]) if found else (math.inf, None)
+    return _result("verl-all", cluster, configs, t, t0, 1)
 
 
 def streamrl(cluster: ClusterSpec, w: WorkloadSpec, time_limit_s: float | None = None) -> SearchResult:

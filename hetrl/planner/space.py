@@ -10,8 +10,11 @@ Given (1) and (2), `configure` picks (3) deterministically: each task's fastest 
 sharding for the task holding the most memory until the group fits, then that fit improved one task at a
 time while a change shortens the group's own seconds (trading a task's speed for generation's KV cache; a
 faster option that does not fit is made to fit by sharding the others further, as the first fit does).
-Everything about a group's
-own time and memory depends only on (tasks, counts); what crosses groups (sample transfer, weight
+A group's own seconds are a proxy for the plan's time, so `configurations` also offers the configurations
+that search met and that are better in some part of what the iteration's time depends on (`profile`: in a
+sync plan each phase's seconds, in an async one the busy seconds and the weight sync the group does alone);
+the plan's search picks among them (`best_combination`; the ILP takes each as a candidate). Everything about
+a group's own time and memory depends only on (tasks, counts); what crosses groups (sample transfer, weight
 sync) depends only on each group's `Signature` (its regions and network speed). Exhaustive search,
 the ILP and the hybrid search all go through these functions, so they search the same space.
 """
@@ -24,6 +27,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from . import optables
 from .cost import (
     PHASES,
     ROLE_OF,
@@ -212,20 +216,29 @@ def _variants(task: str, p: Parallelism, strategies: bool) -> tuple[Parallelism,
     return tuple(dataclasses.replace(p, **s) for s in ladder if p.replicas > 1 or not s or "offload" in s)
 
 
-@functools.lru_cache(maxsize=500_000)
 def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...],
               data_split: str = "by_speed") -> GroupConfig | None:
+    """The group's configuration with the shortest `group_seconds` (None when nothing fits): the first of
+    `configurations`."""
+    found = configurations(cluster, w, tasks, counts, data_split)
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=500_000)
+def configurations(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], counts: tuple[int, ...],
+                   data_split: str = "by_speed") -> tuple[GroupConfig, ...]:
     """Pick TP/PP/DP, a memory strategy and time-shared colocation for every task of a group: of what each pass
     of `_configure` reaches (everything resident; with the memory ladder; with swapping between phases), the
-    configuration with the shortest `group_seconds`; None when nothing fits in memory. A pass runs only when its
-    lower bound (every task's fastest option alone) is under the best so far, and the next passes only when
-    memory cost the last one time (its best is above that bound): as before, the memory ladder is for groups
-    memory constrains."""
+    configuration with the shortest `group_seconds`, then the `trade_offs` against it among every configuration
+    the passes met that fits; () when nothing fits in memory. A pass runs only when its lower bound (every task's
+    fastest option alone) is under the best so far, and the next passes only when memory cost the last one time
+    (its best is above that bound): as before, the memory ladder is for groups memory constrains."""
     gpus = gpu_ids(cluster, counts)
     if not gpus:
-        return None
+        return ()
     phases = {next(i for i, ph in enumerate(PHASES) if t in ph) for t in tasks}
     best, best_s = None, math.inf
+    visited: list[GroupConfig] = []
     for strategies, swap in ((False, False), (True, False), (True, True)):
         if swap and len(phases) < 2:
             break
@@ -233,17 +246,51 @@ def configure(cluster: ClusterSpec, w: WorkloadSpec, tasks: tuple[str, ...], cou
         floor = sum(r[0][1] for r in ranked.values()) if all(ranked.values()) else math.inf
         if floor >= best_s * BETTER:
             continue
-        found = _configure(cluster, w, tasks, counts, gpus, data_split, swap, ranked)
+        found = _configure(cluster, w, tasks, counts, gpus, data_split, swap, ranked, visited=visited)
         if found is not None and swap:
             # swapping only adds seconds: where the options swap found fit without it, improve from there unswapped
             # (the ladder pass's own search can end elsewhere)
             found = min((f for f in (found, _configure(cluster, w, tasks, counts, gpus, data_split, False, ranked,
-                                                       dict(found.parallelism))) if f is not None), key=group_seconds)
+                                                       dict(found.parallelism), visited)) if f is not None),
+                        key=group_seconds)
         if found is not None and (s := group_seconds(found)) < best_s * BETTER:
             best, best_s = found, s
         if best is not None and sum(x for _, x in best.seconds) <= floor / BETTER:
             break   # memory cost this pass nothing: the ladder and swap are for groups where it does
-    return best
+    if best is None:
+        return ()
+    return (best, *trade_offs(w.mode, best, visited))
+
+
+def profile(mode: str, cfg: GroupConfig) -> tuple[float, ...]:
+    """What of a configured group the iteration's time depends on, by the rule `cost.aggregate` prices it. sync:
+    (its generation plus the weight sync it does alone: they add to the iteration; its inference phase; its
+    training phase: each enters through the phase's longest group); async: (its busy seconds: the busiest group
+    sets the pace; the sync it does alone: it sets the pace when longer)."""
+    alone = group_seconds(cfg) - sum(s for _, s in cfg.seconds)
+    if mode != "sync":
+        return (sum(s for _, s in cfg.seconds), alone)
+    return (cfg.time(PHASES[0]) + alone, cfg.time(PHASES[1]), cfg.time(PHASES[2]))
+
+
+def trade_offs(mode: str, best: GroupConfig, visited: list[GroupConfig]) -> list[GroupConfig]:
+    """The configurations the search met that the plan's time can prefer to `best` (shortest group_seconds):
+    those no other configuration beats or equals on every part of `profile`, and `best` does not; shortest
+    group_seconds first."""
+    def dominated(a, b):   # b is at least as good as a everywhere
+        return all(y <= x for x, y in zip(a, b))
+
+    out, profiles = [], [profile(mode, best)]
+    for cfg in sorted(visited, key=group_seconds):
+        p = profile(mode, cfg)
+        if any(dominated(p, q) for q in profiles):
+            continue
+        if any(dominated(q, p) for q in profiles[1:]):
+            keep = [i for i, q in enumerate(profiles[1:]) if not dominated(q, p)]
+            out, profiles = [out[i] for i in keep], [profiles[0], *(profiles[1 + i] for i in keep)]
+        out.append(cfg)
+        profiles.append(p)
+    return out
 
 
 BETTER = 1 - 1e-9   # a configuration replaces the best only when shorter by more than rounding
@@ -297,7 +344,7 @@ def _frontier(task: str, ranked) -> list[tuple[Parallelism, float, float]]:
 
 
 def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict,
-               start: dict | None = None) -> GroupConfig | None:
+               start: dict | None = None, visited: list | None = None) -> GroupConfig | None:
     """A first fit (each task's fastest option, then more sharding for the task holding the most memory, or the
     next heaviest where it can shard no further, until the group fits), then improved one task at a time over the
     options that trade seconds for memory until no change shortens `group_seconds`; a change that does not fit
@@ -312,6 +359,8 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
         key = tuple(choice[t] for t in tasks)
         if key not in seen:
             seen[key] = _evaluate(cluster, w, tasks, counts, gpus, data_split, swap, choice)
+            if visited is not None and seen[key] is not None:
+                visited.append(seen[key])
         return seen[key]
 
     index = dict.fromkeys(tasks, 0)
@@ -436,6 +485,32 @@ def iteration_s(cluster, w, configs: list[GroupConfig]) -> float:
     return aggregate(w.mode, [dict(c.seconds) for c in configs], transfer, sync)[0]
 
 
+def best_combination(cluster, w, options: list[tuple[GroupConfig, ...]], exact: bool = False
+                     ) -> tuple[float, list[GroupConfig]]:
+    """(iteration seconds, one configuration per group) from each group's `configurations`: with `exact`, the best
+    of every combination (the exhaustive oracle's rule, which the ILP matches); else each group's first (the
+    shortest group_seconds), then one group at a time changed to the alternative that shortens the iteration most,
+    until none does."""
+    configs = [o[0] for o in options]
+    best = iteration_s(cluster, w, configs)
+    if all(len(o) == 1 for o in options):
+        return best, configs
+    if exact:
+        for combo in itertools.product(*options):
+            if (t := iteration_s(cluster, w, list(combo))) < best * BETTER:
+                best, configs = t, list(combo)
+        return best, configs
+    improved = True
+    while improved:
+        improved = False
+        for i, o in enumerate(options):
+            for alt in o:
+                trial = [*configs[:i], alt, *configs[i + 1:]]
+                if (t := iteration_s(cluster, w, trial)) < best * BETTER:
+                    best, configs, improved = t, trial, True
+    return best, configs
+
+
 def build_plan(cluster: ClusterSpec, configs: list[GroupConfig]) -> Plan:
     offsets = [0] * len(pools(cluster))
     return Plan(tuple(Group(c.tasks, gpu_ids(cluster, c.counts, offsets), c.parallelism, c.data_split, c.swap)
@@ -450,3 +525,8 @@ def compositions(total: int, parts: int):
             out.append(c - prev - 1)
             prev = c
         yield tuple(out)
+
+
+# what the caches above hold was priced from the operator tables: forgotten when they are read again
+for _cache in (configurations, _ranked, transfer_s, sync_s):
+    optables.on_reload(_cache.cache_clear)

@@ -190,6 +190,28 @@ def test_tables_off_prices_by_the_roofline_constants(roofline_only):
     assert optables.pricing([gpu("H100")])["H100"]["kernels"] == "no table (roofline constants)"
 
 
+def test_a_plan_priced_before_the_tables_change_is_priced_again(monkeypatch):
+    """The plan space's caches (a group's configurations, a task's options, transfers, syncs) hold seconds priced
+    from the tables: reading the tables again forgets them (a group configured with tables, then the same group
+    with HETRL_OPERATOR_TABLES=off, kept the tables' seconds)."""
+    from hetrl.planner import load_cluster, load_workload, space
+
+    c = load_cluster("examples/clusters/h100-2x8.yaml")
+    w = load_workload("examples/workloads/qwen3-8b-grpo-sync.yaml")
+    with_tables = space.group_seconds(space.configure(c, w, ("actor_gen",), (1,)))
+    monkeypatch.setenv("HETRL_OPERATOR_TABLES", "off")
+    optables.reload()
+    try:
+        off = space.group_seconds(space.configure(c, w, ("actor_gen",), (1,)))
+        space.configurations.cache_clear()
+        space._ranked.cache_clear()
+        assert off == space.group_seconds(space.configure(c, w, ("actor_gen",), (1,)))
+        assert off != with_tables
+    finally:
+        monkeypatch.delenv("HETRL_OPERATOR_TABLES")
+        optables.reload()
+
+
 def test_a_measured_cuda_device_is_named_as_the_catalog_names_it():
     from hetrl.bench.operators import catalog_name
     assert catalog_name("NVIDIA H100 80GB HBM3") == "H100"
