@@ -505,3 +505,15 @@ def test_validate_refuses_what_train_refuses_before_its_first_step(tmp_path, cap
     run = _write(tmp_path, "run.yaml", {"model": "tiny", "micro_batch_tokens": 500})
     one_line_error(capsys, main(["validate", run]), "run.yaml: micro_batch_tokens (500) is below one sequence",
                    "max_prompt_tokens (512)", "max_new_tokens (16) is 528 tokens", "raise micro_batch_tokens to 528")
+
+
+def test_a_workload_refuses_what_hetrl_train_refuses_for_its_algorithm(tmp_path, capsys):
+    """A grpo workload of one response per prompt (every advantage 0) and a dapo workload with a reference model
+    (DAPO has no KL) were planned without a word; hetrl train refuses both."""
+    base = yaml.safe_load(WORKLOAD.read_text())
+    for change, needles in (({"responses_per_prompt": 1}, ["responses_per_prompt (1) must be >= 2"]),
+                            ({"algorithm": "dapo"}, ["dapo has no KL term", "models.reference: null"])):
+        path = _write(tmp_path, "w.yaml", {**base, **change})
+        one_line_error(capsys, main(["validate", path]), "w.yaml", *needles)
+    ok = {**base, "algorithm": "dapo", "models": {**base["models"], "reference": None}}
+    assert main(["validate", _write(tmp_path, "w.yaml", ok)]) == 0

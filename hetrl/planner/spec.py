@@ -428,6 +428,15 @@ def check_max_leaves(max_leaves, responses_per_prompt: int | None = None) -> Non
                          f"({responses_per_prompt}) rollouts among them; use at least {responses_per_prompt}")
 
 
+def check_group_size(responses_per_prompt: int, critic: bool) -> None:
+    """Without a critic, advantages are group-relative: a prompt's responses compared with each other, so a lone
+    response's advantage is 0 and it teaches nothing (hetrl train's rule and a workload's alike)."""
+    if responses_per_prompt < 2 and not critic:
+        raise InputError(f"responses_per_prompt ({responses_per_prompt}) must be >= 2: group-relative advantages "
+                         "compare a prompt's responses with each other, and a lone response's is 0 (algorithm ppo, "
+                         "whose critic gives the baseline, takes 1)")
+
+
 def leaf_cap(max_leaves: int | None, responses_per_prompt: int, branches: int) -> int:
     """The most leaves a task's tree grows to: max_leaves, by default responses_per_prompt x branches."""
     return max_leaves or responses_per_prompt * branches
@@ -513,6 +522,10 @@ class WorkloadSpec:
             raise ValueError("ppo needs a critic model: set models.critic (e.g. the actor's preset)")
         if self.algorithm != "ppo" and self.critic is not None:
             raise ValueError(f"{self.algorithm} has no critic; set models.critic: null")
+        check_group_size(self.responses_per_prompt, critic=self.algorithm == "ppo")
+        if self.algorithm == "dapo" and self.reference is not None:   # hetrl train refuses dapo with kl_coef > 0
+            raise ValueError(f"dapo has no KL term, so no reference model, and models.reference is "
+                             f"{self.reference.name}; set models.reference: null, or use algorithm grpo (with a KL)")
 
     def __hash__(self):  # cached: every cost-model cache lookup hashes the workload
         if "_hash" not in self.__dict__:

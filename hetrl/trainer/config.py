@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 import pathlib
 import re
@@ -23,7 +24,7 @@ import yaml
 from hetrl.algo import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES, loss_aggregation
 from hetrl.algo.advantages import check_options, options_of
 from hetrl.algo.losses import from_trl
-from hetrl.planner.spec import check_max_leaves
+from hetrl.planner.spec import check_group_size, check_max_leaves
 from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 
 ALGORITHMS = ("grpo", "dapo", "ppo", "gspo", "dr_grpo", "rloo", "reinforce_pp", "cispo")
@@ -265,9 +266,7 @@ class RunConfig:
         if not self.has_critic and (self.critic_model is not None or self.critic_warmup_steps):
             raise ValueError(f"critic_model and critic_warmup_steps are PPO's; algorithm={self.algorithm} has no "
                              "critic")
-        if self.responses_per_prompt < 2 and not self.has_critic:
-            raise ValueError(f"responses_per_prompt ({self.responses_per_prompt}) must be >= 2: group-relative "
-                             "advantages compare a prompt's responses with each other (algorithm=ppo takes 1)")
+        check_group_size(self.responses_per_prompt, self.has_critic)
         if self.multi_turn:
             self._check_tools()
         self._check_branches()
@@ -370,6 +369,19 @@ class RunConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds the run's {self.steps * self.mini_batches} "
                              f"optimizer steps (steps x mini_batches): the learning rate would never reach lr; use "
                              f"at most {self.steps * self.mini_batches}, or warmup_ratio")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):   # verl's clip_num / top-k count: this share of the tokens
+            value = self.loss_options.get(name)
+            if name in self.loss_options and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                              or not 0 < value <= 1):
+                raise ValueError(f"loss_options {name} is the share of the tokens the loss picks, in (0, 1] (verl's "
+                                 f"0.0002), got {value!r}")
+        if self.loss_mode == "clip_cov":
+            bounds = {k: self.loss_options.get(k, inspect.signature(fn).parameters[k].default)
+                      for k in ("clip_cov_lb", "clip_cov_ub")}
+            if not bounds["clip_cov_lb"] < bounds["clip_cov_ub"]:
+                raise ValueError(f"loss_options clip_cov_lb ({bounds['clip_cov_lb']}) must be below clip_cov_ub "
+                                 f"({bounds['clip_cov_ub']}): clip_cov picks tokens whose covariance lies between "
+                                 "them, and none would be picked (the loss would be vanilla's)")
         for name in ("tau_pos", "tau_neg"):   # SAPO's temperatures divide the ratio's log
             if name in self.loss_options and not self.loss_options[name] > 0:
                 raise ValueError(f"loss_options {name} must be > 0 (SAPO's gate temperature), got "

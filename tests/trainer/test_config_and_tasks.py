@@ -68,6 +68,9 @@ def test_algorithm_presets_fill_unset_knobs():
     (dict(steps="ten"), "steps must be an int >= 1"),
     (dict(impl="triton"), "impl must be one of"),
     (dict(clip_low=1.5), "clip_low"),
+    (dict(loss_mode="clip_cov", loss_options={"clip_cov_ratio": 2}), r"clip_cov_ratio is the share .* in \(0, 1\]"),
+    (dict(loss_mode="kl_cov", loss_options={"kl_cov_ratio": 0}), r"kl_cov_ratio is the share .* got 0"),
+    (dict(loss_mode="clip_cov", loss_options={"clip_cov_lb": 5.0}), r"clip_cov_lb \(5.0\) must be below clip_cov_ub"),
 ])
 def test_bad_values_say_what_is_wrong(kwargs, match):
     with pytest.raises(ValueError, match=match):
