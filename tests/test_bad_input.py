@@ -517,3 +517,18 @@ def test_a_workload_refuses_what_hetrl_train_refuses_for_its_algorithm(tmp_path,
         one_line_error(capsys, main(["validate", path]), "w.yaml", *needles)
     ok = {**base, "algorithm": "dapo", "models": {**base["models"], "reference": None}}
     assert main(["validate", _write(tmp_path, "w.yaml", ok)]) == 0
+
+
+def test_gpu_and_link_names_are_read_in_any_case(tmp_path, capsys):
+    """gpu: h100 was an unknown GPU type and intra_node: NVLink not one of nvlink, pcie; any case is the catalog's
+    spelling now, and the cluster is the one spelled so (the planner groups nodes by that name)."""
+    from hetrl.planner.spec import cluster_from_dict
+
+    base = yaml.safe_load(CLUSTER.read_text())
+    node = base["nodes"][0]
+    shouted = {**base, "nodes": [{**node, "gpu": node["gpu"].lower(), "intra_node": "NVLink"}, *base["nodes"][1:]]}
+    assert cluster_from_dict(shouted) == cluster_from_dict(base)
+    assert cluster_from_dict(shouted).nodes[0].gpu == node["gpu"]
+    assert main(["validate", _write(tmp_path, "c.yaml", shouted)]) == 0
+    one_line_error(capsys, main(["validate", _write(tmp_path, "c.yaml", _cluster(gpu="h1000"))]),
+                   "unknown GPU type 'h1000'; known: H100")

@@ -9,6 +9,7 @@ may state its own measured `mfu`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hetrl.schema import check, rule
@@ -99,9 +100,18 @@ ALIASES = {"H100-SXM": "H100", "H100-SXM5": "H100", "H200-SXM": "H200", "H800-SX
            "A100-80GB": "A100-80G", "A100-40GB": "A100-40G", "L40": "L40S"}
 
 
+def spelling(name: str, own: Iterable[str] = ()) -> str:
+    """`name` as the catalog, its aliases or a cluster's `own` types spell it, matched without regard to case
+    ("h100" -> "H100"); a name none of them has comes back as given."""
+    known = [*own, *GPUS, *ALIASES]
+    if not isinstance(name, str) or name in known:
+        return name
+    return next((k for k in known if k.casefold() == name.casefold()), name)
+
+
 def gpu(name: str) -> GPUType:
-    """Look a GPU type up by name or alias; unknown names list the known ones."""
-    key = ALIASES.get(name, name)
+    """Look a GPU type up by name or alias, in any case; unknown names list the known ones."""
+    key = ALIASES.get(spelling(name), spelling(name))
     if key not in GPUS:
         raise ValueError(f"unknown GPU type {name!r}; known: {', '.join(GPUS)} "
                          f"(aliases: {', '.join(f'{a}->{b}' for a, b in ALIASES.items())})")

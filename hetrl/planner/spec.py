@@ -24,7 +24,7 @@ from hetrl.schema import (
     show,
 )
 
-from .catalog import GPUType, gpu
+from .catalog import GPUType, gpu, spelling
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -285,6 +285,8 @@ class Node:
                 else DEFAULT_HOST_MEMORY_GB_PER_GPU * self.count) * 1e9
 
     def __post_init__(self):  # the GPU type is checked by ClusterSpec, which also knows the cluster's own types
+        if isinstance(self.intra_node, str):   # NVLink, PCIe: any case
+            object.__setattr__(self, "intra_node", self.intra_node.lower())
         check(self)
         if self.concurrent_devices is not None and self.concurrent_devices > self.count:
             raise ValueError(f"node {self.name}: concurrent_devices {self.concurrent_devices:g} is more than its "
@@ -338,6 +340,9 @@ class ClusterSpec:
         check(self)
         if not self.nodes:
             raise ValueError(f"cluster {self.name}: no nodes")
+        own = [t.name for t in self.gpu_types]   # "h100": the catalog's H100, spelled so everywhere after
+        object.__setattr__(self, "nodes", tuple(n if spelling(n.gpu, own) == n.gpu else
+                                                dataclasses.replace(n, gpu=spelling(n.gpu, own)) for n in self.nodes))
         names = [n.name for n in self.nodes]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -369,6 +374,7 @@ class ClusterSpec:
     def gpu_type(self, name: str) -> GPUType:
         """The cluster's own GPU types first, then the catalog; unknown names list both."""
         own = {t.name: t for t in self.gpu_types}
+        name = spelling(name, own)
         if name in own:
             return own[name]
         try:
