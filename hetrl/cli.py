@@ -153,6 +153,18 @@ def _plan(args) -> int:
     if args.import_:
         from hetrl.integrations.export import import_plan
 
+        unread = [flag for flag, value in (("--cluster", args.cluster), ("--workload", args.workload),
+                                           ("--method", args.method), ("--evaluate", args.evaluate),
+                                           ("--export", args.export), ("--measured", args.measured),
+                                           ("--png", args.png), ("--time-limit", args.time_limit),
+                                           ("--seed", args.seed)) if value is not None]
+        if unread:
+            engine, folder = args.import_
+            one = len(unread) == 1
+            raise InputError(f"--import {engine} {folder} scores the folder's plan on the cluster and workload it was "
+                             f"exported for (its cluster.yaml and workload.yaml), searching nothing; "
+                             f"{', '.join(unread)} would not be used: leave {'it' if one else 'them'} out (to plan "
+                             "for another cluster: hetrl plan --cluster C.yaml --workload W.yaml)")
         result = import_plan(*args.import_)
         print(json.dumps(result, indent=2) if args.json else report.format_report(result))
         if args.out:
@@ -310,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=with_common)
 
     pl = sub.add_parser("plan", help="place the RL tasks on a (heterogeneous) cluster")
-    pl.add_argument("--cluster", help="cluster YAML (examples/clusters/); required unless --import")
-    pl.add_argument("--workload", help="workload YAML (examples/workloads/); required unless --import")
+    pl.add_argument("--cluster", help="cluster YAML (examples/clusters/); required, but not with --import")
+    pl.add_argument("--workload", help="workload YAML (examples/workloads/); required, but not with --import")
     pl.add_argument("--method", help="hybrid (default) | ilp | exhaustive | verl | verl-all | streamrl | all")
     pl.add_argument("--time-limit", type=float, help="seconds the search may take (hybrid, ilp, exhaustive); it "
                     "returns its best plan by then and says it stopped early (default: hybrid's budget, ilp 120 s)")
@@ -324,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "plan (verl 0.9 Hydra overrides and launcher, or OpenRLHF 0.11 flags) into --out DIR, say what "
                     "it cannot express, and predict the plan as the engine runs it")
     pl.add_argument("--import", dest="import_", nargs=2, metavar=("ENGINE", "DIR"),
-                    help="read a `--export verl` folder back as a hetrl plan and score it")
+                    help="read a `--export verl` folder back as a hetrl plan and score it on the folder's own "
+                    "cluster.yaml and workload.yaml (only --json and --out go with it)")
     pl.add_argument("--png", metavar="FILE.png", help="also draw the plan: its placement (GPU groups by type and "
                     "region, the tasks on each) and one iteration's timeline as the cost model prices it")
     pl.add_argument("--measured", metavar="TIMES.json", help="with --evaluate: the seconds the plan ran at, as JSON "

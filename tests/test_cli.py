@@ -97,6 +97,14 @@ def test_an_unknown_option_is_still_refused(capsys):
     assert exc.value.code == 2 and "unrecognized arguments: --stpes 2" in capsys.readouterr().err
 
 
+def test_plan_import_refuses_the_options_it_would_not_read(tmp_path, capsys):
+    """`hetrl plan --import verl DIR --cluster X` scored DIR's plan on DIR's own cluster and said nothing of X."""
+    assert main(["plan", "--import", "verl", str(tmp_path), "--cluster", "c.yaml", "--png", "p.png"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--import verl {tmp_path} scores the folder's plan on the cluster and workload it was " \
+        "exported for" in err[0] and "--cluster, --png would not be used: leave them out" in err[0]
+
+
 @pytest.mark.slow
 def test_bench_dualkv_quick_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "demo.json"
