@@ -150,15 +150,17 @@ def check_environment(factory: Callable) -> tuple[list[dict], bool]:
 
 def environment_reward(factory: Callable) -> Callable:
     """The environment's `get_reward()` as a reward function in TRL's convention (weight 1, named after the class):
-    it reads each completion's own instance from the `environments` column the rollout adds."""
+    it reads each completion's own instance from the `environments` column the rollout adds. What get_reward
+    raises is said as Class.get_reward() with the file and line that raised (the reward is named after the class)."""
     cls_name = name_of(factory)
 
+    def get_reward(env):
+        value = env.get_reward()
+        return asyncio.run(value) if inspect.isawaitable(value) else value
+
     def reward(completions, environments, **kwargs):
-        out = []
-        for env in environments:
-            value = env.get_reward()
-            out.append(asyncio.run(value) if inspect.isawaitable(value) else value)
-        return out
+        return [user_call(lambda: get_reward(env), f"environment {type(env).__name__}.get_reward()")
+                for env in environments]
 
     reward.__name__ = cls_name
     return reward

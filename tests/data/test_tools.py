@@ -345,3 +345,26 @@ def test_a_model_without_tool_support_gets_the_chatml_tool_template():
     suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}], HERMES_TEMPLATE)
     assert tok.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n" \
                                  "<|im_start|>assistant\n"
+
+
+class _Scorer:
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def get_reward(self) -> float:
+        return 1 / 0   # the line the error names
+
+
+def test_an_environments_failing_get_reward_is_named_as_the_method_with_where_it_raised():
+    """It was said as `reward _Scorer: raised ZeroDivisionError ...`, the class and not the method that raised."""
+    import inspect
+
+    from hetrl.data.rewards import RewardSet
+    from hetrl.data.tools import environment_reward
+
+    line = inspect.getsourcelines(_Scorer.get_reward)[1] + 1
+    rewards = RewardSet([environment_reward(_Scorer)], [1.0])
+    with pytest.raises(InputError) as e:
+        rewards.score([{"environments": _Scorer()} for _ in range(2)], ["p", "p"], ["a", "b"])
+    assert "reward _Scorer: environment _Scorer.get_reward() raised ZeroDivisionError: division by zero " \
+        f"({__file__}:{line})" in str(e.value)
