@@ -7,7 +7,8 @@ node above that, where whole nodes are how such clusters are shared out. Shards 
 node-major inside a group (TP groups fill a node before spanning two).
 
 Given (1) and (2), `configure` picks (3) deterministically: each task's fastest option, then more
-sharding for the task holding the most memory until the group fits, then that fit improved one task at a
+sharding for the task holding the most memory until the group fits (within the host's memory, where
+offloading), then that fit improved one task at a
 time while a change shortens the group's own seconds (trading a task's speed for generation's KV cache; a
 faster option that does not fit is made to fit by sharding the others further, as the first fit does).
 A group's own seconds are a proxy for the plan's time, so `configurations` also offers the configurations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from . import optables
 from .cost import (
+    MEM_UTIL,
     PHASES,
     ROLE_OF,
     TRAIN_TASKS,
@@ -171,6 +173,15 @@ def _task_seconds(cluster, w, group: Group, task: str) -> float:
 def _footprint(w: WorkloadSpec, task: str, p: Parallelism) -> float:
     """GPU bytes the task holds (the cost model's own rule), to pick what to shard further."""
     return task_memory(w, task, p).gpu
+
+
+def _host_room(cluster: ClusterSpec, gpus: tuple[int, ...]) -> float:
+    """Host bytes each GPU of the group may keep (offload, swap): its node's usable host memory shared by the
+    group's GPUs on that node (`cost.memory`'s rule, for this group alone); the least over its nodes."""
+    per_node: dict[str, int] = {}
+    for i in gpus:
+        per_node[cluster.gpus[i].node] = per_node.get(cluster.gpus[i].node, 0) + 1
+    return min(cluster.node(n).host_memory_bytes * MEM_UTIL / k for n, k in per_node.items())
 
 
 @dataclass(frozen=True)
@@ -346,13 +357,14 @@ def _frontier(task: str, ranked) -> list[tuple[Parallelism, float, float]]:
 def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: dict,
                start: dict | None = None, visited: list | None = None) -> GroupConfig | None:
     """A first fit (each task's fastest option, then more sharding for the task holding the most memory, or the
-    next heaviest where it can shard no further, until the group fits), then improved one task at a time over the
-    options that trade seconds for memory until no change shortens `group_seconds`; a change that does not fit
-    is made to fit by sharding the other tasks further in the same way (`make_room`: one task's speed paid for by
-    the memory of any number of others). A change is tried only while the tasks' seconds alone with it stay
-    under the best (options come fastest first, so the first that does not ends that task's turn). `ranked`:
-    each task's options by `_ranked` for the pass (none empty); `start`: options to improve from instead of the
-    first fit (None when they do not fit)."""
+    next heaviest where it can shard no further, until the group fits; never into offload the host's memory cannot
+    hold; where that finds nothing, each option of each task with the others made to fit around it), then
+    improved one task at a time over the options that trade seconds for memory until no change shortens
+    `group_seconds`; a change that does not fit is made to fit by sharding the other tasks further in the same way
+    (`make_room`: one task's speed paid for by the memory of any number of others). A change is tried only while
+    the tasks' seconds alone with it stay under the best (options come fastest first, so the first that does not
+    ends that task's turn). `ranked`: each task's options by `_ranked` for the pass (none empty); `start`: options
+    to improve from instead of the first fit (None when they do not fit)."""
     seen: dict[tuple, GroupConfig | None] = {}
 
     def evaluate(choice: dict) -> GroupConfig | None:   # a sweep meets the configurations of the last one again
@@ -363,38 +375,30 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
                 visited.append(seen[key])
         return seen[key]
 
-    index = dict.fromkeys(tasks, 0)
-    found = None if start is None else evaluate(start)
-    for _ in range(0 if start else sum(len(r) for r in ranked.values()) + 1):
-        found = evaluate({t: ranked[t][index[t]][0] for t in tasks})
-        if found is not None:
-            break
-        # shard the task holding the most memory further (its next option with a smaller per-GPU share); when it
-        # has none, the next heaviest that has one
-        for heavy in sorted(tasks, key=lambda t: -ranked[t][index[t]][2]):
-            cur = ranked[heavy][index[heavy]][2]
-            nxt = next((i for i in range(index[heavy] + 1, len(ranked[heavy])) if ranked[heavy][i][2] < cur), None)
-            if nxt is not None:
-                index[heavy] = nxt
-                break
-        else:
-            return None
-    if found is None:
-        return None
+    # a task's next, smaller option is taken only while the tasks' own host bytes (offload) stay within the host's
+    # room: more offload cannot make a group fit whose host memory it overflows (what the GPUs hold is sharded
+    # further in another task, or in a later option of this one, instead)
+    room = _host_room(cluster, gpus)
+    host = {t: {p: task_memory(w, t, p).host for p, _, _ in r} for t, r in ranked.items()}
+
+    def smaller(trial: dict, task: str, i: int) -> int | None:
+        """Index of `task`'s next option after its i-th holding fewer GPU bytes, within the host's room."""
+        others = sum(host[u][trial[u]] for u in tasks if u != task)
+        return next((j for j in range(i + 1, len(ranked[task])) if ranked[task][j][2] < ranked[task][i][2]
+                     and others + host[task][ranked[task][j][0]] <= room), None)
+
     alone = {t: {p: s for p, s, _ in r} for t, r in ranked.items()}
     position = {t: {p: i for i, (p, _, _) in enumerate(r)} for t, r in ranked.items()}
-    choice, best = dict(found.parallelism), group_seconds(found)
-    candidates = {t: _frontier(t, ranked[t]) for t in tasks}
+    best = math.inf
 
-    def make_room(trial: dict, keep: str) -> tuple[dict, GroupConfig | None]:
-        """`trial` made to fit as the first fit does (the others holding the most memory sharded further, `keep`
-        as it is), while the tasks' seconds alone stay under the best: one task's speed paid for by the memory of
-        any number of others."""
+    def make_room(trial: dict, keep: str | None) -> tuple[dict, GroupConfig | None]:
+        """`trial` made to fit: the task holding the most GPU memory (`keep` aside) sharded further (its next option
+        with a smaller per-GPU share), or the next heaviest where it can shard no further, until the group fits,
+        while the tasks' seconds alone stay under the best: one task's speed paid for by the memory of any number
+        of others."""
         for _ in range(sum(len(r) for r in ranked.values())):
             for heavy in sorted((u for u in tasks if u != keep), key=lambda u: -ranked[u][position[u][trial[u]]][2]):
-                i = position[heavy][trial[heavy]]
-                nxt = next((j for j in range(i + 1, len(ranked[heavy])) if ranked[heavy][j][2] < ranked[heavy][i][2]),
-                           None)
+                nxt = smaller(trial, heavy, position[heavy][trial[heavy]])
                 if nxt is not None:
                     trial = {**trial, heavy: ranked[heavy][nxt][0]}
                     break
@@ -405,6 +409,25 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
             if (cfg := evaluate(trial)) is not None:
                 return trial, cfg
         return trial, None
+
+    if start is not None:
+        found = evaluate(start)
+    else:   # the first fit: every task's fastest option, made to fit
+        fastest = {t: ranked[t][0][0] for t in tasks}
+        found = evaluate(fastest) or make_room(fastest, None)[1]
+        if found is None:
+            # sharding the heaviest first can end where nothing fits (more offload overflows the host, or the
+            # tasks that share a phase or a role's weights were sharded in the wrong order): each option of each
+            # task in turn, the others made to fit around it; the shortest that fits
+            for t in tasks:
+                for p, _, _ in ranked[t]:
+                    cfg = evaluate({**fastest, t: p}) or make_room({**fastest, t: p}, t)[1]
+                    if cfg is not None and group_seconds(cfg) < best * BETTER:
+                        found, best = cfg, group_seconds(cfg)
+    if found is None:
+        return None
+    choice, best = dict(found.parallelism), group_seconds(found)
+    candidates = {t: _frontier(t, ranked[t]) for t in tasks}
 
     improved = True
     while improved:
