@@ -175,6 +175,13 @@ def _footprint(w: WorkloadSpec, task: str, p: Parallelism) -> float:
     return task_memory(w, task, p).gpu
 
 
+@functools.lru_cache(maxsize=200_000)
+def _host_bytes(w: WorkloadSpec, task: str, ranked: tuple) -> dict:
+    """Host bytes per GPU of each of a task's options (`_ranked`'s), as the cost model keeps them (offload)."""
+    return {p: task_memory(w, task, p).host for p, _, _ in ranked}
+
+
+@functools.lru_cache(maxsize=100_000)
 def _host_room(cluster: ClusterSpec, gpus: tuple[int, ...]) -> float:
     """Host bytes each GPU of the group may keep (offload, swap): its node's usable host memory shared by the
     group's GPUs on that node (`cost.memory`'s rule, for this group alone); the least over its nodes."""
@@ -379,13 +386,23 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
     # room: more offload cannot make a group fit whose host memory it overflows (what the GPUs hold is sharded
     # further in another task, or in a later option of this one, instead)
     room = _host_room(cluster, gpus)
-    host = {t: {p: task_memory(w, t, p).host for p, _, _ in r} for t, r in ranked.items()}
+    host = {t: _host_bytes(w, t, r) for t, r in ranked.items()}
+
+    host_bound = [False]   # whether the host's room turned an option away (then the first fit's fallback runs)
 
     def smaller(trial: dict, task: str, i: int) -> int | None:
         """Index of `task`'s next option after its i-th holding fewer GPU bytes, within the host's room."""
-        others = sum(host[u][trial[u]] for u in tasks if u != task)
-        return next((j for j in range(i + 1, len(ranked[task])) if ranked[task][j][2] < ranked[task][i][2]
-                     and others + host[task][ranked[task][j][0]] <= room), None)
+        others = None
+        for j in range(i + 1, len(ranked[task])):
+            if ranked[task][j][2] < ranked[task][i][2]:
+                if not (kept := host[task][ranked[task][j][0]]):
+                    return j
+                if others is None:
+                    others = sum(host[u][trial[u]] for u in tasks if u != task)
+                if others + kept <= room:
+                    return j
+                host_bound[0] = True
+        return None
 
     alone = {t: {p: s for p, s, _ in r} for t, r in ranked.items()}
     position = {t: {p: i for i, (p, _, _) in enumerate(r)} for t, r in ranked.items()}
@@ -415,10 +432,11 @@ def _configure(cluster, w, tasks, counts, gpus, data_split, swap: bool, ranked: 
     else:   # the first fit: every task's fastest option, made to fit
         fastest = {t: ranked[t][0][0] for t in tasks}
         found = evaluate(fastest) or make_room(fastest, None)[1]
-        if found is None:
-            # sharding the heaviest first can end where nothing fits (more offload overflows the host, or the
-            # tasks that share a phase or a role's weights were sharded in the wrong order): each option of each
-            # task in turn, the others made to fit around it; the shortest that fits
+        if found is None and host_bound[0]:
+            # sharding the heaviest first can end where nothing fits because the host's memory turned the offload
+            # it needed away (another task's offload, or none, would fit): each option of each task in turn, the
+            # others made to fit around it; the shortest that fits. Only then: a group too small for the tasks
+            # (the search meets many) is not searched again.
             for t in tasks:
                 for p, _, _ in ranked[t]:
                     cfg = evaluate({**fastest, t: p}) or make_room({**fastest, t: p}, t)[1]
