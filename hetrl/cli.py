@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--allow-config-change", action="store_true",
                     help="with --resume: accept config values that differ from the checkpoint's (logged in "
                     "out_dir/resumes.jsonl); without it such a resume is refused with the fields listed")
-    tr.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. steps=5")
+    tr.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="override config keys, e.g. steps=5 (every key, its default and meaning: docs/train.md; "
+                    "check a config without training: hetrl validate RUN.yaml)")
     tr.set_defaults(func=_train)
 
     dg = sub.add_parser("diagnose", help="find where a problem comes from")

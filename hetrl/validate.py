@@ -88,7 +88,7 @@ def _validate_run_config(path: str) -> str:
     # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is
     # checked, and all their problems are said together
     from hetrl.data.rewards import columns_problems, load_rewards
-    from hetrl.data.sources import check_task, read_checked
+    from hetrl.data.sources import check_eval_size, check_task, read_checked
 
     problems, rows = [], {}
     if cfg.data is None:   # a reasoning-gym task: its name and task_config
@@ -102,6 +102,11 @@ def _validate_run_config(path: str) -> str:
                 rows[key] = read_checked(getattr(cfg, key), key, cfg.prompt_key)
             except InputError as e:
                 problems.append(str(e))
+    if "data" in rows and cfg.eval_data is None:   # held out from the data: some must be left to train on
+        try:
+            check_eval_size(len(rows["data"]), cfg.eval_size)
+        except InputError as e:
+            problems.append(str(e))
     funcs = []
     for spec in cfg.rewards:
         try:

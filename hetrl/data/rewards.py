@@ -20,6 +20,7 @@ inside its reward manager).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -86,7 +87,8 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
 
     def exact_match(completions, **kwargs):
         gold = answers(kwargs)
-        return [float(g is not None and _same_answer(extract_answer(completion_text(c)), str(g)))
+        # a row without an answer is not applicable (None, TRL's convention): not judged wrong
+        return [None if g is None else float(_same_answer(extract_answer(completion_text(c)), str(g)))
                 for c, g in zip(completions, gold)]
 
     def math_verify(completions, **kwargs):
@@ -96,7 +98,8 @@ def builtin_rewards(answer_key: str = "answer") -> dict[str, Callable]:
         out = []
         for c, g in zip(completions, gold):
             text = completion_text(c)
-            out.append(float(g is not None and bool(extract_answer(text)) and bool(verify(parse(str(g)), parse(text)))))
+            out.append(None if g is None else float(bool(extract_answer(text)) and bool(verify(parse(str(g)),
+                                                                                             parse(text)))))
         return out
 
     def format(completions, **kwargs):   # noqa: A001 - the reward's name as users write it
@@ -193,6 +196,11 @@ def columns_problems(rewards: list, rows: list[dict], answer_key: str, where: st
     `rows` (read from `where`) lack, one line each."""
     columns = {k for r in rows for k in r}
     out = []
+    taken = sorted(columns & {"prompts", "completions", "completion_ids"})
+    if taken and any(isinstance(f, str) or convention(f) == "trl" for f in rewards):
+        out.append(f"{where} has the column(s) {', '.join(taken)}: TRL's reward call passes the prompts, the replies "
+                   "and their token ids under those names, and a column of the same name would be passed twice; "
+                   "rename the column(s)")
     for f in rewards:
         missing = missing_columns(f, columns, answer_key)
         if missing:
@@ -332,9 +340,22 @@ def _rows(first: int, n: int) -> str:
     return f"row {first}" if n == 1 else f"rows {first}..{first + n - 1}"
 
 
+def _own_copies(rows: list[dict], prompts: list, completion_ids):
+    """What one call of a reward function may change without reaching the run: each row, prompt and token list its
+    own copy (a group's samples share their dataset row, and the run keeps its rows for every later step and
+    evaluation: a judge that appended the reply to `prompts[i]` grew the held-out prompts at every evaluation, as
+    TRL's fresh rows per call never do). An environment instance (TRL's environments=) is the rollout's own, passed
+    as it is."""
+    rows = [{k: v if k == "environments" else copy.deepcopy(v) for k, v in r.items()} for r in rows]
+    prompts = [copy.deepcopy(p) for p in prompts]
+    ids = None if completion_ids is None else [copy.deepcopy(x) for x in completion_ids]
+    return rows, prompts, ids
+
+
 def _call(fn, kind, name, rows, prompts, completions, completion_ids, first_row, trainer_state=None):
     """One chunk of one function -> (rewards, extras per row, log_metric's values); a bad return or anything
-    raised is an InputError."""
+    raised is an InputError. The function gets its own copies of the rows (`_own_copies`)."""
+    rows, prompts, completion_ids = _own_copies(rows, prompts, completion_ids)
     if kind == "trl":
         logged: dict[str, list] = {}
         values, extra = call_trl(fn, name, rows, prompts, completions, completion_ids, first_row, trainer_state,
@@ -373,7 +394,8 @@ class Scores:
     total: list[float]                                   # weighted sum per completion
     per_function: dict[str, list[float | None]]          # each function's raw reward (None: not applicable)
     extra: dict[str, list[Any]] = field(default_factory=dict)   # verl dict keys other than `score`
-    correct: list[bool] | None = None                    # the first correctness check's value >= 1 (built-ins)
+    correct: list[bool | None] | None = None             # the first correctness check's value >= 1 (built-ins);
+    #                                                      None for a row it did not judge (it returned None)
     failed: list[int] = field(default_factory=list)      # rows a reward failed on (reward_errors=skip): dropped
     errors: list[str] = field(default_factory=list)      # what each failure was, one line each
     logged: dict[str, list[float]] = field(default_factory=dict)   # TRL's log_metric(name, value) calls
@@ -472,7 +494,9 @@ class RewardSet:
         per = {name: per.get(name, []) for name in self.names}
         total = [sum(w * per[name][i] for w, name in zip(self.weights, self.names) if per[name][i] is not None)
                  for i in range(n)]
-        correct = [v is not None and v >= 1.0 for v in per[self.correctness]] if self.correctness else None
+        # a row the check did not judge (no answer to check against: it returned None) is neither right nor wrong
+        correct = [None if v is None or i in failed else v >= 1.0 for i, v in enumerate(per[self.correctness])] \
+            if self.correctness else None
         if check and not self._checked and n > 1:
             self._checked = True
             self.check_silent_zeros(rows, per, failed)
@@ -501,8 +525,9 @@ class RewardSet:
             if key is not None:
                 missing = sum(nested(r, key) is None for r in rows)
                 if missing:
-                    found.append(f"reward {name}: answer_key={key} is missing in {missing} of {n} rows, which score "
-                                 "0; set answer_key to the column (dotted for nested) that holds the answer")
+                    found.append(f"reward {name}: answer_key={key} is missing in {missing} of {n} rows, which it "
+                                 "does not score (None: no reward from it, and not counted in accuracy); set "
+                                 "answer_key to the column (dotted for nested) that holds the answer")
         if found and self.strict:
             raise InputError("strict=true: " + "; ".join(found))
         for why in found:

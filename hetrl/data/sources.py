@@ -258,11 +258,13 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
             except (FileNotFoundError, ValueError) as e:
                 raise InputError(f"{what}={path}: not a directory written by datasets' save_to_disk "
                                  f"({str(e).splitlines()[0]})") from None
-            if isinstance(ds, datasets.DatasetDict):
-                if "train" not in ds:
-                    raise InputError(f"{what}={path}: a DatasetDict without a 'train' split (splits: "
-                                     f"{', '.join(ds)}); save the split you want with save_to_disk")
-                ds = ds["train"]
+            if isinstance(ds, datasets.DatasetDict):   # held-out rows from its split for evaluation, if it has one
+                want = ("test", "validation", "train") if what == "eval_data" else ("train",)
+                split = next((s for s in want if s in ds), None)
+                if split is None:
+                    raise InputError(f"{what}={path}: a DatasetDict without a {' or '.join(map(repr, want))} split "
+                                     f"(splits: {', '.join(ds)}); save the split you want with save_to_disk")
+                ds = ds[split]
         else:
             kind = DATA_SUFFIXES.get(p.suffix.lower())
             if kind is None:
@@ -312,6 +314,14 @@ def read_checked(data, what: str, prompt_key: str) -> list[dict]:
     return rows
 
 
+def check_eval_size(rows: int, eval_size: int) -> None:
+    """Held out from the data itself (no eval_data), eval_size rows must leave some to train on: checked by hetrl
+    train and hetrl validate before the model loads, and by the source that splits them."""
+    if eval_size >= rows:
+        raise InputError(f"data has {rows} rows, and eval_size={eval_size} would hold out all of them; "
+                         f"lower eval_size (e.g. {max(1, rows // 5)}) or give eval_data=PATH")
+
+
 def _fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -331,9 +341,7 @@ class RowSource(_Stream):
                      for i, r in enumerate(read_checked(eval_data, "eval_data", prompt_key))]
             split = "eval_data"
         else:
-            if eval_size >= len(rows):
-                raise InputError(f"data has {len(rows)} rows, and eval_size={eval_size} would hold out all of them; "
-                                 f"lower eval_size (e.g. {max(1, len(rows) // 5)}) or give eval_data=PATH")
+            check_eval_size(len(rows), eval_size)
             order = list(range(len(rows)))
             random.Random(seed + 1_000_003).shuffle(order)
             held = set(order[:eval_size])

@@ -619,7 +619,8 @@ _TYPES = typing.get_type_hints(RunConfig)
 # --resume unless the user says --allow-config-change (the change is then logged in out_dir/resumes.jsonl).
 RESUMABLE_CHANGES = ("steps", "out_dir", "checkpoint_every", "keep_checkpoints", "profile_step", "memory_limit_gib",
                      "executor", "plan", "cluster", "emulate_cluster", "ray_address", "ray_temp_dir", "reward_workers",
-                     "report_to", "device", "nonfinite", "reward_errors", "reward_timeout_s", "strict")
+                     "report_to", "device", "nonfinite", "reward_errors", "reward_timeout_s", "strict",
+                     "eval_every")   # when held-out evaluations run between steps: not what the run computes
 
 
 def check_keys(keys, where: str) -> None:

@@ -9,6 +9,7 @@ the change between two evaluations on the same prompts is more than evaluation n
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pathlib
 
@@ -20,6 +21,8 @@ from hetrl.trainer import episodes, files, guards
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Episodes, Generator
 from hetrl.trainer.rollout import Sample
+
+log = logging.getLogger(__name__)
 
 
 def replies(worker: Generator, episode_worker: Episodes | None, examples: list[Example], n: int,
@@ -64,16 +67,22 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
         if scores.correct is not None:
             row["correct"] = scores.correct[i]
         rows.append(row)
-    files.write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+    files.write_text(path, "".join(json.dumps(r, default=str, ensure_ascii=False) + "\n" for r in rows))   # UTF-8
     values = [t for t in total if t is not None]
     means = {"eval_reward": guards.mean(values) if values else math.nan}   # NaN: logged as null
-    if scores.correct is not None:
-        means["eval_accuracy"] = float(np.mean(scores.correct))
+    if scores.correct is not None:   # over the replies the check judged (a row without an answer is not)
+        judged = [c for c in scores.correct if c is not None]
+        means["eval_accuracy"] = float(np.mean(judged)) if judged else math.nan
+        if len(judged) < len(scores.correct):
+            means["eval_not_judged"] = len(scores.correct) - len(judged)
+            log.warning("%d of %d held-out replies were not judged by %s (their rows have no %s to check against): "
+                        "eval_accuracy is over the other %d", len(scores.correct) - len(judged), len(scores.correct),
+                        rewards.correctness, cfg.answer_key, len(judged))
     means |= {f"eval_{k}": v for k, v in scores.means().items()}
     means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
     if len(values) < len(total):
         means["eval_unscored"] = len(total) - len(values)
-    per_prompt = [float(c) for c in scores.correct] if scores.correct is not None else \
+    per_prompt = [math.nan if c is None else float(c) for c in scores.correct] if scores.correct is not None else \
         [math.nan if t is None else t for t in total]
     return per_prompt, means
 

@@ -41,6 +41,7 @@ class UpdateStats:
     grad_norm: float
     packed_tokens: int
     standard_tokens: int
+    lr: float | None = None      # the learning rate the optimizer stepped at (its schedule's, or the config's)
 
     @classmethod
     def no_step(cls) -> UpdateStats:
@@ -221,7 +222,7 @@ class Learner:
                                     lr=self.lr_at(lr_step) if self.lr_at is not None and lr_step is not None else None)
         return UpdateStats(loss=totals["loss"], policy_loss=totals["policy"], kl=totals["kl"],
                            clip_frac=totals["clip"], entropy=totals["entropy"], grad_norm=grad_norm,
-                           packed_tokens=packed, standard_tokens=standard)
+                           packed_tokens=packed, standard_tokens=standard, lr=self.optimizer.param_groups[0]["lr"])
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, loss: float, max_grad_norm: float | None, grad_sync=None,

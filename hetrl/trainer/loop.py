@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -123,8 +124,11 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
 
 
 def _reward_stats(scored: list[Scores]) -> dict:
-    total = [v for s in scored for v in s.total]
-    out = {"reward_mean": guards.mean(total)}
+    """The step's reward means over the rows scored: a row reward_errors=skip dropped has no reward (its 0 in
+    `total` read as a falling reward_mean while every scored row got 1); NaN when none was scored."""
+    ok = [[i not in failed for i in range(len(s.total))] for s in scored for failed in [set(s.failed)]]
+    total = [v for s, keep in zip(scored, ok) for v, k in zip(s.total, keep) if k]
+    out = {"reward_mean": guards.mean(total) if total else math.nan}
     for name in {k for s in scored for k in s.logged}:     # TRL's log_metric(name, value): the step's mean
         out[name] = guards.mean([v for s in scored for v in s.logged.get(name, [])])
     errors = [e for s in scored for e in s.errors]
@@ -132,7 +136,8 @@ def _reward_stats(scored: list[Scores]) -> dict:
         out["reward_errors"] = len(errors)
         log.warning("reward_errors=skip: %d row(s) dropped; the first: %s", len(errors), errors[0])
     if scored[0].correct is not None:
-        out["accuracy"] = float(np.mean([c for s in scored for c in s.correct]))
+        correct = [c for s, keep in zip(scored, ok) for c, k in zip(s.correct, keep) if k and c is not None]
+        out["accuracy"] = float(np.mean(correct)) if correct else math.nan
     merged = Scores(total, {k: [v for s in scored for v in s.per_function[k]] for k in scored[0].per_function},
                     {k: [v for s in scored for v in s.extra.get(k, [None] * len(s.total))]
                      for k in {k for s in scored for k in s.extra}})
@@ -342,7 +347,8 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
               metrics: MetricsLog, evals: MetricsLog, resumed: tuple[pathlib.Path, dict] | None = None) -> dict:
     """Held-out evaluation, `cfg.steps` training steps, held-out evaluation again; -> the run's summary. `resumed`:
     (the checkpoint the engine was restored from, its trainer state), the run continues at its step."""
-    step, next_problem, before, version = 0, 0, None, 0
+    step, next_problem, before, version, unpaired = 0, 0, None, 0, None
+    eval_key = held_out_key(cfg, source, rewards)
     episode_worker = engine.episodes     # a run with tools or an environment: multi-turn episodes
     last_saved: pathlib.Path | None = None
     kl_ctrl = KLController(cfg.kl_coef, cfg.kl_ctrl, cfg.kl_target, cfg.kl_horizon) if cfg.use_kl_in_reward else None
@@ -354,7 +360,12 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         # checkpoints written before rewards were pluggable held correctness flags only
         before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
         version = step
+        unpaired = state.get("eval_unpaired") or _changed_held_out(state, eval_key, source, rewards)
+        if unpaired and not state.get("eval_unpaired"):
+            tqdm.write(f"warning: {unpaired}: the final evaluation is not paired with the one before training "
+                       "(summary.json says so); start a new run to compare")
     if before is None:
+        rewards.trainer_state = TrainerState(global_step=0, max_steps=cfg.steps)
         before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
                                         episode_worker)
         evals.write({"step": 0, **before_means})
@@ -365,7 +376,8 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         nonlocal last_saved
         last_saved = engine.save(run_dir, at_step, {
             "next_problem": next_problem, "eval_before": [float(v) for v in before],
-            "eval_before_means": before_means, "data_fingerprint": source.fingerprint,
+            "eval_before_means": before_means, "data_fingerprint": source.fingerprint, "eval_key": eval_key,
+            "eval_unpaired": unpaired,
             "reward_names": rewards.names, "kl_reward_coef": None if kl_ctrl is None else kl_ctrl.value},
             cfg.to_dict())
         keep_newest(run_dir, cfg.keep_checkpoints)
@@ -407,6 +419,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
             for reason in row.get("skipped", []):
                 tqdm.write(f"nonfinite=skip: {reason}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)   # after `step` steps
                 _, means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
                                     episode_worker)
                 evals.write({"step": step, **means})
@@ -421,6 +434,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
         return {"stopped_at_step": step, "interrupted": True}
 
+    rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)
     after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
                                   episode_worker)
     evals.write({"step": step, **after_means})
@@ -429,8 +443,10 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
     rows = metrics.read()
     summary = {**{f"{k}_before": v for k, v in before_means.items()},
                **{f"{k}_after": v for k, v in after_means.items()},
-               "eval_problems": len(after), "paired_on": score_name(after_means),
-               **paired_comparison(before, after), "steps": step,
+               "eval_problems": len(after),
+               **({"paired_on": score_name(after_means), **paired_comparison(before, after)} if not unpaired else
+                  {"paired_on": None, "gained": None, "lost": None, "sign_test_p": None, "not_paired": unpaired}),
+               "steps": step,
                "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
                "eval_prompts_too_long": source.eval_too_long, "data": source.description,
                "train_seconds": sum(r.get("step_s", 0.0) for r in rows), "precision": engine.precision.name,
@@ -443,12 +459,37 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         tqdm.write("warning: no step kept a group to learn from (every reward failed, or every group's rewards were "
                    "equal), so the policy was not updated; metrics.jsonl's groups_kept and the reward errors above "
                    "say why")
-    tqdm.write(f"held-out {score_name(after_means)}: before {shown(before_means)}, after "
-               f"{shown(after_means)} ({len(after)} prompts, greedy; {summary['gained']} "
-               f"{'gained' if 'eval_accuracy' in after_means else 'better'}, {summary['lost']} "
-               f"{'lost' if 'eval_accuracy' in after_means else 'worse'}, sign-test p = {summary['sign_test_p']:.3g}); "
-               f"results in {run_dir}")
+    if unpaired:
+        tqdm.write(f"held-out {score_name(after_means)}: after {shown(after_means)} ({len(after)} prompts, greedy); "
+                   f"before training {shown(before_means)} is not compared: {unpaired}; results in {run_dir}")
+    else:
+        tqdm.write(f"held-out {score_name(after_means)}: before {shown(before_means)}, after "
+                   f"{shown(after_means)} ({len(after)} prompts, greedy; {summary['gained']} "
+                   f"{'gained' if 'eval_accuracy' in after_means else 'better'}, {summary['lost']} "
+                   f"{'lost' if 'eval_accuracy' in after_means else 'worse'}, sign-test p = "
+                   f"{summary['sign_test_p']:.3g}); results in {run_dir}")
     return summary
+
+
+def held_out_key(cfg: RunConfig, source: Source, rewards: RewardSet) -> str:
+    """What the evaluation before training was of: the held-out prompts (their tokens and rows), the reward
+    functions and what a reply is scored against. A resume whose key differs (allowed data or reward changes)
+    cannot pair its final evaluation with the stored one prompt by prompt."""
+    return hashlib.sha256(json.dumps([[e.prompt_ids, e.row] for e in source.eval_examples] +
+                                     [rewards.names, rewards.weights, cfg.answer_key, cfg.eval_max_new_tokens],
+                                     sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _changed_held_out(state: dict, key: str, source: Source, rewards: RewardSet) -> str | None:
+    """Why a resumed run's held-out evaluation is no longer the one its stored 'before' scores are of, or None.
+    Checkpoints older than the key: other data or other reward functions."""
+    if state.get("eval_key") is not None:
+        return None if state["eval_key"] == key else ("the held-out prompts, the reward functions or what they "
+                                                     f"score against changed on resume at step {state['step']}")
+    if state.get("data_fingerprint") not in (None, source.fingerprint) or \
+            state.get("reward_names") not in (None, rewards.names):
+        return f"the data or the reward functions changed on resume at step {state['step']}"
+    return None
 
 
 class _StopAfterStep:
@@ -525,4 +566,5 @@ def _update_stats(stats, logprob_s: float, update_s: float) -> dict:
             "kl": sum(s.kl for s in stats) / n, "clip_frac": sum(s.clip_frac for s in stats) / n,
             "entropy": sum(s.entropy for s in stats) / n, "grad_norm": guards.worst(s.grad_norm for s in stats),
             "packed_tokens": packed, "standard_tokens": standard, "rho": standard / packed if packed else None,
+            "lr": next((s.lr for s in reversed(stats) if s.lr is not None), None),   # the step's last update's
             "logprob_s": logprob_s, "update_s": update_s}

@@ -192,7 +192,11 @@ def plot_curves(rows: list[dict], evals: list[dict], path: pathlib.Path) -> None
     values = [r["reward_mean"] for r in train] + [r[key] for r in evals]
     ax.set_ylim(min([-0.02] + values), max([1.0] + values))
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    else:   # every step's and evaluation's reward was null (no row scored): an empty plot would read as a bug
+        ax.text(0.5, 0.5, "no scored rewards to plot (metrics.jsonl: reward_errors)", ha="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     tmp = files.temp_path(path, ".png")
     try:

@@ -721,7 +721,7 @@ class LearnerGroup(DataParallelScorer):
                            kl=sum(s.kl for s in stats), clip_frac=sum(s.clip_frac for s in stats),
                            entropy=sum(s.entropy for s in stats), grad_norm=guards.worst(s.grad_norm for s in stats),
                            packed_tokens=sum(s.packed_tokens for s in stats),
-                           standard_tokens=sum(s.standard_tokens for s in stats))
+                           standard_tokens=sum(s.standard_tokens for s in stats), lr=stats[0].lr)
 
 
 class CriticGroup(DataParallelScorer):

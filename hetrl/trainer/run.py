@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from hetrl.data import RewardSet, RowSource, Source, TaskSource
 from hetrl.data.rewards import columns_problems, load_rewards
-from hetrl.data.sources import check_plain_text, check_task, read_checked
+from hetrl.data.sources import check_eval_size, check_plain_text, check_task, read_checked
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
@@ -86,20 +86,30 @@ def train(cfg: RunConfig, resume: bool = False, allow_config_change: bool = Fals
     with _run_lock(run_dir):
         metrics = MetricsLog(run_dir / "metrics.jsonl")
         evals = MetricsLog(run_dir / "eval.jsonl")
-        ckpt = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
+        ckpt, changed = _resume_point(cfg, run_dir, metrics, evals, resume, allow_config_change)
         summary = _summary_at(run_dir, cfg.steps) if ckpt is not None and checkpoint.step_of(ckpt) == cfg.steps \
             else None
         if summary is not None:
             return _already_finished(run_dir, metrics, evals, summary)
-        files.write_text(run_dir / RUN_CONFIG,   # where it ran: what its relative paths are read from
-                         f"{RAN_IN}{os.getcwd()}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+        def record(more: tuple[dict, ...] = ()) -> None:
+            """What a run that goes ahead writes: its config (where it ran: what its relative paths are read from)
+            and, on a resume, the changes it was allowed (resumes.jsonl). Written once the run's checks passed (a
+            new run's data and rewards; a resume's data, rewards and checkpoint): a refused resume left
+            run_config.yaml saying what it was refused for, and the next plain --resume was then refused as a
+            change."""
+            files.write_text(run_dir / RUN_CONFIG,
+                             f"{RAN_IN}{os.getcwd()}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            for entry in (*changed, *more):
+                MetricsLog(run_dir / "resumes.jsonl").write(entry)
+
         metrics.tracker = evals.tracker = tracker(cfg.report_to, run_dir, cfg.to_dict())
         try:
             # the driver computes on the CPU unless a local run is on a GPU: its large tensors reuse freed memory
             on_cpu = driver_device(cfg).type == "cpu"
             with allocator.freed_memory_kept(on_cpu):
                 return _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs,
-                                        tools, environment_factory, allow_config_change)
+                                        tools, environment_factory, allow_config_change, record)
         finally:
             if metrics.tracker is not None:
                 metrics.tracker.close()
@@ -125,15 +135,21 @@ def load_policy(cfg, device):
 
 
 def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dataset, reward_funcs, tools=None,
-                     environment_factory=None, allow_config_change: bool = False) -> dict:
+                     environment_factory=None, allow_config_change: bool = False, record=None) -> dict:
     device, precision, rollout_engine = decide_run(cfg)
     tools, environment_factory = episodes.resolve_tools(cfg, tools, environment_factory)
     train_dataset, eval_dataset = up_front(cfg, train_dataset, eval_dataset, reward_funcs)   # before the model
+    if ckpt is None:   # a new run that passed its checks (a resume records itself once its own checks passed)
+        record()
     model, tokenizer = load_policy(cfg, device)
     agent = episodes.agent_from_config(cfg, tokenizer, tools, environment_factory)
     source = build_source(cfg, agent.render_tokenizer(tokenizer) if agent else tokenizer, train_dataset, eval_dataset,
                           model.config)
     rewards = build_rewards(cfg, source, reward_funcs, agent)
+    if isinstance(source, RowSource) and len(source.train_rows) < cfg.prompts_per_step:
+        log.warning("warning: %d training rows for prompts_per_step=%d: each step repeats prompts (an epoch is "
+                    "less than a step); lower prompts_per_step or give more rows", len(source.train_rows),
+                    cfg.prompts_per_step)
     if agent is not None:
         tqdm.write(f"tools: {', '.join(s['function']['name'] for s in agent.schemas)}; chat template: "
                    + ("the model's" if agent.template is None else "hetrl's Qwen2.5-style ChatML (the model's "
@@ -152,7 +168,7 @@ def _prepare_and_run(cfg, run_dir, metrics, evals, ckpt, train_dataset, eval_dat
         del model  # the engine holds what it needs (the Ray engine: only actors)
         try:
             resumed = None if ckpt is None else (ckpt, _resume(engine, ckpt, source, rewards, metrics, evals,
-                                                               allow_config_change))
+                                                               allow_config_change, record))
             return loop.run_steps(cfg, engine, source, rewards, run_dir, metrics, evals, resumed)
         finally:
             engine.close()
@@ -184,23 +200,25 @@ def _start_over(run_dir: pathlib.Path, metrics: MetricsLog, evals: MetricsLog, w
 
 
 def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume: bool,
-                  allow_config_change: bool) -> pathlib.Path | None:
-    """The checkpoint to continue from (None: start at step 0), after the checks that keep a run from being
-    lost (an existing run is never overwritten) or silently changed (a resume keeps its config)."""
+                  allow_config_change: bool) -> tuple[pathlib.Path | None, list[dict]]:
+    """The checkpoint to continue from (None: start at step 0) and the changes to log in resumes.jsonl once the
+    resume goes ahead, after the checks that keep a run from being lost (an existing run is never overwritten)
+    or silently changed (a resume keeps its config, or the changes resumes.jsonl says it was allowed before: a
+    resume that falls back past a damaged checkpoint to one saved before such a change is the run's own)."""
     if not resume:
         if checkpoint.any_saved(run_dir):
             raise InputError(f"{run_dir} already holds a run with checkpoints; continue it with: "
                              f"{resume_command(cfg)}, or choose another out_dir=... to start a new one")
         if metrics.exists() or evals.exists():
             _start_over(run_dir, metrics, evals, "the run there stopped before its first checkpoint")
-        return None
+        return None, []
     ckpt = checkpoint.latest(run_dir, say=tqdm.write)
     if ckpt is None:
         if not (metrics.exists() or evals.exists() or (run_dir / RUN_CONFIG).is_file()):
             raise InputError(f"--resume: {run_dir} holds no run to resume (no checkpoint, no metrics); check "
                              "out_dir, or start a new run there without --resume")
         _start_over(run_dir, metrics, evals, "--resume: no intact checkpoint to resume from")
-        return None
+        return None, []
     step = checkpoint.step_of(ckpt)
     if step > cfg.steps:
         raise InputError(f"--resume: the newest checkpoint ({ckpt.name}) is at step {step}, past steps={cfg.steps}; "
@@ -211,6 +229,11 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
         raise InputError(f"--resume: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in fixed.items())} cannot "
                          f"change on a resume, even with --allow-config-change: {ckpt.name} holds weights for the "
                          "old value. Resume with it, or start a new run in another out_dir")
+    allowed_before = _allowed_before(run_dir)
+    if changes and all(k in allowed_before and allowed_before[k] == b for k, (_, b) in changes.items()):
+        tqdm.write(f"--resume: {ckpt.name} was saved before changes this run was allowed later (resumes.jsonl): "
+                   + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        return ckpt, []
     if changes:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         if not allow_config_change:
@@ -219,9 +242,18 @@ def _resume_point(cfg: RunConfig, run_dir: pathlib.Path, metrics, evals, resume:
                              "a new run in another out_dir, or pass --allow-config-change (from Python: "
                              "hetrl.train(..., resume=True, allow_config_change=True)) to continue with the new values")
         tqdm.write(f"--allow-config-change: resuming {ckpt.name} with {listed} (logged in {run_dir / 'resumes.jsonl'})")
-        MetricsLog(run_dir / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
-            k: [a, b] for k, (a, b) in changes.items()}})
-    return ckpt
+        return ckpt, [{"checkpoint": ckpt.name, "changed": {k: [a, b] for k, (a, b) in changes.items()}}]
+    return ckpt, []
+
+
+def _allowed_before(run_dir: pathlib.Path) -> dict:
+    """Field -> the value an earlier resume of this run was allowed to change it to (resumes.jsonl), the latest."""
+    out = {}
+    for entry in MetricsLog(run_dir / "resumes.jsonl").read():
+        for k, change in (entry.get("changed") or {}).items():
+            if isinstance(change, list) and len(change) == 2:
+                out[k] = change[1]
+    return out
 
 
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_target_modules", "critic_model")   # what a checkpoint's weights are
@@ -248,10 +280,11 @@ def _summary_at(run_dir: pathlib.Path, step: int) -> dict | None:
 
 
 def _resume(engine: Engine, ckpt: pathlib.Path, source: Source, rewards: RewardSet, metrics: MetricsLog,
-            evals: MetricsLog, allow_config_change: bool) -> dict:
-    """The engine restored from `ckpt`, the logs cut back to its step; -> its trainer state."""
+            evals: MetricsLog, allow_config_change: bool, record) -> dict:
+    """The engine restored from `ckpt`, the logs cut back to its step, the run's config and allowed changes
+    written (`record`, once every check passed); -> its trainer state."""
     state = engine.load(ckpt)
-    _check_same_data(state, source, rewards, ckpt, allow_config_change)
+    record(_check_same_data(state, source, rewards, ckpt, allow_config_change))
     metrics.truncate_after(state["step"])
     evals.truncate_after(state["step"])
     tqdm.write(f"resumed from {ckpt} (step {state['step']})")
@@ -259,23 +292,29 @@ def _resume(engine: Engine, ckpt: pathlib.Path, source: Source, rewards: RewardS
 
 
 def _check_same_data(state: dict, source: Source, rewards: RewardSet, ckpt: pathlib.Path,
-                     allow_config_change: bool = False) -> None:
+                     allow_config_change: bool = False) -> tuple[dict, ...]:
     """A checkpoint continues only on the data and rewards it was trained with (a path's file may have changed,
     and data or rewards from Python have no path to compare), unless the user allows the change (data that was
-    fixed after a run stopped on it), which is logged in resumes.jsonl."""
+    fixed after a run stopped on it; other reward functions), which is logged in resumes.jsonl: -> its entries."""
+    allow = ("--allow-config-change (hetrl.train(..., resume=True, allow_config_change=True)) to continue with "
+             "the change (logged; the held-out comparison is then not paired)")
+    out = []
     if state.get("data_fingerprint") not in (None, source.fingerprint):
-        if allow_config_change:
-            tqdm.write(f"--allow-config-change: resuming {ckpt.name} on changed data ({source.description})")
-            MetricsLog(ckpt.parents[1] / "resumes.jsonl").write({"checkpoint": ckpt.name, "changed": {
-                "data_fingerprint": [state["data_fingerprint"], source.fingerprint]}})
-            return
-        raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
-                         "held-out split or the prompt columns differ); resume with the run's own data, pass "
-                         "--allow-config-change (hetrl.train(..., resume=True, allow_config_change=True)) to "
-                         "continue on the changed data (logged), or start a new run in another out_dir")
+        if not allow_config_change:
+            raise InputError(f"--resume: {ckpt} was trained on other data than {source.description} (its rows, the "
+                             f"held-out split or the prompt columns differ); resume with the run's own data, pass "
+                             f"{allow}, or start a new run in another out_dir")
+        tqdm.write(f"--allow-config-change: resuming {ckpt.name} on changed data ({source.description})")
+        out.append({"checkpoint": ckpt.name, "changed": {
+            "data_fingerprint": [state["data_fingerprint"], source.fingerprint]}})
     if state.get("reward_names") not in (None, rewards.names):
-        raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
-                         f"{', '.join(rewards.names)}; pass the same reward functions")
+        if not allow_config_change:
+            raise InputError(f"--resume: {ckpt} was trained with rewards {', '.join(state['reward_names'])}, now "
+                             f"{', '.join(rewards.names)}; pass the same reward functions, or pass {allow}")
+        tqdm.write(f"--allow-config-change: resuming {ckpt.name} with rewards {', '.join(rewards.names)} (was "
+                   f"{', '.join(state['reward_names'])})")
+        out.append({"checkpoint": ckpt.name, "changed": {"reward_names": [state["reward_names"], rewards.names]}})
+    return tuple(out)
 
 
 def prompt_cap(cfg: RunConfig, model_config) -> int:
@@ -337,6 +376,8 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
     evals = eval_dataset if eval_dataset is not None else cfg.eval_data
     evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
+    if evals is None:
+        check_eval_size(len(train), cfg.eval_size)
     problems = columns_problems(rewards, train, cfg.answer_key,
                                 "the train_dataset" if train_dataset is not None else f"data={cfg.data}")
     if isinstance(evals, list):   # held-out rows are scored by the same rewards

@@ -141,13 +141,15 @@ def full_optimizer_state(model, optimizer) -> dict:
 
 
 def load_optimizer_state(model, optimizer, state: dict) -> None:
-    """Each rank takes its shards of a full `optimizer.state_dict()`-form state (full_optimizer_state's)."""
+    """Each rank takes its shards of a full `optimizer.state_dict()`-form state (full_optimizer_state's); the run's
+    own lr and weight decay stay (`CONFIG_HYPERPARAMETERS`)."""
     names = _trainable_names(model)
     osd = {"state": {names[i]: v for i, v in state["state"].items()},
            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]]}
     # strict=False: a parameter that never had a gradient (the critic's unused LM head) has no state, as in
     # torch's own optimizer.load_state_dict, which starts such a parameter's moments afresh
-    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))
+    _keeping_config_hyperparameters(optimizer, lambda: set_optimizer_state_dict(
+        model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False)))
 
 
 # ------------------------------------------------------------------------------------------------------ ZeRO-1
@@ -218,11 +220,27 @@ def consolidate(optimizer: torch.optim.Optimizer) -> bool:
     return dist.get_rank() == 0
 
 
+# The hyperparameters a run's config sets on its optimizers (build.adamw): a resume keeps the config's, not the
+# checkpoint's (torch's load_state_dict restores the saved param_groups, so a resume with a new lr, allowed with
+# --allow-config-change, kept stepping at the old one without a word; a schedule overwrote lr, a constant rate not).
+CONFIG_HYPERPARAMETERS = ("lr", "weight_decay")
+
+
+def _keeping_config_hyperparameters(optimizer: torch.optim.Optimizer, load) -> None:
+    """Run `load` (which restores a saved state into `optimizer`), then put back the hyperparameters the run's
+    config set on it (CONFIG_HYPERPARAMETERS); the moments and step counts stay the checkpoint's."""
+    kept = [{k: g[k] for k in CONFIG_HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+    load()
+    for group, values in zip(optimizer.param_groups, kept):
+        group.update(values)
+
+
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """A whole `optimizer.state_dict()` (one learner's, or `consolidate`d) into `optimizer`; a ZeRO-1 rank keeps
-    its partition's. ZeroRedundancyOptimizer moves the step counts to the CPU, where a fused or capturable
-    AdamW on a GPU cannot take them: they go back to their parameters' device."""
-    optimizer.load_state_dict(state)
+    its partition's. The run's own lr and weight decay stay (`CONFIG_HYPERPARAMETERS`). ZeroRedundancyOptimizer
+    moves the step counts to the CPU, where a fused or capturable AdamW on a GPU cannot take them: they go back to
+    their parameters' device."""
+    _keeping_config_hyperparameters(optimizer, lambda: optimizer.load_state_dict(state))
     local = local_optimizer(optimizer)
     if local is optimizer:
         return

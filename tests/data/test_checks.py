@@ -102,7 +102,7 @@ def test_validate_checks_every_file_and_every_reward_and_says_all_problems(tmp_p
     bad.write_text(f"model: tiny\ndata: {_data(tmp_path, [{'prompt': ''}] * 5, 'a.jsonl')}\n"
                    f"eval_data: {tmp_path / 'missing.jsonl'}\nreward: {tmp_path / 'quits.py'}:f\n")
     good = tmp_path / "good.yaml"
-    good.write_text(f"model: tiny\ndata: {_data(tmp_path, ROWS, 'b.jsonl')}\nreward: exact_match\n")
+    good.write_text(f"model: tiny\ndata: {_data(tmp_path, ROWS, 'b.jsonl')}\nreward: exact_match\neval_size: 4\n")
     assert main(["validate", str(bad), str(good)]) == 2
     out, err = capsys.readouterr()
     assert f"{good}: ok (run config: grpo on tiny, 16 steps, executor local, 30 rows of" in out
@@ -130,6 +130,60 @@ def test_a_resume_on_fixed_data_proceeds_with_allow_config_change_and_is_logged(
     assert summary["steps"] == 2
     logged = [json.loads(x) for x in (out / "resumes.jsonl").read_text().splitlines()]
     assert logged[-1]["checkpoint"] == "step_000001" and "data_fingerprint" in logged[-1]["changed"]
+
+
+def test_a_resume_refused_after_the_model_loads_leaves_the_runs_config_and_log_as_they_were(tmp_path, capsys):
+    """run_config.yaml and resumes.jsonl are written once every check of a resume passed: a resume refused after
+    its config check (here the data split; hetrl validate says it too) left run_config.yaml saying the refused
+    values, and the next plain --resume was then refused as a change the user never made."""
+    data = _data(tmp_path, ROWS)
+    out = tmp_path / "r"
+    assert main(["train", "--config", "examples/runs/tiny.yaml", f"out_dir={out}", f"data={data}", *QUICK,
+                 "steps=1"]) == 0
+    config = (out / "run_config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2", "eval_size=30", "--allow-config-change"]) == 2
+    captured = capsys.readouterr()
+    assert "would hold out all of them" in captured.err and "held-out" not in captured.out   # before the model
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: tiny\ndata: {data}\nreward: exact_match\neval_size: 30\n")
+    assert main(["validate", str(run)]) == 2
+    assert "would hold out all of them" in capsys.readouterr().err
+    assert (out / "run_config.yaml").read_text() == config and not (out / "resumes.jsonl").exists()
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2"]) == 0
+
+
+def test_a_resume_allowed_other_rewards_is_logged_and_its_held_out_scores_are_not_paired(tmp_path, capsys):
+    """Other reward functions on a resume: refused as a change, and with --allow-config-change continued and
+    logged (they were refused even then, after the message offered the flag). The evaluation before training
+    scored other rewards, so the summary does not pair it with the final one (gained / lost / p are null and
+    not_paired says why) instead of pairing scores of different things."""
+    data = _data(tmp_path, ROWS)
+    out = tmp_path / "r"
+    assert main(["train", "--config", "examples/runs/tiny.yaml", f"out_dir={out}", f"data={data}", *QUICK,
+                 "steps=1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2", "reward=format"]) == 2
+    assert "--allow-config-change" in capsys.readouterr().err
+    assert main(["train", "--resume", f"out_dir={out}", "steps=2", "reward=format", "--allow-config-change"]) == 0
+    assert "is not compared" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["not_paired"] and summary["gained"] is None and summary["sign_test_p"] is None
+    logged = [json.loads(x)["changed"] for x in (out / "resumes.jsonl").read_text().splitlines()]
+    assert logged == [{"reward": ["exact_match", "format"]}, {"reward_names": [["exact_match"], ["format"]]}]
+    assert "reward: format" in (out / "run_config.yaml").read_text()
+    assert main(["train", "--resume", f"out_dir={out}", "steps=3"]) == 0   # the run's own config now
+    assert json.loads((out / "summary.json").read_text())["not_paired"]
+
+
+def test_data_smaller_than_a_step_is_warned_about(tmp_path, caplog):
+    """3 training rows for prompts_per_step=4: every step repeats prompts and epoch jumps by more than one; said
+    once at the start (it ran without a word)."""
+    data = _data(tmp_path, ROWS[:5])
+    assert main(["train", "--config", "examples/runs/tiny.yaml", f"out_dir={tmp_path / 'r'}", f"data={data}",
+                 "eval_size=2", "prompts_per_step=4", "responses_per_prompt=2", "mini_batches=1",
+                 "reward=exact_match", "steps=1"]) == 0
+    assert "3 training rows for prompts_per_step=4" in caplog.text
 
 
 def test_a_bad_parquet_file_is_said_once(tmp_path):

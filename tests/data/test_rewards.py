@@ -30,6 +30,31 @@ def test_a_trl_reward_receives_each_rows_columns_by_value():
     assert sorted(seen["extra"]) == ["log_extra", "log_metric", "trainer_state"]     # as TRL 1.16 passes them
 
 
+def test_a_reward_that_changes_what_it_is_given_changes_nothing_of_the_run():
+    """A judge that appends the reply to prompts[i] (to build the conversation it scores) or edits a column: each
+    call has its own copies, as TRL's fresh rows per call; a group's samples, which share their dataset row, each
+    get theirs too. The run's rows and token lists are as they were."""
+    row = {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "extra_info": {"k": [1]}}
+    ids = [[7], [8]]
+
+    def judge(prompts, completions, extra_info, completion_ids, **kwargs):
+        for p, c, e, t in zip(prompts, completions, extra_info, completion_ids):
+            p.append(c[0])
+            e["k"].append(2)
+            t.append(0)
+        return [float(len(p)) for p in prompts]
+
+    def verl_judge(data_source, solution_str, ground_truth, extra_info=None):
+        extra_info["k"].clear()
+        return 1.0
+
+    for _ in range(2):
+        assert RewardSet([judge]).score([row, row], [row["prompt"], row["prompt"]], ["4", "5"], ids).total == [2., 2.]
+        assert RewardSet([verl_judge]).score([row, row], [row["prompt"]] * 2, ["4", "5"]).total == [1.0, 1.0]
+    assert row == {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "extra_info": {"k": [1]}}
+    assert ids == [[7], [8]]
+
+
 def test_string_prompts_get_string_completions():
     got = {}
 
@@ -230,6 +255,38 @@ def test_exits_interrupts_and_dying_workers_are_that_rewards_error(tmp_path, nam
                 [{}] * 2, ["p"] * 2, ["a", "bb"]).total == [1.0, 2.0]
     finally:
         rewards.close()
+
+
+def test_a_steps_reward_mean_and_accuracy_leave_out_the_rows_reward_errors_skip_dropped():
+    """reward_errors=skip drops the rows a function failed on: they have no reward, so the step's reward_mean and
+    accuracy are over the rows scored (they counted as 0, and reward_mean fell while every scored row got 1)."""
+    from hetrl.data.rewards import Scores
+    from hetrl.trainer.loop import _reward_stats
+
+    def fail_even(completions, **kwargs):   # rows 0 and 2 fail (found row by row after the batch fails)
+        return [1.0 if c in ("b", "d") else 1 / 0 for c in completions]
+
+    s = RewardSet([fail_even], errors="skip").score([{}] * 4, ["p"] * 4, ["a", "b", "c", "d"])
+    assert s.failed == [0, 2] and s.total[1] == s.total[3] == 1.0
+    stats = _reward_stats([s])
+    assert stats["reward_mean"] == 1.0 and stats["reward/fail_even"] == 1.0
+    flags = Scores([0.0, 1.0, 0.0], {"f": [None, 1.0, 0.0]}, correct=[False, True, False], failed=[0])
+    assert _reward_stats([flags])["accuracy"] == 0.5
+    none = _reward_stats([Scores([0.0], {"f": [None]}, correct=[False], failed=[0])])
+    assert math.isnan(none["reward_mean"]) and math.isnan(none["accuracy"])
+
+
+def test_a_row_without_an_answer_is_neither_right_nor_wrong():
+    """The built-in check returns None where a row has no answer: its `correct` flag is None (it counted as wrong,
+    lowering accuracy and eval_accuracy), and the step's accuracy is over the rows judged."""
+    from hetrl.data.rewards import builtin_rewards
+    from hetrl.trainer.loop import _reward_stats
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, {"prompt": "3+3=", "answer": None}]
+    s = RewardSet(["exact_match"], builtins=builtin_rewards()).score(rows, [r["prompt"] for r in rows],
+                                                                   ["2", "4", "6"])
+    assert s.correct == [True, None, None]
+    assert _reward_stats([s])["accuracy"] == 1.0
 
 
 def test_a_hung_reward_in_a_worker_times_out_and_the_worker_is_replaced(tmp_path):

@@ -154,6 +154,34 @@ def test_resume_refuses_a_config_that_changes_the_run(tmp_path, capsys):
     assert main(["train", "--resume", f"out_dir={out}", "steps=3", "lr=0.5", "--allow-config-change"]) == 0
     logged = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
     assert logged == [{"checkpoint": "step_000002", "changed": {"lr": [0.001, 0.5]}}]
+    # the changed lr is the one step 3 took (the optimizer's saved param_groups held 0.001, and torch's
+    # load_state_dict restores them: with tiny's constant rate nothing set it again)
+    _, state = checkpoint.read(out / "checkpoints" / "step_000003")
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [0.5]
+    # a damaged newest checkpoint: the resume falls back to step 2, saved before the allowed change, which is the
+    # run's own history (resumes.jsonl), not a change to refuse with "resume with the run's own config"
+    (out / "checkpoints" / "step_000003" / "model.safetensors").write_bytes(b"cut")
+    capsys.readouterr()
+    assert main(["train", "--resume", f"out_dir={out}", "steps=4"]) == 0
+    assert "saved before changes this run was allowed later" in capsys.readouterr().out
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
+
+
+def test_a_loaded_optimizer_keeps_the_runs_own_lr_and_weight_decay():
+    """sharding.load_optimizer (replicas, ZeRO-1) takes the checkpoint's moments and step counts, and keeps the
+    hyperparameters the run's config set: a resume with --allow-config-change lr=... must step at the new rate."""
+    from hetrl.trainer import sharding
+    from hetrl.trainer.build import adamw
+
+    w = torch.nn.Parameter(torch.ones(3))
+    old = adamw([w], lr=1e-3, weight_decay=0.0)
+    w.grad = torch.ones(3)
+    old.step()
+    saved = old.state_dict()
+    new = adamw([w], lr=0.5, weight_decay=0.1)
+    sharding.load_optimizer(new, saved)
+    assert (new.param_groups[0]["lr"], new.param_groups[0]["weight_decay"]) == (0.5, 0.1)
+    assert torch.equal(new.state[w]["exp_avg"], old.state[w]["exp_avg"]) and float(new.state[w]["step"]) == 1
 
 
 def test_planted_symlinks_are_never_followed(tmp_path, capsys):

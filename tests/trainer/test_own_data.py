@@ -174,6 +174,26 @@ def test_every_file_form_reads_the_same_rows(tmp_path, suffix):
     assert [{k: str(v) for k, v in r.items()} for r in got] == rows
 
 
+def test_a_dataset_dict_trains_on_its_train_split_and_evaluates_on_its_test_split(tmp_path):
+    """A save_to_disk DatasetDict: data= reads its 'train' split; eval_data= its 'test' (or 'validation') split,
+    the one meant for evaluation (it read 'train' as the held-out rows)."""
+    from hetrl.data.sources import read_checked
+    from hetrl.schema import InputError
+
+    train = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(5)]
+    test = [{"prompt": f"{i}*2=", "answer": str(2 * i)} for i in range(3)]
+    path = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(path))
+    assert read_checked(str(path), "data", "prompt") == train
+    assert read_checked(str(path), "eval_data", "prompt") == test
+    only_val = tmp_path / "val"
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(test)}).save_to_disk(str(only_val))
+    assert read_checked(str(only_val), "eval_data", "prompt") == test
+    with pytest.raises(InputError, match="without a 'train' split"):
+        read_checked(str(only_val), "data", "prompt")
+
+
 BAD_REWARDS = {
     "syntax": ("def f(completions, **kw)\n    return [1.0]\n", "f", r"reward\.py:1: syntax error"),
     "import": ("import not_a_module_anywhere\n", "f", r"importing it failed at .*reward\.py:1: ModuleNotFoundError"),
@@ -341,6 +361,22 @@ def test_a_reward_that_needs_a_column_the_data_lacks_is_refused_before_the_model
         run.write_text(f"model: tiny\ndata: {data}\nreward: {reward}\n")
         assert main(["validate", str(run)]) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_a_column_named_as_a_reward_argument_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A data column called completions (or prompts, completion_ids) would reach every TRL-style reward twice: the
+    call failed after the model loaded with 'got multiple values for keyword argument', blaming the function."""
+    data = _write_jsonl(tmp_path / "cols.jsonl", [{"prompt": f"{i} + 1 =", "answer": str(i + 1),
+                                                   "completions": "x"} for i in range(12)])
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", f"data={data}", "reward=exact_match",
+                 *QUICK]) == 2
+    captured = capsys.readouterr()
+    assert "has the column(s) completions" in captured.err and "rename" in captured.err
+    assert "held-out" not in captured.out
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: tiny\ndata: {data}\nreward: exact_match\n")
+    assert main(["validate", str(run)]) == 2
+    assert "has the column(s) completions" in capsys.readouterr().err
 
 
 def test_a_held_out_set_no_reward_scores_has_no_score_not_zero(tmp_path, capsys):
