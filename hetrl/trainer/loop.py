@@ -48,7 +48,7 @@ from hetrl.algo import (
 from hetrl.algo.advantages import options_of
 from hetrl.data import Example, RewardSet, RowSource, Scores, Source
 from hetrl.data.containment import UserAbort
-from hetrl.data.rewards import TrainerState
+from hetrl.data.rewards import TrainerState, nested
 from hetrl.trainer import episodes, files, guards, profiling
 from hetrl.trainer.checkpoint import keep_newest, resume_command
 from hetrl.trainer.config import RunConfig
@@ -472,10 +472,11 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
 
 
 def held_out_key(cfg: RunConfig, source: Source, rewards: RewardSet) -> str:
-    """What the evaluation before training was of: the held-out prompts (their tokens and rows), the reward
+    """What the evaluation before training was of: the held-out prompts (their tokens and answers), the reward
     functions and what a reply is scored against. A resume whose key differs (allowed data or reward changes)
-    cannot pair its final evaluation with the stored one prompt by prompt."""
-    return hashlib.sha256(json.dumps([[e.prompt_ids, e.row] for e in source.eval_examples] +
+    cannot pair its final evaluation with the stored one prompt by prompt. (Not the whole row: a task's rows may
+    hold objects whose text differs between processes.)"""
+    return hashlib.sha256(json.dumps([[e.prompt_ids, nested(e.row, cfg.answer_key)] for e in source.eval_examples] +
                                      [rewards.names, rewards.weights, cfg.answer_key, cfg.eval_max_new_tokens],
                                      sort_keys=True, default=str).encode()).hexdigest()
 

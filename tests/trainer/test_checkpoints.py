@@ -165,6 +165,8 @@ def test_resume_refuses_a_config_that_changes_the_run(tmp_path, capsys):
     assert main(["train", "--resume", f"out_dir={out}", "steps=4"]) == 0
     assert "saved before changes this run was allowed later" in capsys.readouterr().out
     assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
+    summary = json.loads((out / "summary.json").read_text())   # the same held-out prompts and rewards: paired
+    assert "not_paired" not in summary and summary["sign_test_p"] is not None
 
 
 def test_a_loaded_optimizer_keeps_the_runs_own_lr_and_weight_decay():
