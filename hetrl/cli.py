@@ -213,9 +213,17 @@ def _validate(args) -> int:
     from hetrl.validate import validate_file
 
     failed = 0
-    for path in args.files:
+    # key=value (not a file of that name): overrides for the run configs, as hetrl train takes them
+    overrides = [a for a in args.files if "=" in a and not os.path.exists(a)]
+    files = [a for a in args.files if a not in overrides]
+    if not files:
+        print("hetrl validate: give at least one FILE (key=value overrides apply to the run configs given)",
+              file=sys.stderr)
+        return 2
+    for path in files:
         try:
-            print(f"{path}: ok ({validate_file(path, cluster=args.cluster, workload=args.workload)})")
+            said = validate_file(path, cluster=args.cluster, workload=args.workload, overrides=overrides)
+            print(f"{path}: ok ({said})")
         except (ValueError, OSError) as e:
             if args.debug:
                 traceback.print_exc()
@@ -371,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     va = sub.add_parser("validate", help="check hetrl input files (cluster, workload, plan JSON, run config) "
                         "without running anything: prints ok or one line per problem")
-    va.add_argument("files", nargs="+", metavar="FILE")
+    va.add_argument("files", nargs="+", metavar="FILE",
+                    help="files to check; key=value among them overrides the run configs' keys as hetrl train's "
+                    "command line does (e.g. hetrl validate run.yaml steps=100)")
     va.add_argument("--cluster", help="with --workload: check plan files against this cluster YAML (GPU names, "
                     "memory)")
     va.add_argument("--workload", help="with --cluster: check plan files against this workload (tasks, memory)")

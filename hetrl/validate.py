@@ -11,8 +11,13 @@ from __future__ import annotations
 from hetrl.schema import InputError, read_json, read_yaml
 
 
-def validate_file(path: str, cluster: str | None = None, workload: str | None = None) -> str:
-    """-> a short description of the valid file at `path`; raises InputError (one line) otherwise."""
+def validate_file(path: str, cluster: str | None = None, workload: str | None = None,
+                  overrides: list[str] = ()) -> str:
+    """-> a short description of the valid file at `path`; raises InputError (one line) otherwise. `overrides`:
+    key=value for a run config, as hetrl train's command line gives them (refused for other files)."""
+    if overrides and not path.endswith((".yaml", ".yml")):
+        raise InputError(f"{path}: key=value overrides ({', '.join(overrides)}) apply to run configs, not to a plan",
+                         located=True)
     from hetrl.planner import load_cluster, load_workload
     from hetrl.planner.plan import check_form, load_plan, plan_shape
     from hetrl.planner.spec import cluster_from_dict, workload_from_dict
@@ -46,6 +51,9 @@ def validate_file(path: str, cluster: str | None = None, workload: str | None = 
         raise InputError(f"{path}: cannot tell what it is; hetrl reads cluster, workload and run configs as .yaml "
                          "and plans as .json", located=True)
     data = read_yaml(path)
+    if overrides and ("nodes" in data or "models" in data):
+        raise InputError(f"{path}: key=value overrides ({', '.join(overrides)}) apply to run configs, not to a "
+                         f"{'cluster' if 'nodes' in data else 'workload'}", located=True)
     if "nodes" in data:
         c = cluster_from_dict(data, path)
         return (f"cluster {c.name}: {len(c.gpus)} GPUs on {len(c.nodes)} node(s) in "
@@ -53,16 +61,16 @@ def validate_file(path: str, cluster: str | None = None, workload: str | None = 
     if "models" in data:
         w = workload_from_dict(data, path)
         return f"workload: {w.algorithm} {w.mode}, actor {w.actor.name}, {w.samples} samples per step"
-    return _validate_run_config(path)
+    return _validate_run_config(path, overrides)
 
 
-def _validate_run_config(path: str) -> str:
+def _validate_run_config(path: str, overrides: list[str] = ()) -> str:
     from hetrl.models import unknown_model
     from hetrl.planner import load_cluster
     from hetrl.planner.plan import plan_shape
     from hetrl.trainer.config import load_config
 
-    cfg = load_config(path)
+    cfg = load_config(path, list(overrides))
     cluster = None
     for key in ("cluster", "emulate_cluster"):
         if getattr(cfg, key):

@@ -186,6 +186,23 @@ def test_data_smaller_than_a_step_is_warned_about(tmp_path, caplog):
     assert "3 training rows for prompts_per_step=4" in caplog.text
 
 
+def test_validate_takes_the_key_value_overrides_train_takes(tmp_path, capsys):
+    """hetrl validate RUN.yaml key=value checks the config as `hetrl train --config RUN.yaml key=value` runs it
+    (it took files only); overrides given with a cluster, workload or plan file are refused for that file."""
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: tiny\ndata: {_data(tmp_path, ROWS)}\nreward: exact_match\n")
+    assert main(["validate", str(run)]) == 2          # eval_size 100 of 30 rows
+    assert "would hold out all of them" in capsys.readouterr().err
+    assert main(["validate", str(run), "eval_size=4", "steps=3"]) == 0
+    assert "3 steps" in capsys.readouterr().out
+    assert main(["validate", str(run), "stepz=3"]) == 2
+    assert "stepz" in capsys.readouterr().err
+    assert main(["validate", "examples/clusters/cpu-local.yaml", "steps=3"]) == 2
+    assert "apply to run configs, not to a cluster" in capsys.readouterr().err
+    assert main(["validate", "steps=3"]) == 2
+    assert "give at least one FILE" in capsys.readouterr().err
+
+
 def test_a_bad_parquet_file_is_said_once(tmp_path):
     (tmp_path / "d.parquet").write_bytes(b"garbage")
     (tmp_path / "run.yaml").write_text(f"model: tiny\ndata: {tmp_path / 'd.parquet'}\nreward: exact_match\n")
