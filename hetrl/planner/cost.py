@@ -1087,6 +1087,11 @@ def _runs(cluster: ClusterSpec, gpus: tuple[int, ...]) -> tuple[tuple[float, str
     return tuple((usable, node, tuple(ids)) for (usable, node), ids in runs.items())
 
 
+def usable_host_bytes(cluster: ClusterSpec, node: str) -> float:
+    """Host memory of `node` that offloaded and swapped states may fill (the same share as of GPU memory)."""
+    return cluster.node(node).host_memory_bytes * MEM_UTIL
+
+
 def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
     """Peak bytes of every GPU and host memory of every node under `plan`, and the first thing that does not
     fit (a constraint: a plan that does not fit is infeasible, whatever its speed)."""
@@ -1107,7 +1112,7 @@ def memory(cluster: ClusterSpec, w: WorkloadSpec, plan: Plan) -> Memory:
                 g = cluster.gpus[ids[0]]
                 why = f"{g.name} ({g.type.name}) needs {gm.peak / 1e9:.1f} GB but has {usable / 1e9:.1f} GB usable"
     for name, need in host_of_node.items():
-        have = cluster.node(name).host_memory_bytes * MEM_UTIL
+        have = usable_host_bytes(cluster, name)
         if need > have and not why:
             why = (f"node {name} needs {need / 1e9:.1f} GB of host memory for offloaded and swapped states but has "
                    f"{have / 1e9:.1f} GB usable (host_memory_gb in the cluster YAML)")

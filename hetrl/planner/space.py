@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 from . import optables
 from .cost import (
-    MEM_UTIL,
     PHASES,
     ROLE_OF,
     TRAIN_TASKS,
@@ -41,6 +40,7 @@ from .cost import (
     shard_gather_s,
     task_costs,
     task_memory,
+    usable_host_bytes,
     weight_sync_s,
 )
 from .plan import BOUND, Group, Parallelism, Plan, workload_tasks
@@ -188,7 +188,7 @@ def _host_room(cluster: ClusterSpec, gpus: tuple[int, ...]) -> float:
     per_node: dict[str, int] = {}
     for i in gpus:
         per_node[cluster.gpus[i].node] = per_node.get(cluster.gpus[i].node, 0) + 1
-    return min(cluster.node(n).host_memory_bytes * MEM_UTIL / k for n, k in per_node.items())
+    return min(usable_host_bytes(cluster, n) / k for n, k in per_node.items())
 
 
 @dataclass(frozen=True)
@@ -530,7 +530,7 @@ def best_combination(cluster, w, options: list[tuple[GroupConfig, ...]], exact: 
                      ) -> tuple[float, list[GroupConfig]]:
     """(iteration seconds, one configuration per group) from each group's `configurations`: with `exact`, the best
     of every combination (the exhaustive oracle's rule, which the ILP matches); else each group's first (the
-    shortest group_seconds), then one group at a time changed to the alternative that shortens the iteration most,
+    shortest group_seconds), then one group at a time changed to any alternative that shortens the iteration,
     until none does."""
     configs = [o[0] for o in options]
     best = iteration_s(cluster, w, configs)

@@ -126,7 +126,8 @@ def collect_rollouts(cfg: RunConfig, source: Source, rewards: RewardSet, engine:
 def _reward_stats(scored: list[Scores]) -> dict:
     """The step's reward means over the rows scored: a row reward_errors=skip dropped has no reward (its 0 in
     `total` read as a falling reward_mean while every scored row got 1); NaN when none was scored."""
-    ok = [[i not in failed for i in range(len(s.total))] for s in scored for failed in [set(s.failed)]]
+    dropped = [set(s.failed) for s in scored]
+    ok = [[i not in d for i in range(len(s.total))] for s, d in zip(scored, dropped)]
     total = [v for s, keep in zip(scored, ok) for v, k in zip(s.total, keep) if k]
     out = {"reward_mean": guards.mean(total) if total else math.nan}
     for name in {k for s in scored for k in s.logged}:     # TRL's log_metric(name, value): the step's mean
