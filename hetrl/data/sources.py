@@ -10,7 +10,8 @@ are skipped and counted, never truncated.
 - reasoning-gym: training problems are generator indices 0, 1, 2, ... of one seed; the held-out set comes from
   another seed, and a training problem whose question is also held out is skipped.
 - a user's rows (JSONL, JSON, Parquet, CSV, or a `datasets.save_to_disk` directory, read with `datasets`, offline):
-  the held-out rows are `eval_data`, or else `eval_size` rows drawn out of `data` by seed; training rows whose
+  the held-out rows are `eval_data`, or else a saved DatasetDict's test (else validation) split, or else
+  `eval_size` rows drawn out of `data` by seed; training rows whose
   prompt equals a held-out prompt are dropped too. Each epoch visits the training rows in a new order drawn from
   (seed, epoch). Rows are held in memory as Python dicts (fine to millions of short rows).
 """
@@ -259,7 +260,7 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
                 raise InputError(f"{what}={path}: not a directory written by datasets' save_to_disk "
                                  f"({str(e).splitlines()[0]})") from None
             if isinstance(ds, datasets.DatasetDict):   # held-out rows from its split for evaluation, if it has one
-                want = ("test", "validation", "train") if what == "eval_data" else ("train",)
+                want = (*EVAL_SPLITS, "train") if what == "eval_data" else ("train",)
                 split = next((s for s in want if s in ds), None)
                 if split is None:
                     raise InputError(f"{what}={path}: a DatasetDict without a {' or '.join(map(repr, want))} split "
@@ -314,6 +315,35 @@ def read_checked(data, what: str, prompt_key: str) -> list[dict]:
     return rows
 
 
+EVAL_SPLITS = ("test", "validation")   # a saved DatasetDict's held-out split, the first it has
+
+
+def dataset_dict_splits(path) -> list[str]:
+    """The splits of the DatasetDict that datasets' save_to_disk wrote at `path` ([] for anything else)."""
+    try:
+        splits = json.loads((pathlib.Path(path) / "dataset_dict.json").read_text()).get("splits")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [s for s in splits if isinstance(s, str)] if isinstance(splits, list) else []
+
+
+def held_out_data(data, eval_data):
+    """Where a run's held-out rows come from: `eval_data` when given; else, where `data` is a saved DatasetDict with
+    a test (else validation) split, that split (the same directory, read as eval_data, takes it; training reads its
+    train split); else None (eval_size rows drawn out of the data). One rule for hetrl train and hetrl validate."""
+    if eval_data is not None or not isinstance(data, (str, os.PathLike)):
+        return eval_data
+    return data if any(s in dataset_dict_splits(data) for s in EVAL_SPLITS) else None
+
+
+def held_out_label(data, eval_data) -> str:
+    """How a run's description names its held-out rows when they are not drawn out of the data."""
+    if eval_data is None and held_out_data(data, None) is not None:
+        split = next(s for s in EVAL_SPLITS if s in dataset_dict_splits(data))
+        return f"the DatasetDict's {split} split; eval_data=PATH for others"
+    return "eval_data"
+
+
 def check_eval_size(rows: int, eval_size: int) -> None:
     """Held out from the data itself (no eval_data), eval_size rows must leave some to train on: checked by hetrl
     train and hetrl validate before the model loads, and by the source that splits them."""
@@ -331,7 +361,7 @@ class RowSource(_Stream):
 
     def __init__(self, data, eval_data, *, eval_size: int, seed: int, tokenizer, prompt_key: str = "prompt",
                  max_prompt_tokens: int | None = None, prompt_suffix: str = "", name: str | None = None,
-                 response_prefix: str = ""):
+                 response_prefix: str = "", eval_label: str = "eval_data"):
         super().__init__(tokenizer, max_prompt_tokens)
         rows = read_checked(data, "data", prompt_key)
         rows = [self._normalise(r, i, prompt_key, "data", prompt_suffix, response_prefix) for i, r in enumerate(rows)]
@@ -339,7 +369,7 @@ class RowSource(_Stream):
         if eval_data is not None:
             evals = [self._normalise(r, i, prompt_key, "eval_data", prompt_suffix, response_prefix)
                      for i, r in enumerate(read_checked(eval_data, "eval_data", prompt_key))]
-            split = "eval_data"
+            split = eval_label
         else:
             check_eval_size(len(rows), eval_size)
             order = list(range(len(rows)))

@@ -23,7 +23,14 @@ from tqdm import tqdm
 
 from hetrl.data import RewardSet, RowSource, Source, TaskSource
 from hetrl.data.rewards import columns_problems, load_rewards
-from hetrl.data.sources import check_eval_size, check_plain_text, check_task, read_checked
+from hetrl.data.sources import (
+    check_eval_size,
+    check_plain_text,
+    check_task,
+    held_out_data,
+    held_out_label,
+    read_checked,
+)
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
 from hetrl.schema import InputError
@@ -352,14 +359,14 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
         raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
                          "from Python with the same dataset: hetrl.train(..., train_dataset=..., resume=True)")
     data = train_dataset if train_dataset is not None else cfg.data
-    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    evals = eval_dataset if eval_dataset is not None else held_out_data(cfg.data, cfg.eval_data)
     if evals == PYTHON:
         raise InputError("this run's eval data was passed from Python; pass it again: "
                          "hetrl.train(..., eval_dataset=...)")
     return RowSource(data, evals, eval_size=cfg.eval_size, seed=cfg.seed, tokenizer=tokenizer,
                      prompt_key=cfg.prompt_key, max_prompt_tokens=cap,
                      prompt_suffix=cfg.prompt_suffix, name=None if cfg.data == PYTHON else cfg.data,
-                     response_prefix=cfg.response_prefix)
+                     response_prefix=cfg.response_prefix, eval_label=held_out_label(cfg.data, cfg.eval_data))
 
 
 def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
@@ -374,7 +381,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
         return train_dataset, eval_dataset
     train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
-    evals = eval_dataset if eval_dataset is not None else cfg.eval_data
+    evals = eval_dataset if eval_dataset is not None else held_out_data(cfg.data, cfg.eval_data)
     evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
     if evals is None:
         check_eval_size(len(train), cfg.eval_size)
@@ -382,7 +389,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
                                 "the train_dataset" if train_dataset is not None else f"data={cfg.data}")
     if isinstance(evals, list):   # held-out rows are scored by the same rewards
         problems += columns_problems(rewards, evals, cfg.answer_key, "the eval_dataset" if eval_dataset is not None
-                                     else f"eval_data={cfg.eval_data}")
+                                     else f"eval_data={held_out_data(cfg.data, cfg.eval_data)}")
     if problems:
         raise InputError("; ".join(problems))
     return train, evals

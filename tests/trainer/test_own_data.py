@@ -194,6 +194,41 @@ def test_a_dataset_dict_trains_on_its_train_split_and_evaluates_on_its_test_spli
         read_checked(str(only_val), "data", "prompt")
 
 
+def test_a_dataset_dict_given_as_data_alone_holds_out_its_test_split(tmp_path, capsys):
+    """data= a saved DatasetDict with a test (else validation) split and no eval_data: the held-out rows are that
+    split, as its author meant (it was ignored and eval_size rows were drawn out of the train split), said in the
+    run's description; hetrl validate checks the same split; with a train split only, eval_size rows are drawn."""
+    from hetrl.data.sources import held_out_data
+    from hetrl.trainer import run
+    from hetrl.trainer.config import load_config
+
+    train = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)]
+    test = [{"prompt": f"{i}*2=", "answer": str(2 * i)} for i in range(3)]
+    for split in ("test", "validation"):
+        path = tmp_path / split
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                              split: datasets.Dataset.from_list(test)}).save_to_disk(str(path))
+        cfg = load_config(TINY, [f"data={path}", "eval_size=4", "reward=exact_match"])
+        assert held_out_data(cfg.data, cfg.eval_data) == str(path)
+        source = run.build_source(cfg, tiny_tokenizer())
+        assert [e.row for e in source.eval_examples] == test and len(source.train_rows) == 12
+        assert f"3 held out (the DatasetDict's {split} split; eval_data=PATH for others)" in source.description
+        other = _write_jsonl(tmp_path / "other.jsonl", train[:2])   # eval_data= still chooses
+        cfg = load_config(TINY, [f"data={path}", f"eval_data={other}", "reward=exact_match"])
+        assert [e.row for e in run.build_source(cfg, tiny_tokenizer()).eval_examples] == train[:2]
+    bad = tmp_path / "bad"   # validate reads that split too: its rows' problems are said
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list([{"question": "1+1="}])}).save_to_disk(str(bad))
+    assert main(["validate", TINY, f"data={bad}", "reward=exact_match"]) == 2
+    assert "eval_data" in capsys.readouterr().err
+    only_train = tmp_path / "train_only"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train)}).save_to_disk(str(only_train))
+    cfg = load_config(TINY, [f"data={only_train}", "eval_size=4", "reward=exact_match"])
+    assert held_out_data(cfg.data, cfg.eval_data) is None
+    source = run.build_source(cfg, tiny_tokenizer())
+    assert len(source.eval_examples) == 4 and "eval_size=4 rows drawn by seed" in source.description
+
+
 BAD_REWARDS = {
     "syntax": ("def f(completions, **kw)\n    return [1.0]\n", "f", r"reward\.py:1: syntax error"),
     "import": ("import not_a_module_anywhere\n", "f", r"importing it failed at .*reward\.py:1: ModuleNotFoundError"),
