@@ -22,21 +22,11 @@ def train(config=None, *, train_dataset=None, eval_dataset=None, reward_funcs=No
       data is accepted on resume and logged in out_dir/resumes.jsonl).
     Returns the run's summary (as summary.json).
     """
-    from hetrl.trainer.config import RunConfig, check_keys, load_config, resolve_aliases
+    from hetrl.trainer.config import RunConfig, python_config
     from hetrl.trainer.run import python_fields
     from hetrl.trainer.run import train as _train
 
-    if isinstance(config, RunConfig):
-        fields = config.to_dict()
-    elif config is None or isinstance(config, str):
-        fields = load_config(config).to_dict()
-    elif isinstance(config, dict):
-        check_keys(config, "hetrl.train's config")
-        fields = dict(config)
-    else:
-        raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
-    check_keys(overrides, "hetrl.train's keyword arguments")   # an unknown one: the valid keys, did you mean
-    fields |= resolve_aliases(overrides)   # verl's and TRL's names (loss_type=dr_grpo, beta=...) too
+    fields = python_config(config, overrides)
     fields |= python_fields(fields.get("data"), fields.get("eval_data"), train_dataset, eval_dataset, reward_funcs,
                             tools, environment_factory, overrides.get("reward"))
     from hetrl.cli import warnings_beside_bars

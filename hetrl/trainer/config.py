@@ -726,6 +726,39 @@ def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str,
     return resolve_aliases(data)
 
 
+def as_given(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg`'s fields without what its algorithm's preset (and its loss's own aggregation) filled in, so that a
+    config built from them with another `algorithm` (or loss_mode) takes that one's values, as a YAML or the
+    command line would: a resolved config carries grpo's clip range and loss into any algorithm set over it."""
+    preset = _PRESETS.get(cfg.algorithm, {})
+    fixed = POLICY_LOSSES[cfg.loss_mode].aggregation if cfg.loss_mode in POLICY_LOSSES else None
+    return {k: v for k, v in cfg.to_dict().items()
+            if not ((k in preset and v == preset[k]) or (k == "loss_agg" and fixed is not None and v == fixed))}
+
+
+def python_config(config=None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """hetrl.train's config as fields for RunConfig: `config` a RunConfig, a mapping of its fields, a run YAML path
+    or None (the defaults), with `overrides` (fields, or verl's / TRL's names for them) over it. What a preset sets
+    is left to the preset, as for the same YAML with the same `key=value` on the command line."""
+    overrides = dict(overrides or {})
+    if isinstance(config, RunConfig):
+        fields = as_given(config)
+    elif config is None or isinstance(config, str):
+        load_config(config)   # its errors name the file and the key
+        fields = config_data(config)
+    elif isinstance(config, dict):
+        check_keys(config, "hetrl.train's config")
+        fields = resolve_aliases(dict(config))
+    else:
+        raise TypeError(f"config must be a RunConfig, a dict of its fields or a YAML path, got {type(config).__name__}")
+    check_keys(overrides, "hetrl.train's keyword arguments")   # an unknown one: the valid keys, did you mean
+    for key in overrides:   # a keyword wins over the config's value of the same field under another name
+        field_name = ALIASES.get(key, key)
+        for other in [k for k in fields if k != key and ALIASES.get(k, k) == field_name]:
+            del fields[other]
+    return fields | resolve_aliases(overrides)   # verl's and TRL's names (loss_type=dr_grpo, beta=...) too
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
     """Read a run YAML (optional) and apply `key=value` overrides; unknown keys and bad values are errors that
     name the file (or the command line) and the key."""

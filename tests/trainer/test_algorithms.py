@@ -119,6 +119,32 @@ def test_python_train_takes_trl_names(tmp_path, monkeypatch):
     assert (cfg.aggregation, cfg.kl_coef, cfg.scale_advantages) == ("seq-mean-token-sum-norm", 0.01, False)
 
 
+@pytest.mark.parametrize("algorithm", ["gspo", "dapo", "dr_grpo", "rloo", "cispo", "ppo"])
+def test_python_train_takes_the_algorithms_preset_as_the_command_line_does(tmp_path, monkeypatch, algorithm):
+    """hetrl.train(config, algorithm=X) is the run `hetrl train [--config] algorithm=X` makes, whether config is
+    None, a YAML path, a dict or a RunConfig: the config's resolved grpo values (loss, clip range, aggregation) do
+    not stand in for X's preset. (They did: every algorithm run from Python, the algorithm benchmark's included,
+    trained GRPO under X's name.)"""
+    import hetrl
+    from hetrl.trainer import run
+
+    seen = []
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: seen.append(cfg))
+    out = f"out_dir={tmp_path}"
+    for config, cli in [(None, load_config(None, [f"algorithm={algorithm}", out])),
+                        (TINY, load_config(TINY, [f"algorithm={algorithm}", out])),
+                        (load_config(TINY), load_config(TINY, [f"algorithm={algorithm}", out])),
+                        ({"steps": 3}, load_config(None, ["steps=3", f"algorithm={algorithm}", out]))]:
+        hetrl.train(config, algorithm=algorithm, out_dir=str(tmp_path))
+        assert seen.pop().to_dict() == cli.to_dict()
+    over = load_config(TINY, ["algorithm=dapo"])   # from one preset to another: nothing of the first stays
+    hetrl.train(over, algorithm=algorithm, out_dir=str(tmp_path))
+    assert seen.pop().to_dict() == load_config(TINY, [f"algorithm={algorithm}", out]).to_dict()
+    mine = load_config(TINY, ["clip_high=0.3"])    # a value the user set (not the preset's) is kept
+    hetrl.train(mine, algorithm="dapo", out_dir=str(tmp_path))
+    assert seen.pop().clip_high == 0.3
+
+
 def test_remax_advantage_is_the_reward_less_the_greedy_baseline():
     """Every token of a response gets r - b (its reward sits on the last token; b: the prompt's greedy reward)."""
     from hetrl.data import Example
