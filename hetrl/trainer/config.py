@@ -714,6 +714,8 @@ def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str,
         data.update(loaded)
     extra = parse_overrides(list(overrides))
     check_keys(extra, "the command line")
+    if "algorithm" in extra and extra["algorithm"] != data.get("algorithm", RunConfig.algorithm):
+        data = _without_preset(data)   # the file's own algorithm's values go with it (a saved run_config.yaml)
     for key in extra:   # the command line wins over the YAML's value of a field under another name (beta, kl_coef)
         field = ALIASES.get(key, key)
         for other in [k for k in data if k != key and ALIASES.get(k, k) == field]:
@@ -726,14 +728,20 @@ def config_data(path: str | None = None, overrides: list[str] = ()) -> dict[str,
     return resolve_aliases(data)
 
 
-def as_given(cfg: RunConfig) -> dict[str, Any]:
-    """`cfg`'s fields without what its algorithm's preset (and its loss's own aggregation) filled in, so that a
-    config built from them with another `algorithm` (or loss_mode) takes that one's values, as a YAML or the
-    command line would: a resolved config carries grpo's clip range and loss into any algorithm set over it."""
-    preset = _PRESETS.get(cfg.algorithm, {})
-    fixed = POLICY_LOSSES[cfg.loss_mode].aggregation if cfg.loss_mode in POLICY_LOSSES else None
-    return {k: v for k, v in cfg.to_dict().items()
+def _without_preset(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` without the values their algorithm's preset (and their loss's own aggregation) gives, so that a config
+    built from them with another `algorithm` (or loss_mode) takes that one's: a resolved config (a RunConfig, a saved
+    run_config.yaml) would otherwise carry grpo's loss and clip range into any algorithm set over it."""
+    preset = _PRESETS.get(fields.get("algorithm", RunConfig.algorithm), {})
+    loss = POLICY_LOSSES.get(fields.get("loss_mode"))
+    fixed = loss.aggregation if loss is not None else None
+    return {k: v for k, v in fields.items()
             if not ((k in preset and v == preset[k]) or (k == "loss_agg" and fixed is not None and v == fixed))}
+
+
+def as_given(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg`'s fields as a config to build another from (hetrl.train(cfg, algorithm=...)): `_without_preset`."""
+    return _without_preset(cfg.to_dict())
 
 
 def python_config(config=None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from hetrl.cli import main
 from hetrl.schema import InputError
@@ -143,6 +144,10 @@ def test_python_train_takes_the_algorithms_preset_as_the_command_line_does(tmp_p
     mine = load_config(TINY, ["clip_high=0.3"])    # a value the user set (not the preset's) is kept
     hetrl.train(mine, algorithm="dapo", out_dir=str(tmp_path))
     assert seen.pop().clip_high == 0.3
+    saved = tmp_path / "run_config.yaml"   # the command line over a saved (resolved) config: the same rule
+    saved.write_text(yaml.safe_dump(over.to_dict()))
+    assert (load_config(str(saved), [f"algorithm={algorithm}", out]).to_dict()
+            == load_config(TINY, [f"algorithm={algorithm}", out]).to_dict())
 
 
 def test_remax_advantage_is_the_reward_less_the_greedy_baseline():
