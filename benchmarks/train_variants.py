@@ -1,6 +1,7 @@
 """Variants of the default job (SmolLM2-135M, GRPO, 8 prompts x 8 responses) side by side: LoRA and activation
 checkpointing against full fine-tuning (peak memory, step time; results/lora_vs_full.md, checkpointing_vs_full.md),
-and the algorithm presets grpo, gspo, dr_grpo, rloo (held-out accuracy and step time; algorithms_default_job.md).
+and the algorithm presets grpo, gspo, dr_grpo, rloo, dapo, reinforce_pp, cispo (held-out accuracy and step time;
+algorithms_default_job.md).
 
 Each variant trains in a fresh child process (`hetrl.train`), rounds interleaved (full, lora, full, lora, ...), or
 with --parallel the variants of a round at the same time (equal CPU shares: their step times compare with each other,
@@ -14,15 +15,21 @@ written with the results.
     python -m benchmarks.train_variants --variants full lora --name lora_vs_full --out benchmarks/results
     python -m benchmarks.train_variants --variants full checkpointing --name checkpointing_vs_full --out ...
     (about 15 minutes each on 2 cores)
-    python -m benchmarks.train_variants --variants grpo gspo dr_grpo rloo --steps 16 --rounds 1 --parallel \
-        --name algorithms_default_job --out benchmarks/results
+    python -m benchmarks.train_variants --variants grpo gspo dr_grpo rloo --steps 16 --seeds 0 1 2 --parallel \
+        --work runs/algorithms --name algorithms_default_job --out benchmarks/results
+
+`--seeds S ...` makes each round one seed (`seed=S` for every variant of it), for the held-out comparisons that
+need several; `--work DIR` keeps every run's directory there and reads a run that already finished (summary.json)
+instead of running it again, so a long comparison cut short continues where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +47,9 @@ VARIANTS = {
     "gspo": ["algorithm=gspo"],
     "dr_grpo": ["algorithm=dr_grpo"],
     "rloo": ["algorithm=rloo"],
+    "dapo": ["algorithm=dapo"],
+    "reinforce_pp": ["algorithm=reinforce_pp"],
+    "cispo": ["algorithm=cispo"],
 }
 SHORT_EVAL = {"full", "lora", "checkpointing"}   # memory and time only: 8 held-out problems, just to finish the run
 
@@ -77,30 +87,44 @@ print("MARKS " + json.dumps(marks))
 
 
 def run_round(names: list[str], steps: int, work: pathlib.Path, round_: int, parallel: bool,
-              eval_size: int | None = None) -> list[dict]:
-    """One child per variant, one after another or (`parallel`) all at once, each with an equal share of the CPU."""
+              eval_size: int | None = None, seed: int | None = None) -> list[dict]:
+    """One child per variant, one after another or (`parallel`) all at once, each with an equal share of the CPU
+    (only the variants still to run: a finished one in `work` is read)."""
+    def one(name):
+        return run_variant(name, steps, work, round_, eval_size, seed)
     if not parallel:
-        return [run_variant(name, steps, work, round_, eval_size) for name in names]
+        return [one(name) for name in names]
     with ThreadPoolExecutor(len(names)) as pool:
-        return list(pool.map(lambda name: run_variant(name, steps, work, round_, eval_size), names))
+        return list(pool.map(one, names))
 
 
-def run_variant(name: str, steps: int, work: pathlib.Path, round_: int, eval_size: int | None = None) -> dict:
-    """`eval_size`: held-out problems (None: 8 for the memory variants, the run's default for the algorithms)."""
-    out = work / f"{name}-{round_}"
+def run_variant(name: str, steps: int, work: pathlib.Path, round_: int, eval_size: int | None = None,
+                seed: int | None = None) -> dict:
+    """`eval_size`: held-out problems (None: 8 for the memory variants, the run's default for the algorithms);
+    `seed`: the run's seed (None: the default). A run that finished in `work` before (summary.json, and the marks
+    its child wrote) is read, not run again; one cut short starts over."""
+    out = work / (f"{name}-{round_}" if seed is None else f"{name}-s{seed}")
+    marks_file = out / "variant_marks.json"
+    if (out / "summary.json").is_file() and marks_file.is_file():
+        done = json.loads(marks_file.read_text())
+        return row_from_run(name, round_, out, done["wall_s"], done["marks"], seed)
+    shutil.rmtree(out, ignore_errors=True)
     if eval_size is None and name in SHORT_EVAL:
         eval_size = 8
     evals = [] if eval_size is None else [f"eval_size={eval_size}"]
-    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *evals,
+    seeds = [] if seed is None else [f"seed={seed}"]
+    proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *evals, *seeds,
                                                  *VARIANTS[name]],
                                                 capture_output=True, text=True))
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     marks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MARKS "))[6:])
-    return row_from_run(name, round_, out, wall_s, marks)
+    marks_file.write_text(json.dumps({"wall_s": wall_s, "marks": marks}))
+    return row_from_run(name, round_, out, wall_s, marks, seed)
 
 
-def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None, marks: dict | None) -> dict:
+def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None, marks: dict | None,
+                 seed: int | None = None) -> dict:
     """One table row from a run's directory (metrics.jsonl, summary.json) and the child's memory marks (None: not
     recorded; the memory columns are left out)."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -110,7 +134,7 @@ def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None
         "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
         "after_load_mib": marks["after_load_kib"] / 1024,
         "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
-    return {"variant": name, "round": round_, "wall_s": wall_s, "eval_score": score,
+    return {"variant": name, "round": round_, "seed": seed, "wall_s": wall_s, "eval_score": score,
             "eval_before": summary[f"eval_{score}_before"], "eval_after": summary[f"eval_{score}_after"],
             "gained": summary["gained"], "lost": summary["lost"], "sign_test_p": summary["sign_test_p"],
             "eval_problems": summary["eval_problems"],
@@ -127,14 +151,18 @@ def markdown(result: dict) -> str:
     med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in keys} for v in names}
     base, others = names[0], names[1:]
     eval_flag = f" --eval-size {result['eval_size']}" if result.get("eval_size") else ""
+    seeds = result.get("seeds")
+    rounds_flag = f"--seeds {' '.join(map(str, seeds))}" if seeds else f"--rounds {result['rounds']}"
+    rounds_said = (f"seeds {', '.join(map(str, seeds))} (one round each)" if seeds else
+                   f"{result['rounds']} {'round' if result['rounds'] == 1 else 'interleaved rounds'}")
     lines = [
         f"# {' and '.join(others)} vs {base} on the default job",
         "",
         f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --steps {result['steps']} "
-        f"--rounds {result['rounds']}{' --parallel' if result.get('parallel') else ''}"
+        f"{rounds_flag}{' --parallel' if result.get('parallel') else ''}"
         f"{eval_flag} --name {result['name']} --out "
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
-        f"{result['rounds']} {'round' if result['rounds'] == 1 else 'interleaved rounds'}"
+        f"{rounds_said}"
         f"{' (the variants of a round at the same time)' if result.get('parallel') else ''}, medians. "
         f"{result['conditions']}",
         "",
@@ -155,10 +183,20 @@ def markdown(result: dict) -> str:
     if all(v not in SHORT_EVAL for v in names):   # runs with the default held-out evaluation: its paired result
         lines += ["", f"Held-out {rows[0]['eval_score']} on the same {rows[0]['eval_problems']} problems before and "
                   "after (greedy), the problems gained / lost and the exact sign test on them, per run:", "",
-                  "| variant | round | before | after | gained | lost | sign-test p | s/step |",
+                  f"| variant | {'seed' if seeds else 'round'} | before | after | gained | lost | sign-test p "
+                  "| s/step |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['variant']} | {r['round']} | {r['eval_before']:.2f} | {r['eval_after']:.2f} | {r['gained']} | "
-                  f"{r['lost']} | {r['sign_test_p']:.2g} | {r['step_s_mean']:.1f} |" for r in rows]
+        lines += [f"| {r['variant']} | {r['seed'] if seeds else r['round']} | {r['eval_before']:.2f} | "
+                  f"{r['eval_after']:.2f} | {r['gained']} | {r['lost']} | {r['sign_test_p']:.2g} | "
+                  f"{r['step_s_mean']:.1f} |" for r in rows]
+        if len(rows) > len(names):   # several runs per variant: the spread a user can expect
+            lines += ["", "Per variant over its runs: held-out after, mean (min-max), and the gain over before:", "",
+                      "| variant | runs | after: mean (min-max) | gain: mean (min-max) |", "|---|---:|---|---|"]
+            for v in names:
+                after = [r["eval_after"] for r in rows if r["variant"] == v]
+                gain = [r["eval_after"] - r["eval_before"] for r in rows if r["variant"] == v]
+                lines.append(f"| {v} | {len(after)} | {statistics.mean(after):.3f} ({min(after):.2f}-{max(after):.2f}) "
+                             f"| {statistics.mean(gain):+.3f} ({min(gain):+.2f}-{max(gain):+.2f}) |")
     if "train_peak_mib" not in keys:
         return "\n".join(lines) + "\n"
     lines += ["", "Every run:", "", "| variant | round | s/step | update s | peak RSS training MiB | process MiB |",
@@ -172,6 +210,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="one round per seed, every variant run with seed=S (replaces --rounds)")
+    parser.add_argument("--work", help="keep the runs' directories here; a run that finished there is read, not "
+                        "run again (default: a temporary directory)")
     parser.add_argument("--variants", nargs="+", default=["full", "lora"], choices=sorted(VARIANTS),
                         help="the first is the baseline the others are divided by")
     parser.add_argument("--name", default="lora_vs_full", help="results file name (NAME.json, NAME.md)")
@@ -185,13 +227,16 @@ def main() -> int:
                         help="how the CPU was shared while this ran (written with the results)")
     args = parser.parse_args()
     host = machine()
+    seeds = args.seeds or [None] * args.rounds
     result = {"machine": f"{host['model']}, {host['cpus']} cores, Python {host['python']}", "steps": args.steps,
-              "rounds": args.rounds, "conditions": args.conditions, "parallel": args.parallel,
+              "rounds": len(seeds), "seeds": args.seeds, "conditions": args.conditions, "parallel": args.parallel,
               "eval_size": args.eval_size, "variants": args.variants, "name": args.name, "rows": []}
-    with tempfile.TemporaryDirectory(prefix="hetrl-lora-bench-") as work:
-        for round_ in range(args.rounds):
+    with contextlib.ExitStack() as stack:
+        work = args.work or stack.enter_context(tempfile.TemporaryDirectory(prefix="hetrl-variants-"))
+        pathlib.Path(work).mkdir(parents=True, exist_ok=True)
+        for round_, seed in enumerate(seeds):
             for row in run_round(args.variants, args.steps, pathlib.Path(work), round_, args.parallel,
-                                 args.eval_size):
+                                 args.eval_size, seed):
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
     text = markdown(result)
