@@ -31,6 +31,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import support
 from .impl import flex, reference, sdpa
 from .packing import TreeBatch
 
@@ -47,9 +48,45 @@ class _Active:
     batch: TreeBatch
     impl: str
     max_context: int
+    model_name: str = "the model"
     mask: object = None
     calls: int = 0
-    layers: set = field(default_factory=set)
+    attended: set = field(default_factory=set)      # ids of the attention modules that called the tree attention
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What transformers hands a layer as its attention mask: the forward's `_Active`, and why the mask the model
+    asked for cannot be packed (`problem`, None if it can). A model may build masks its layers never use (Qwen2-MoE
+    builds a sliding-window one with no sliding layer), so the problem is raised when a layer attends with it. A
+    model that uses its mask as a tensor itself (adds it to scores, reads its dtype) instead of only handing it to
+    its attention function gets a clear error from it, not a stray AttributeError."""
+
+    active: _Active
+    problem: str | None = None
+
+    def _misuse(self, what: str) -> str:
+        return (f"{self.active.model_name} uses its attention mask as a tensor itself ({what}) instead of only "
+                "handing it to its attention function; DualKV hands it a tree layout, not a [T, T] mask, so it "
+                "cannot run this model. Use impl='reference' (each sequence run alone)")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self._misuse(f"reads .{name}"))
+
+    def __getitem__(self, index):
+        raise TypeError(self._misuse("indexes it"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        layout = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        raise TypeError(layout._misuse(f"passes it to {getattr(func, '__name__', func)}"))
+
+    def _arithmetic(self, *_):
+        raise TypeError(self._misuse("does arithmetic with it"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = _arithmetic
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("hetrl_dualkv_active", default=None)
@@ -69,7 +106,7 @@ def _remember_own_impl(config, impl: str) -> None:
     _OWN_IMPL[key] = (weakref.ref(config, lambda _: _OWN_IMPL.pop(key, None)), impl)
 
 
-def _mask_interface(**kwargs) -> _Active:
+def _mask_interface(**kwargs) -> _Layout:
     """Called by transformers once per forward (per mask type); builds our mask once and hands it on."""
     active = _ACTIVE.get()
     if active is None:
@@ -80,51 +117,44 @@ def _mask_interface(**kwargs) -> _Active:
             "a model is set to a hetrl DualKV attention implementation outside shared_prompt_logprobs(); "
             "call the model through hetrl.dualkv.shared_prompt_logprobs or set its attention back"
         )
+    problem = support.mask_problem(active.model_name, kwargs, active.max_context)
     if active.mask is None:
         active.mask = (sdpa.build_masks(active.batch) if active.impl == "sdpa"
                        else flex.build_block_mask(active.batch))
-    return active
+    return _Layout(active, problem)
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """AttentionInterface entry: query [1, H, T, d], key/value [1, H_kv, T, d] -> ([1, T, H, d], None)."""
-    active = attention_mask
-    if not isinstance(active, _Active):
+    if not isinstance(attention_mask, _Layout):
         own = _own_impl(module.config)
         if own is not None:       # a checkpointed model's own call: its own attention
             eager = sys.modules[type(module).__module__].eager_attention_forward
             return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        inside = _ACTIVE.get()
+        if inside is not None:
+            raise ValueError(
+                f"{inside.model_name}'s {type(module).__name__} got an attention mask of its own "
+                f"({type(attention_mask).__name__}), not the tree layout transformers' mask interface hands out: it "
+                "builds or changes its mask itself, so DualKV cannot give it the packed layout; use impl='reference'")
         raise RuntimeError(
             "hetrl DualKV attention got no shared-prompt layout (attention_mask is "
             f"{type(attention_mask).__name__}); call the model through hetrl.dualkv.shared_prompt_logprobs"
         )
+    active = attention_mask.active
+    if attention_mask.problem is not None:
+        raise ValueError(attention_mask.problem)
     if query.shape[0] != 1:
         raise ValueError(f"the packed stream has batch size 1, got query of shape {tuple(query.shape)}")
-    if not getattr(module, "is_causal", True):
-        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) is not causal; "
-                         "shared-prompt packing is exact only for causal attention")
-    if dropout and module.training:
-        raise ValueError(
-            f"attention dropout ({dropout}) is on: the N prompt copies of the standard layout would get "
-            "different dropout masks, so there is nothing exact to share; set config.attention_dropout=0"
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"attention logit softcapping ({kwargs['softcap']}) is not supported by DualKV")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < active.max_context:
-        raise ValueError(
-            f"layer {module.layer_idx} has a sliding window of {window} tokens, shorter than the longest "
-            f"sequence in the batch ({active.max_context} tokens); the packed stream cannot "
-            f"express it. Use impl='reference' or keep every sequence <= {window} tokens"
-        )
+    support.check_attention_call(module, dropout, kwargs, active.max_context)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if active.impl == "sdpa":
         out = sdpa.attend(query, key, value, active.mask, active.batch.tree_bounds, scale)
     else:
         out = flex.attend(query, key, value, active.mask, scale)
     active.calls += 1
-    active.layers.add(getattr(module, "layer_idx", None))
+    active.attended.add(id(module))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -166,33 +196,6 @@ def _resolve_impl(impl: str, device: torch.device, needs_grad: bool) -> str:
             "for a forward-only pass"
         )
     return impl
-
-
-def _check_model(model, batch: TreeBatch, needs_grad: bool) -> None:
-    cfg = model.config.get_text_config()
-    name = type(model).__name__
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; DualKV needs a decoder-only causal LM")
-    if not type(model)._can_set_attn_implementation():
-        raise ValueError(
-            f"{name} does not route its attention through transformers' AttentionInterface, so the "
-            "shared-prompt attention cannot be plugged in; use impl='reference' or a model that does "
-            "(Llama, Qwen2, Qwen3, Mistral, ...)"
-        )
-    if not getattr(cfg, "is_causal", True):
-        raise ValueError(f"{name} is configured with non-causal attention (is_causal=False)")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{name} uses attention logit softcapping ({cfg.attn_logit_softcapping}), which the "
-            "shared-prompt attention does not implement; use impl='reference'"
-        )
-    if getattr(cfg, "final_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{name} uses final logit softcapping ({cfg.final_logit_softcapping}), which DualKV does "
-            "not support yet; use impl='reference'"
-        )
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        raise ValueError(f"{name} has batch-statistic norms, which mix tokens across the batch")
 
 
 def _token_logprobs(logits: torch.Tensor, row_of_label: torch.Tensor, labels: torch.Tensor,
@@ -284,7 +287,6 @@ class _GatheredLogSoftmax(torch.autograd.Function):
 # Both sizes were measured: benchmarks/README.md, "Numbers behind constants in the code".
 CHUNK_LOGITS_ABOVE_BYTES = 256 << 20
 CHUNK_BYTES = 128 << 20
-_SCALED_HEAD_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -349,17 +351,6 @@ def _scaled_logits(h, weight, bias, temperature: float) -> torch.Tensor:
     return z / temperature if temperature != 1.0 else z
 
 
-def _plain_lm_head(model) -> torch.nn.Linear | None:
-    """The LM head when logits are exactly lm_head(decoder output), as in Llama/Qwen/Mistral; else None."""
-    head = model.get_output_embeddings()
-    config = model.config.get_text_config()
-    if not isinstance(head, torch.nn.Linear) or not hasattr(model, "get_decoder"):
-        return None
-    if any(getattr(config, k, None) not in (None, 1, 1.0) for k in _SCALED_HEAD_KEYS):
-        return None
-    return head
-
-
 def sequence_logprobs(model, batch: TreeBatch, *, impl: str = "auto", temperature: float = 1.0,
                       return_entropy: bool = False):
     """Per sequence of `batch`, log π(token_t | tokens_<t) of its labelled tokens (t = 1..L-1 without loss masks),
@@ -408,7 +399,7 @@ def shared_prompt_logprobs(model, batch: TreeBatch, *, impl: str = "auto", tempe
         logits = reference.standard_logits(model, batch)
         row_of_label = torch.arange(batch.labels.numel(), device=device)
     else:
-        head = _plain_lm_head(model)
+        head = support.plain_lm_head(model)
         vocab_out = head.out_features if head is not None else 0
         chunked = head is not None and batch.labels.numel() * vocab_out * 4 > CHUNK_LOGITS_ABOVE_BYTES
         out = _packed_forward(model, batch, impl, needs_grad, decoder_only=chunked)
@@ -419,32 +410,33 @@ def shared_prompt_logprobs(model, batch: TreeBatch, *, impl: str = "auto", tempe
                                                    return_entropy)
             return (logp, entropy) if return_entropy else logp
         logits = out.logits.squeeze(0)                   # a view: select() would zero-fill a [U, V] grad
+        if logits.shape[0] != batch.logit_rows.numel():  # a model without logits_to_keep: every row's logits
+            logits = logits[batch.logit_rows]
         row_of_label = batch.row_of_label
     return _token_logprobs(logits, row_of_label, batch.labels, temperature, return_entropy)
 
 
 def _packed_forward(model, batch: TreeBatch, impl: str, needs_grad: bool, decoder_only: bool):
     """The model (or only its decoder) once on the packed stream under hetrl's tree attention; checks
-    that every layer's attention went through it."""
-    active = _Active(batch=batch, impl=impl, max_context=batch.max_context)
+    that every layer's attention went through it. An all-ones attention mask says "no padding" (what each sequence
+    alone has) and keeps transformers from reading the stream's restarting position ids as packed documents, so the
+    mask functions the model asks for reach `support.mask_problem` as they are."""
+    active = _Active(batch=batch, impl=impl, max_context=batch.max_context, model_name=type(model).__name__)
     token = _ACTIVE.set(active)
     checkpointed = needs_grad and model.training and getattr(model, "is_activation_checkpointing", False)
+    inputs = dict(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                  attention_mask=torch.ones_like(batch.input_ids)[None], use_cache=False)
     try:
         with _attention_implementation(model, _ATTN_NAME[impl], keep=checkpointed):
             if decoder_only:
-                out = model.get_decoder()(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                                          use_cache=False)
+                out = support.decoder_of(model)(**inputs)
+            elif support.takes(type(model), "logits_to_keep"):
+                out = model(**inputs, logits_to_keep=batch.logit_rows)
             else:
-                out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                            use_cache=False, logits_to_keep=batch.logit_rows)
+                out = model(**inputs)
     finally:
         _ACTIVE.reset(token)
-    n_layers = model.config.get_text_config().num_hidden_layers
-    if active.calls != n_layers:
-        raise RuntimeError(
-            f"{type(model).__name__} has {n_layers} layers but only {active.calls} attention calls went "
-            "through AttentionInterface; the others would have computed the wrong thing"
-        )
+    support.check_every_layer_attended(model, active.attended)
     return out
 
 
@@ -462,7 +454,7 @@ def _prepare(model, batch: TreeBatch, impl: str):
     if top >= vocab:
         raise ValueError(f"batch holds token id {top}, but the model's vocabulary has {vocab} entries")
     if impl != "reference":
-        _check_model(model, batch, needs_grad)
+        support.check_model(model, batch)
     return batch.to(device), impl, needs_grad, device
 
 
@@ -472,7 +464,7 @@ def shared_prompt_head(model, batch: TreeBatch, head: torch.nn.Module, *, impl: 
     the positions verl and OpenRLHF read values at), or any per-token head. The LM head is not run.
 
     Args:
-      model: a Hugging Face model with `get_decoder()` (a causal LM such as Llama, Qwen2/3, Mistral: the critic
+      model: a Hugging Face model with a decoder (a causal LM such as Llama, Qwen2/3, Mistral: the critic
         is typically the policy's architecture) whose attention goes through AttentionInterface.
       batch: from `pack_groups` or `pack_sequences` (rows of its labels); moved to the model's device.
       head: maps hidden states [K, D] to [K, ...] (e.g. torch.nn.Linear(D, 1) for values).
@@ -482,9 +474,9 @@ def shared_prompt_head(model, batch: TreeBatch, head: torch.nn.Module, *, impl: 
       head(h) [K, ...] (autograd-enabled when grad is on), K = total response tokens, in label order.
     """
     batch, impl, needs_grad, device = _prepare(model, batch, impl)
-    if not hasattr(model, "get_decoder"):
-        raise ValueError(f"{type(model).__name__} has no get_decoder(); give a causal LM (its decoder runs, its "
-                         "LM head does not)")
+    if support.decoder_of(model) is None:
+        raise ValueError(f"{type(model).__name__} has no decoder to run without its LM head (get_decoder() gives "
+                         f"{type(model.get_decoder()).__name__}); give a causal LM whose decoder is its base model")
     if batch.labels.numel() == 0:
         hidden = model.config.get_text_config().hidden_size
         dtype = model.get_input_embeddings().weight.dtype

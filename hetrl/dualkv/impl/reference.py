@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..packing import TreeBatch
+from ..support import decoder_of, takes
 
 
 def _one_per_row(batch: TreeBatch):
@@ -30,6 +31,8 @@ def _one_per_row(batch: TreeBatch):
 def standard_logits(model, batch: TreeBatch) -> torch.Tensor:
     """-> logits [K, V], one row per label, in label order."""
     ids, attention_mask, keep = _one_per_row(batch)
+    if not takes(type(model), "logits_to_keep"):     # every row's logits, then the kept
+        return model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits[keep]
     out = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False)
     return out.logits.reshape(-1, out.logits.shape[-1])
 
@@ -38,5 +41,5 @@ def standard_hidden(model, batch: TreeBatch) -> torch.Tensor:
     """-> the decoder's last hidden state [K, D] at each row that predicts a label, in label order, each sequence
     run alone (right-padded, with its attention mask)."""
     ids, attention_mask, keep = _one_per_row(batch)
-    out = model.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+    out = decoder_of(model)(input_ids=ids, attention_mask=attention_mask, use_cache=False)
     return out.last_hidden_state[keep]
