@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
 import os
 import sys
 import traceback
+import warnings
 
 from hetrl.schema import InputError
 
@@ -244,17 +246,31 @@ def _positive_int(text: str) -> int:
     return n
 
 
+@contextlib.contextmanager
 def warnings_beside_bars():
-    """A context where log lines printed to the terminal during a progress bar get a line of their own (tqdm's
-    logging_redirect_tqdm), not the bar's end: where the root logger prints to the terminal, or prints nowhere yet
-    (Python's last-resort handler would write over the bar); other handlers (files, pytest's) are left as they are."""
-    import contextlib
-
+    """A context where log lines and Python warnings printed to the terminal during a progress bar get a line of
+    their own (tqdm's logging_redirect_tqdm; warnings through logging.captureWarnings), not the bar's end: where the
+    root logger prints to the terminal, or prints nowhere yet (Python's last-resort handler would write over the
+    bar); other handlers (files, pytest's) are left as they are, and warnings then print as Python prints them."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     handlers = logging.getLogger().handlers
     console = [h for h in handlers if type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr)]
-    return logging_redirect_tqdm() if console or not handlers else contextlib.nullcontext()
+    if handlers and not console:
+        yield
+        return
+    # Python's own printing only: a caller recording warnings (catch_warnings(record=True), pytest) keeps them,
+    # and a capture the caller turned on stays on
+    capture = warnings.showwarning is warnings._showwarning_orig and \
+        getattr(warnings._showwarnmsg_impl, "__module__", None) == "warnings"
+    with logging_redirect_tqdm():
+        if capture:
+            logging.captureWarnings(True)
+        try:
+            yield
+        finally:
+            if capture:
+                logging.captureWarnings(False)
 
 
 def _device(text: str) -> str:

@@ -91,6 +91,52 @@ def test_a_warning_during_a_progress_bar_gets_its_own_line(capsys, monkeypatch):
     assert "\rwarning: careful\n" in capsys.readouterr().err
 
 
+SCRIPT = """
+import logging, sys, warnings
+from tqdm import tqdm
+from hetrl.cli import warnings_beside_bars
+if sys.argv[1] == "cli":
+    logging.basicConfig(format="%(message)s")   # as hetrl's command line; "api": no handler (hetrl.train from Python)
+with warnings_beside_bars():
+    bar = tqdm(total=2, desc="train")
+    bar.update()
+    warnings.warn("careful, python", UserWarning)
+    bar.close()
+    inside = warnings.showwarning
+warnings.warn("after", UserWarning)
+print(inside is not warnings.showwarning is warnings._showwarning_orig)
+"""
+
+
+@pytest.mark.parametrize("how", ["cli", "api"])
+def test_a_python_warning_during_a_progress_bar_gets_its_own_line(how):
+    """warnings.warn (transformers', torch's, a user's reward module's) printed while the bar was drawn went to the
+    end of the bar's line: inside the context it goes through logging, so through tqdm; after it, as Python prints
+    (a subprocess: pytest records warnings itself, and a caller's recording is left alone)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"   # replaced inside, Python's own again after
+    shown = [line.rsplit("\r", 1)[-1] for line in proc.stderr.split("\n")]   # what the terminal shows per line
+    warning = next(line for line in shown if "careful, python" in line)
+    assert warning.endswith(": UserWarning: careful, python") and "it/s" not in warning, proc.stderr
+    assert any(line.endswith(": UserWarning: after") for line in shown)
+
+
+def test_recorded_warnings_stay_recorded():
+    import warnings
+
+    from hetrl.cli import warnings_beside_bars
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with warnings_beside_bars():
+            warnings.warn("kept", UserWarning)
+    assert [str(w.message) for w in seen] == ["kept"]
+
+
 def test_an_unknown_option_is_still_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "steps=1", "--stpes", "2"])
