@@ -104,7 +104,7 @@ def _validate_run_config(path: str, overrides: list[str] = ()) -> str:
             check_task(cfg.task, cfg.task_config)
         except InputError as e:
             problems.append(str(e))
-    sources = {"data": cfg.data, "eval_data": held_out_data(cfg.data, cfg.eval_data)}
+    sources = {"data": cfg.data, "eval_data": held_out_data(cfg.data, cfg.eval_data, cfg.eval_size)}
     for key, value in sources.items():
         if value not in (None, "<python>"):
             try:

@@ -131,7 +131,7 @@ class _Stream:
         made = [self._example(r) for r in rows]
         self.eval_examples = [e for e in made if e is not None]
         self.eval_too_long = len(made) - len(self.eval_examples)
-        if not self.eval_examples:
+        if rows and not self.eval_examples:   # no rows at all: eval_size=0, no evaluation
             raise InputError(f"every one of the {len(rows)} held-out prompts is longer than max_prompt_tokens="
                              f"{self.max_prompt_tokens}; raise max_prompt_tokens")
 
@@ -171,11 +171,12 @@ class TaskSource(_Stream):
         self.name, self.options, self.seed, self.prompt_suffix = name, dict(options), seed, prompt_suffix
         self.response_prefix = response_prefix
         try:
-            evals = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + 1_000_003, **self.options)
+            evals = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + 1_000_003, **self.options) \
+                if eval_size else []
+            self._train_size = 1_000_000
+            self._train = reasoning_gym.create_dataset(name, size=self._train_size, seed=seed, **self.options)
         except TypeError as e:
             raise InputError(f"bad task_config for {name!r}: {e}") from None
-        self._train_size = 1_000_000
-        self._train = reasoning_gym.create_dataset(name, size=self._train_size, seed=seed, **self.options)
         rows = [self._row(evals[i]) for i in range(eval_size)]
         self._eval_questions = {r["question"] for r in rows}
         self._eval(rows)
@@ -327,11 +328,12 @@ def dataset_dict_splits(path) -> list[str]:
     return [s for s in splits if isinstance(s, str)] if isinstance(splits, list) else []
 
 
-def held_out_data(data, eval_data):
+def held_out_data(data, eval_data, eval_size: int = 1):
     """Where a run's held-out rows come from: `eval_data` when given; else, where `data` is a saved DatasetDict with
     a test (else validation) split, that split (the same directory, read as eval_data, takes it; training reads its
-    train split); else None (eval_size rows drawn out of the data). One rule for hetrl train and hetrl validate."""
-    if eval_data is not None or not isinstance(data, (str, os.PathLike)):
+    train split) unless eval_size is 0 (no evaluation); else None (eval_size rows drawn out of the data). One rule
+    for hetrl train and hetrl validate."""
+    if eval_data is not None or not isinstance(data, (str, os.PathLike)) or eval_size == 0:
         return eval_data
     return data if any(s in dataset_dict_splits(data) for s in EVAL_SPLITS) else None
 
@@ -377,7 +379,7 @@ class RowSource(_Stream):
             held = set(order[:eval_size])
             evals = [rows[i] for i in sorted(held)]
             rows = [r for i, r in enumerate(rows) if i not in held]
-            split = f"eval_size={eval_size} rows drawn by seed"
+            split = f"eval_size={eval_size} rows drawn by seed" if eval_size else "eval_size=0: no evaluation"
         held_prompts = {json.dumps(r["prompt"], sort_keys=True) for r in evals}
         self.train_rows = [r for r in rows if json.dumps(r["prompt"], sort_keys=True) not in held_prompts]
         self.dropped_as_eval = len(rows) - len(self.train_rows)

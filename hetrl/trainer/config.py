@@ -203,7 +203,7 @@ class RunConfig:
     gradient_checkpointing: bool = False  # recompute each layer in the backward: 1 layer's activations, 1/3 more FLOPs
     memory_limit_gib: float | None = rule(None, gt=0)  # default: the machine's available memory
     # evaluation and output
-    eval_size: int = rule(100, ge=1)
+    eval_size: int = rule(100, ge=0)    # 0: no held-out evaluation (no eval before or after training)
     eval_every: int = rule(0, ge=0)       # 0: only before and after training
     eval_max_new_tokens: int = rule(16, ge=1)
     checkpoint_every: int = rule(8, ge=0)
@@ -424,6 +424,8 @@ class RunConfig:
             (("max_sampling_rounds",), not self.dynamic_sampling,
              "it bounds dynamic sampling's rounds per step, and dynamic_sampling is off",
              "set dynamic_sampling=true (algorithm=dapo's)"),
+            (("eval_data", "eval_every"), self.eval_size == 0,
+             "eval_size=0 runs no held-out evaluation", "set eval_size >= 1 (a task's or data's held-out count)"),
             (("kl_target", "kl_horizon"), self.kl_ctrl == "fixed",
              "kl_target and kl_horizon steer the adaptive KL controller, and kl_ctrl is fixed",
              "set kl_ctrl=adaptive (with use_kl_in_reward=true)"),

@@ -349,6 +349,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
     """Held-out evaluation, `cfg.steps` training steps, held-out evaluation again; -> the run's summary. `resumed`:
     (the checkpoint the engine was restored from, its trainer state), the run continues at its step."""
     step, next_problem, before, version, unpaired = 0, 0, None, 0, None
+    evaluating = cfg.eval_size > 0   # eval_size=0: no held-out evaluation, before, between or after
     eval_key = held_out_key(cfg, source, rewards)
     episode_worker = engine.episodes     # a run with tools or an environment: multi-turn episodes
     last_saved: pathlib.Path | None = None
@@ -359,13 +360,17 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         if kl_ctrl is not None and state.get("kl_reward_coef") is not None:   # the adaptive controller's value
             kl_ctrl.value = state["kl_reward_coef"]
         # checkpoints written before rewards were pluggable held correctness flags only
-        before_means = state.get("eval_before_means") or {"eval_accuracy": float(np.mean(before))}
+        before_means = state.get("eval_before_means") or \
+            ({"eval_accuracy": float(np.mean(before))} if before else {})
         version = step
-        unpaired = state.get("eval_unpaired") or _changed_held_out(state, eval_key, source, rewards)
+        unpaired = None if not evaluating else \
+            state.get("eval_unpaired") or _changed_held_out(state, eval_key, source, rewards)
         if unpaired and not state.get("eval_unpaired"):
             tqdm.write(f"warning: {unpaired}: the final evaluation is not paired with the one before training "
                        "(summary.json says so); start a new run to compare")
-    if before is None:
+    if before is None and not evaluating:
+        before, before_means = [], {}
+    elif before is None:
         rewards.trainer_state = TrainerState(global_step=0, max_steps=cfg.steps)
         before, before_means = evaluate(cfg, source, rewards, engine.worker, run_dir / "eval_step_0.jsonl",
                                         episode_worker)
@@ -435,18 +440,22 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         tqdm.write(f"stopped at step {step}; continue with: {resume_command(cfg)}")
         return {"stopped_at_step": step, "interrupted": True}
 
-    rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)
-    after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
-                                  episode_worker)
-    evals.write({"step": step, **after_means})
+    after, after_means = [], {}
+    if evaluating:
+        rewards.trainer_state = TrainerState(global_step=step, max_steps=cfg.steps)
+        after, after_means = evaluate(cfg, source, rewards, engine.worker, run_dir / f"eval_step_{step}.jsonl",
+                                      episode_worker)
+        evals.write({"step": step, **after_means})
     final = last_saved if last_saved is not None and last_saved.name == f"step_{step:06d}" else save(step)
     merged = engine.save_merged(run_dir) if cfg.lora_rank else None   # the adapter is in the checkpoint
     rows = metrics.read()
     summary = {**{f"{k}_before": v for k, v in before_means.items()},
                **{f"{k}_after": v for k, v in after_means.items()},
                "eval_problems": len(after),
-               **({"paired_on": score_name(after_means), **paired_comparison(before, after)} if not unpaired else
-                  {"paired_on": None, "gained": None, "lost": None, "sign_test_p": None, "not_paired": unpaired}),
+               **({"paired_on": score_name(after_means), **paired_comparison(before, after)}
+                  if evaluating and not unpaired else
+                  {"paired_on": None, "gained": None, "lost": None, "sign_test_p": None,
+                   "not_paired": unpaired or "eval_size=0: no held-out evaluation"}),
                "steps": step,
                "prompts_too_long": sum(r.get("prompts_too_long", 0) for r in rows),
                "eval_prompts_too_long": source.eval_too_long, "data": source.description,
@@ -460,7 +469,9 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
         tqdm.write("warning: no step kept a group to learn from (every reward failed, or every group's rewards were "
                    "equal), so the policy was not updated; metrics.jsonl's groups_kept and the reward errors above "
                    "say why")
-    if unpaired:
+    if not evaluating:
+        tqdm.write(f"trained {step} steps; no held-out evaluation (eval_size=0); results in {run_dir}")
+    elif unpaired:
         tqdm.write(f"held-out {score_name(after_means)}: after {shown(after_means)} ({len(after)} prompts, greedy); "
                    f"before training {shown(before_means)} is not compared: {unpaired}; results in {run_dir}")
     else:

@@ -359,7 +359,7 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
         raise InputError("this run's data was passed from Python (hetrl.train(..., train_dataset=...)); resume it "
                          "from Python with the same dataset: hetrl.train(..., train_dataset=..., resume=True)")
     data = train_dataset if train_dataset is not None else cfg.data
-    evals = eval_dataset if eval_dataset is not None else held_out_data(cfg.data, cfg.eval_data)
+    evals = eval_dataset if eval_dataset is not None else held_out_data(cfg.data, cfg.eval_data, cfg.eval_size)
     if evals == PYTHON:
         raise InputError("this run's eval data was passed from Python; pass it again: "
                          "hetrl.train(..., eval_dataset=...)")
@@ -381,7 +381,8 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
         return train_dataset, eval_dataset
     train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
-    evals = eval_dataset if eval_dataset is not None else held_out_data(cfg.data, cfg.eval_data)
+    held_out = held_out_data(cfg.data, cfg.eval_data, cfg.eval_size)
+    evals = eval_dataset if eval_dataset is not None else held_out
     evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
     if evals is None:
         check_eval_size(len(train), cfg.eval_size)
@@ -389,7 +390,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
                                 "the train_dataset" if train_dataset is not None else f"data={cfg.data}")
     if isinstance(evals, list):   # held-out rows are scored by the same rewards
         problems += columns_problems(rewards, evals, cfg.answer_key, "the eval_dataset" if eval_dataset is not None
-                                     else f"eval_data={held_out_data(cfg.data, cfg.eval_data)}")
+                                     else f"eval_data={held_out}")
     if problems:
         raise InputError("; ".join(problems))
     return train, evals

@@ -60,6 +60,35 @@ def test_tiny_run_learns_in_every_parameter_and_writes_its_files(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
 
 
+def test_eval_size_0_trains_without_a_held_out_evaluation_and_resumes(tmp_path, capsys):
+    """eval_size=0 (a smoke run): no greedy evaluation before, between or after training, for a task and for the
+    user's rows; the summary says why nothing is paired; a resume continues without one too."""
+    out = tmp_path / "no_eval"
+    assert main(["train", "--config", TINY, "eval_size=0", "steps=1", f"out_dir={out}"]) == 0
+    assert main(["train", "--config", TINY, "eval_size=0", "steps=2", f"out_dir={out}", "--resume"]) == 0
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "before training" not in text and not (out / "eval_step_0.jsonl").exists()
+    assert f"trained 2 steps; no held-out evaluation (eval_size=0); results in {out}" in text
+    assert _rows(out, "eval.jsonl") == [] and [r["step"] for r in _rows(out)] == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_problems"] == 0 and summary["gained"] is None and summary["steps"] == 2
+    assert summary["not_paired"] == "eval_size=0: no held-out evaluation"
+    assert not any(k.startswith("eval_accuracy") for k in summary) and (out / "curves.png").stat().st_size > 0
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    data_out = tmp_path / "rows_no_eval"
+    assert main(["train", "--config", TINY, f"data={rows}", "reward=exact_match", "eval_size=0", "steps=1",
+                 f"out_dir={data_out}"]) == 0
+    assert "6 training rows" in json.loads((data_out / "summary.json").read_text())["data"]
+
+    for also in ("eval_every=1", f"eval_data={rows}"):
+        assert main(["train", "--config", TINY, f"data={rows}", "eval_size=0", also, f"out_dir={tmp_path / 'x'}"]) \
+            == 2
+        assert f"{also} has no effect in this run: eval_size=0 runs no held-out evaluation" in capsys.readouterr().err
+
+
 def test_dapo_tiny_run(tmp_path):
     out = tmp_path / "dapo"
     assert main(["train", "--config", TINY, "algorithm=dapo", "kl_coef=0", f"out_dir={out}"]) == 0
