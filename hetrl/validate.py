@@ -95,36 +95,9 @@ def _validate_run_config(path: str, overrides: list[str] = ()) -> str:
         raise InputError(f"{path}: {e} (checked on this machine)", located=True) from None
     # the same checks `hetrl train` makes before the model loads (run.up_front): every file and every reward is
     # checked, and all their problems are said together
-    from hetrl.data.rewards import columns_problems, load_rewards
-    from hetrl.data.sources import check_eval_size, check_task, held_out_data, read_checked
+    from hetrl.data.sources import input_problems
 
-    problems, rows = [], {}
-    if cfg.data is None:   # a reasoning-gym task: its name and task_config
-        try:
-            check_task(cfg.task, cfg.task_config)
-        except InputError as e:
-            problems.append(str(e))
-    sources = {"data": cfg.data, "eval_data": held_out_data(cfg.data, cfg.eval_data, cfg.eval_size)}
-    for key, value in sources.items():
-        if value not in (None, "<python>"):
-            try:
-                rows[key] = read_checked(value, key, cfg.prompt_key)
-            except InputError as e:
-                problems.append(str(e))
-    if "data" in rows and sources["eval_data"] is None:   # held out from the data: some must be left to train on
-        try:
-            check_eval_size(len(rows["data"]), cfg.eval_size)
-        except InputError as e:
-            problems.append(str(e))
-    funcs = []
-    for spec in cfg.rewards:
-        try:
-            funcs += load_rewards([spec])
-        except InputError as e:
-            problems.append(str(e))
-    if len(funcs) == len(cfg.rewards):   # the columns the rewards need, as hetrl train checks them
-        for key, got in rows.items():
-            problems += columns_problems(funcs, got, cfg.answer_key, f"{key}={sources[key]}")
+    problems, rows = input_problems(cfg, list(cfg.rewards))
     if cfg.tool_specs or cfg.environment is not None:   # the tools and environment the run names (import, schemas)
         from hetrl.data.tools import check_environment, load_environment, load_tools
 

@@ -346,6 +346,52 @@ def held_out_label(data, eval_data) -> str:
     return "eval_data"
 
 
+def input_problems(cfg, rewards: list, train_dataset=None, eval_dataset=None,
+                   passed: str = "<python>") -> tuple[list[str], dict]:
+    """Every problem in a run's data and reward code found before the model loads, all of them together: the task
+    and its task_config; each file (or dataset passed from Python) read and its prompts checked; held out from the
+    data itself, enough rows left to train on; each reward function imported and its signature checked; the
+    columns the rewards read, in every row. One check for `hetrl train` (run.up_front raises them) and
+    `hetrl validate` (which adds the tools'). `cfg`: a RunConfig; `rewards`: the run's reward specs or callables;
+    `passed`: the marker a field holds when its data came from Python. -> (problems, the rows read by field:
+    "data", "eval_data", where read, so the run reads them once)."""
+    from .rewards import columns_problems, load_rewards
+
+    problems: list[str] = []
+
+    def attempt(check, *args):
+        try:
+            return check(*args)
+        except InputError as e:
+            problems.append(str(e))
+            return None
+
+    if cfg.data is None:
+        attempt(check_task, cfg.task, cfg.task_config)
+    loaded = [attempt(load_rewards, [spec]) for spec in rewards]
+    held_out = held_out_data(cfg.data, cfg.eval_data, cfg.eval_size)
+    given = {"data": train_dataset if train_dataset is not None else cfg.data,
+             "eval_data": eval_dataset if eval_dataset is not None else held_out}
+    where = {"data": "the train_dataset" if train_dataset is not None else f"data={cfg.data}",
+             "eval_data": "the eval_dataset" if eval_dataset is not None else
+             f"eval_data={held_out}" if cfg.eval_data is not None else f"data={cfg.data} (its held-out split)"}
+    rows = {}
+    for key, value in given.items():
+        if value is None or (isinstance(value, str) and value == passed):
+            continue
+        try:
+            rows[key] = read_checked(value, key, cfg.prompt_key)
+        except InputError as e:   # data's own held-out split is named as the user gave it (data=, not eval_data=)
+            problems.append(str(e).replace(f"eval_data={value}", where[key], 1) if key == "eval_data" else str(e))
+    if "data" in rows and given["eval_data"] is None:   # held out from the data: some must be left to train on
+        attempt(check_eval_size, len(rows["data"]), cfg.eval_size)
+    funcs = [f for fs in loaded if fs is not None for f in fs]   # those that loaded: what else is wrong is said too
+    if funcs:   # the columns the rewards need (held-out rows are scored by them too)
+        for key, got in rows.items():
+            problems += columns_problems(funcs, got, cfg.answer_key, where[key])
+    return problems, rows
+
+
 def check_eval_size(rows: int, eval_size: int) -> None:
     """Held out from the data itself (no eval_data), eval_size rows must leave some to train on: checked by hetrl
     train and hetrl validate before the model loads, and by the source that splits them."""

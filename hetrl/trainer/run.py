@@ -22,14 +22,11 @@ import yaml
 from tqdm import tqdm
 
 from hetrl.data import RewardSet, RowSource, Source, TaskSource
-from hetrl.data.rewards import columns_problems, load_rewards
 from hetrl.data.sources import (
-    check_eval_size,
     check_plain_text,
-    check_task,
     held_out_data,
     held_out_label,
-    read_checked,
+    input_problems,
 )
 from hetrl.data.tools import environment_reward
 from hetrl.models import load_model
@@ -370,30 +367,16 @@ def build_source(cfg: RunConfig, tokenizer, train_dataset=None, eval_dataset=Non
 
 
 def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
-    """What can fail in the user's data and reward code, found before the model loads (hetrl.data.checks): the
-    rows read and checked (then handed on as rows, so they are read once), each reward function imported and
-    its signature checked. -> (train rows, eval rows) for build_source (None where the config names none)."""
+    """What can fail in the user's data and reward code, found before the model loads (sources.input_problems,
+    which hetrl validate runs too; all problems said together): the rows read and checked (then handed on as rows,
+    so they are read once), each reward function imported and its signature checked. -> (train rows, eval rows)
+    for build_source (what was given where nothing was read)."""
     if cfg.critic_model is not None:
         build.critic_model_problem(cfg)
-    rewards = load_rewards(run_rewards(cfg, reward_funcs))
-    if cfg.data is None:
-        check_task(cfg.task, cfg.task_config)
-    if cfg.data is None or (cfg.data == PYTHON and train_dataset is None):
-        return train_dataset, eval_dataset
-    train = read_checked(train_dataset if train_dataset is not None else cfg.data, "data", cfg.prompt_key)
-    held_out = held_out_data(cfg.data, cfg.eval_data, cfg.eval_size)
-    evals = eval_dataset if eval_dataset is not None else held_out
-    evals = evals if evals in (None, PYTHON) else read_checked(evals, "eval_data", cfg.prompt_key)
-    if evals is None:
-        check_eval_size(len(train), cfg.eval_size)
-    problems = columns_problems(rewards, train, cfg.answer_key,
-                                "the train_dataset" if train_dataset is not None else f"data={cfg.data}")
-    if isinstance(evals, list):   # held-out rows are scored by the same rewards
-        problems += columns_problems(rewards, evals, cfg.answer_key, "the eval_dataset" if eval_dataset is not None
-                                     else f"eval_data={held_out}")
+    problems, rows = input_problems(cfg, run_rewards(cfg, reward_funcs), train_dataset, eval_dataset, PYTHON)
     if problems:
         raise InputError("; ".join(problems))
-    return train, evals
+    return rows.get("data", train_dataset), rows.get("eval_data", eval_dataset)
 
 
 def build_rewards(cfg: RunConfig, source: Source, reward_funcs=None, agent: episodes.Agent | None = None) -> RewardSet:

@@ -220,13 +220,31 @@ def test_a_dataset_dict_given_as_data_alone_holds_out_its_test_split(tmp_path, c
     datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
                           "test": datasets.Dataset.from_list([{"question": "1+1="}])}).save_to_disk(str(bad))
     assert main(["validate", TINY, f"data={bad}", "reward=exact_match"]) == 2
-    assert "eval_data" in capsys.readouterr().err
+    said = capsys.readouterr().err   # named as the user gave it: data=, not an eval_data= they never typed
+    assert f"data={bad} (its held-out split)" in said and "eval_data=" not in said, said
     only_train = tmp_path / "train_only"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(train)}).save_to_disk(str(only_train))
     cfg = load_config(TINY, [f"data={only_train}", "eval_size=4", "reward=exact_match"])
     assert held_out_data(cfg.data, cfg.eval_data) is None
     source = run.build_source(cfg, tiny_tokenizer())
     assert len(source.eval_examples) == 4 and "eval_size=4 rows drawn by seed" in source.description
+
+
+def test_train_and_validate_say_every_problem_of_the_data_and_rewards_together(tmp_path, capsys):
+    """One check (sources.input_problems) for both: hetrl train, before the model loads, says each problem
+    hetrl validate says (a reward file that is not there, a row without a prompt, held-out rows without the
+    reward's column), in one line, where it stopped at the first."""
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"question": "2+2="}])
+    evals = _write_jsonl(tmp_path / "e.jsonl", [{"prompt": "3+3="}])
+    args = [f"data={data}", f"eval_data={evals}", f"reward=[{tmp_path / 'missing.py'}:score, exact_match]"]
+    assert main(["train", "--config", TINY, f"out_dir={tmp_path / 'run'}", *args]) == 2
+    trained = capsys.readouterr().err.strip().splitlines()
+    assert main(["validate", TINY, *args]) == 2
+    validated = capsys.readouterr().err.strip().splitlines()
+    assert len(trained) == len(validated) == 1
+    for needle in ("missing.py", f"data={data}: row 1", f"eval_data={evals}", "exact_match needs the column(s) answer"):
+        assert needle in trained[0] and needle in validated[0], (trained, validated)
+    assert trained[0].split(": ", 1)[1] in validated[0]   # the same problems, validate's line names the file first
 
 
 BAD_REWARDS = {
