@@ -116,4 +116,12 @@ def headline(means: dict) -> float:
 def shown(means: dict) -> str:
     """The headline score as printed: 3 decimals, or why there is none."""
     v = headline(means)
-    return f"{v:.3f}" if math.isfinite(v) else "none (no reward function scored any held-out reply)"
+    return decimals(v, 3) if math.isfinite(v) else "none (no reward function scored any held-out reply)"
+
+
+def decimals(v: float, places: int) -> str:
+    """A score as printed: `places` decimals, or 4 significant digits where it is a million or more (a reward of
+    1e30 printed 31 digits and a fraction)."""
+    if v is None:
+        return "none"
+    return f"{v:.{places}f}" if not math.isfinite(v) or abs(v) < 1e6 else f"{v:.4g}"

@@ -54,6 +54,7 @@ from hetrl.trainer.checkpoint import keep_newest, resume_command
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.engine import Engine, Episodes
 from hetrl.trainer.evaluation import (
+    decimals,
     evaluate,
     greedy_rewards,
     paired_comparison,
@@ -432,7 +433,7 @@ def run_steps(cfg: RunConfig, engine: Engine, source: Source, rewards: RewardSet
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 save(step)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}",
+            bar.set_postfix(reward=decimals(row["reward_mean"], 2),
                             **({"acc": f"{row['accuracy']:.2f}"} if "accuracy" in row else {}),
                             tok_s=f"{row['tokens_per_s']:.0f}")
     stream.close()

@@ -126,3 +126,12 @@ def test_a_nan_gradient_norm_in_a_later_mini_batch_is_reported():
                          packed_tokens=1, standard_tokens=1) for g in (0.5, float("nan"), 0.7)]
     assert math.isnan(_update_stats(stats, 0.0, 0.0)["grad_norm"])
     assert max(s.grad_norm for s in stats) == 0.7      # what the plain max reported
+
+
+def test_scores_print_as_numbers_a_user_can_read():
+    """The progress bar's reward and the held-out line: a reward of 1e30 printed 31 digits and a fraction."""
+    from hetrl.trainer.evaluation import decimals, shown
+
+    assert decimals(0.6412, 2) == "0.64" and decimals(2500.0, 2) == "2500.00" and decimals(1e30, 2) == "1e+30"
+    assert decimals(-3.2e7, 3) == "-3.2e+07" and decimals(math.nan, 2) == "nan" and decimals(None, 2) == "none"
+    assert shown({"eval_reward": 1e30}) == "1e+30" and shown({"eval_accuracy": 0.5, "eval_reward": 9.0}) == "0.500"
