@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import pathlib
 import shutil
 import statistics
@@ -134,7 +135,12 @@ def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None
         "train_peak_mib": marks["train_peak_kib"] / 1024, "process_peak_mib": marks["process_peak_kib"] / 1024,
         "after_load_mib": marks["after_load_kib"] / 1024,
         "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
+    final = out / f"eval_step_{summary['steps']}.jsonl"   # each held-out problem's final score, for paired tests
+    per_problem = [float(r["correct"]) if r.get("correct") is not None else
+                   (math.nan if r.get("reward") is None else float(r["reward"]))
+                   for r in map(json.loads, final.read_text().splitlines())] if final.is_file() else None
     return {"variant": name, "round": round_, "seed": seed, "wall_s": wall_s, "eval_score": score,
+            "precision": summary.get("precision"), "final_per_problem": per_problem,
             "eval_before": summary[f"eval_{score}_before"], "eval_after": summary[f"eval_{score}_after"],
             "gained": summary["gained"], "lost": summary["lost"], "sign_test_p": summary["sign_test_p"],
             "eval_problems": summary["eval_problems"],
@@ -142,6 +148,32 @@ def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None
             "update_s_mean": statistics.mean(r["update_s"] for r in rows[1:]),
             "logprob_s_mean": statistics.mean(r["logprob_s"] for r in rows[1:]),
             "gen_s_mean": statistics.mean(r["gen_s"] for r in rows[1:]), **memory}
+
+
+def paired_with_base(rows: list[dict], base: str, others: list[str], seeds) -> list[str]:
+    """Each variant against the base on the same held-out problems (a seed draws the same problems for every
+    variant): problems only it solved, problems only the base solved, and the exact sign test on those, pooled over
+    the seeds (runs without per-problem scores, or whose problems differ in number, are left out)."""
+    from hetrl.trainer.evaluation import paired_comparison
+
+    by = {(r["variant"], r["seed"] if seeds else r["round"]): r.get("final_per_problem") for r in rows}
+    out = []
+    for v in others:
+        mine, theirs, runs = [], [], 0
+        for (name, key), scores in by.items():
+            base_scores = by.get((base, key))
+            if name == v and scores and base_scores and len(scores) == len(base_scores):
+                mine, theirs, runs = mine + scores, theirs + base_scores, runs + 1
+        if runs:
+            c = paired_comparison(theirs, mine)
+            out.append(f"| {v} | {runs} | {len(mine)} | {c['gained']} | {c['lost']} | {c['sign_test_p']:.2g} |")
+    if not out:
+        return []
+    return ["", f"Each variant against {base} after training, problem by problem on the same held-out problems "
+            f"(pooled over the {'seeds' if seeds else 'rounds'}): solved by it and not by {base}, the reverse, and "
+            "the exact sign test on those (small p: more than evaluation noise):", "",
+            f"| variant | runs paired | problems | only it | only {base} | sign-test p |",
+            "|---|---:|---:|---:|---:|---:|", *out]
 
 
 def markdown(result: dict) -> str:
@@ -164,7 +196,9 @@ def markdown(result: dict) -> str:
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
         f"{rounds_said}"
         f"{' (the variants of a round at the same time)' if result.get('parallel') else ''}, medians. "
-        f"{result['conditions']}",
+        f"{result['conditions']}"
+        + (f" Precision (`precision=auto` on this machine): {', '.join(sorted(precisions))}."
+           if (precisions := {r["precision"] for r in rows if r.get("precision")}) else ""),
         "",
         *[f"- {v}: {' '.join(VARIANTS[v]) or 'the default run settings'}" for v in names],
         "",
@@ -197,6 +231,7 @@ def markdown(result: dict) -> str:
                 gain = [r["eval_after"] - r["eval_before"] for r in rows if r["variant"] == v]
                 lines.append(f"| {v} | {len(after)} | {statistics.mean(after):.3f} ({min(after):.2f}-{max(after):.2f}) "
                              f"| {statistics.mean(gain):+.3f} ({min(gain):+.2f}-{max(gain):+.2f}) |")
+        lines += paired_with_base(rows, base, others, seeds)
     if "train_peak_mib" not in keys:
         return "\n".join(lines) + "\n"
     lines += ["", "Every run:", "", "| variant | round | s/step | update s | peak RSS training MiB | process MiB |",
