@@ -431,7 +431,8 @@ class RunConfig:
              "set kl_ctrl=adaptive (with use_kl_in_reward=true)"),
         )
         for names, idle, why, fix in rules:
-            given = [f"{k}={getattr(self, k)}" for k in names if getattr(self, k) != defaults[k]]
+            given = [("eval_dataset (from Python)" if k == "eval_data" and getattr(self, k) == PYTHON else
+                      f"{k}={getattr(self, k)}") for k in names if getattr(self, k) != defaults[k]]
             if idle and given:
                 one = len(given) == 1
                 raise ValueError(f"{', '.join(given)} {'has' if one else 'have'} no effect in this run: {why}; "

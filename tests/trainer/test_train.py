@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import hetrl
 from hetrl.algo import token_weights
 from hetrl.cli import main
 from hetrl.models import load_model
@@ -87,6 +88,9 @@ def test_eval_size_0_trains_without_a_held_out_evaluation_and_resumes(tmp_path, 
         assert main(["train", "--config", TINY, f"data={rows}", "eval_size=0", also, f"out_dir={tmp_path / 'x'}"]) \
             == 2
         assert f"{also} has no effect in this run: eval_size=0 runs no held-out evaluation" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^eval_dataset \(from Python\) has no effect in this run: eval_size=0"):
+        hetrl.train(TINY, train_dataset=[{"prompt": "1+1=", "answer": "2"}] * 8, eval_size=0,
+                    eval_dataset=[{"prompt": "1+2=", "answer": "3"}], reward_funcs="exact_match")
 
 
 def test_dapo_tiny_run(tmp_path):
