@@ -144,6 +144,8 @@ def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None
             "eval_before": summary[f"eval_{score}_before"], "eval_after": summary[f"eval_{score}_after"],
             "gained": summary["gained"], "lost": summary["lost"], "sign_test_p": summary["sign_test_p"],
             "eval_problems": summary["eval_problems"],
+            "groups_sampled": sum(r.get("groups_sampled", 0) for r in rows),   # what the run paid for in rollouts
+            "sample_tokens": sum(r.get("sample_tokens", 0) for r in rows),
             "step_s_mean": statistics.mean(r["step_s"] for r in rows[1:]),
             "update_s_mean": statistics.mean(r["update_s"] for r in rows[1:]),
             "logprob_s_mean": statistics.mean(r["logprob_s"] for r in rows[1:]),
@@ -192,7 +194,7 @@ def markdown(result: dict) -> str:
         "",
         f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --steps {result['steps']} "
         f"{rounds_flag}{' --parallel' if result.get('parallel') else ''}"
-        f"{eval_flag} --name {result['name']} --out "
+        f"{eval_flag}{' --work ' + result['work'] if result.get('work') else ''} --name {result['name']} --out "
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
         f"{rounds_said}"
         f"{' (the variants of a round at the same time)' if result.get('parallel') else ''}, medians. "
@@ -224,13 +226,18 @@ def markdown(result: dict) -> str:
                   f"{r['eval_after']:.2f} | {r['gained']} | {r['lost']} | {r['sign_test_p']:.2g} | "
                   f"{r['step_s_mean']:.1f} |" for r in rows]
         if len(rows) > len(names):   # several runs per variant: the spread a user can expect
-            lines += ["", "Per variant over its runs: held-out after, mean (min-max), and the gain over before:", "",
-                      "| variant | runs | after: mean (min-max) | gain: mean (min-max) |", "|---|---:|---|---|"]
+            lines += ["", "Per variant over its runs: held-out after, mean (min-max), the gain over before, and what "
+                      "a run sampled (groups of responses, and their tokens; DAPO's dynamic sampling draws more):", "",
+                      "| variant | runs | after: mean (min-max) | gain: mean (min-max) | groups sampled | sampled "
+                      "tokens |", "|---|---:|---|---|---:|---:|"]
             for v in names:
-                after = [r["eval_after"] for r in rows if r["variant"] == v]
-                gain = [r["eval_after"] - r["eval_before"] for r in rows if r["variant"] == v]
+                mine = [r for r in rows if r["variant"] == v]
+                after = [r["eval_after"] for r in mine]
+                gain = [r["eval_after"] - r["eval_before"] for r in mine]
                 lines.append(f"| {v} | {len(after)} | {statistics.mean(after):.3f} ({min(after):.2f}-{max(after):.2f}) "
-                             f"| {statistics.mean(gain):+.3f} ({min(gain):+.2f}-{max(gain):+.2f}) |")
+                             f"| {statistics.mean(gain):+.3f} ({min(gain):+.2f}-{max(gain):+.2f}) | "
+                             f"{statistics.mean(r.get('groups_sampled', 0) for r in mine):.0f} | "
+                             f"{statistics.mean(r.get('sample_tokens', 0) for r in mine):,.0f} |")
         lines += paired_with_base(rows, base, others, seeds)
     if "train_peak_mib" not in keys:
         return "\n".join(lines) + "\n"
@@ -264,8 +271,9 @@ def main() -> int:
     host = machine()
     seeds = args.seeds or [None] * args.rounds
     result = {"machine": f"{host['model']}, {host['cpus']} cores, Python {host['python']}", "steps": args.steps,
-              "rounds": len(seeds), "seeds": args.seeds, "conditions": args.conditions, "parallel": args.parallel,
-              "eval_size": args.eval_size, "variants": args.variants, "name": args.name, "rows": []}
+              "rounds": len(seeds), "seeds": args.seeds, "conditions": args.conditions, "work": args.work,
+              "parallel": args.parallel, "eval_size": args.eval_size, "variants": args.variants, "name": args.name,
+              "rows": []}
     with contextlib.ExitStack() as stack:
         work = args.work or stack.enter_context(tempfile.TemporaryDirectory(prefix="hetrl-variants-"))
         pathlib.Path(work).mkdir(parents=True, exist_ok=True)
