@@ -136,6 +136,7 @@ def test_lora_on_smollm2_keeps_the_base_weights_bit_identical(tmp_path):
     assert changed and all(n.endswith("proj.weight") for n in changed)   # only where an adapter was merged
 
 
+@pytest.mark.slow   # the real SmolLM2 weights (33 s of the default suite's 10 minutes)
 def test_an_adapter_checkpoint_of_the_embedded_model_does_not_look_for_its_config_on_the_hub(tmp_path):
     """peft's save_embedding_layers="auto" looks for the base model's config.json by its name (on the Hub where it
     is not a local folder) and warned 'Could not find a config file' on every LoRA checkpoint of SmolLM2 (read from

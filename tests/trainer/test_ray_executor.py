@@ -613,7 +613,7 @@ def test_a_ray_cluster_without_the_plans_node_resources_is_refused(local_ray, tm
     assert set(ray._private.state.actors()) == actors_before   # refused before any actor was created
 
 
-@pytest.mark.parametrize("zero", [3, 2, 1])
+@pytest.mark.parametrize("zero", [3, pytest.param(2, marks=pytest.mark.slow), 1])   # 2 gathers as 3 does
 def test_sharded_learners_checkpoint_in_the_replicas_format_and_resume(local_ray, tmp_path, zero):
     """zero: 3 (and 2) learners gather their shards into the same checkpoint files as one learner writes (weights
     and torch's own optimizer.state_dict() form), zero: 1 learners their AdamW partitions: two such learners
