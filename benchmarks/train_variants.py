@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import pathlib
 import shutil
 import statistics
@@ -38,6 +37,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from hetrl.bench.harness import machine, timed, write_results
+from hetrl.trainer.evaluation import paired_comparison, paired_scores
 
 VARIANTS = {
     "full": [],
@@ -136,9 +136,7 @@ def row_from_run(name: str, round_: int, out: pathlib.Path, wall_s: float | None
         "after_load_mib": marks["after_load_kib"] / 1024,
         "checkpoint_mib": sum(f.stat().st_size for f in pathlib.Path(summary["checkpoint"]).iterdir()) / 2**20}
     final = out / f"eval_step_{summary['steps']}.jsonl"   # each held-out problem's final score, for paired tests
-    per_problem = [float(r["correct"]) if r.get("correct") is not None else
-                   (math.nan if r.get("reward") is None else float(r["reward"]))
-                   for r in map(json.loads, final.read_text().splitlines())] if final.is_file() else None
+    per_problem = paired_scores([json.loads(x) for x in final.read_text().splitlines()]) if final.is_file() else None
     return {"variant": name, "round": round_, "seed": seed, "wall_s": wall_s, "eval_score": score,
             "precision": summary.get("precision"), "final_per_problem": per_problem,
             "eval_before": summary[f"eval_{score}_before"], "eval_after": summary[f"eval_{score}_after"],
@@ -156,8 +154,6 @@ def paired_with_base(rows: list[dict], base: str, others: list[str], seeds) -> l
     """Each variant against the base on the same held-out problems (a seed draws the same problems for every
     variant): problems only it solved, problems only the base solved, and the exact sign test on those, pooled over
     the seeds (runs without per-problem scores, or whose problems differ in number, are left out)."""
-    from hetrl.trainer.evaluation import paired_comparison
-
     by = {(r["variant"], r["seed"] if seeds else r["round"]): r.get("final_per_problem") for r in rows}
     out = []
     for v in others:

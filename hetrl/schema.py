@@ -79,6 +79,7 @@ def choice_error(name: str, value, choices) -> str:
 
 
 _PLAIN = {bool: "true or false", str: "a string", dict: "a mapping"}   # checked by isinstance alone
+PYTHON = "<python>"   # a field's value where hetrl.train() was given it from Python (data, rewards), not by a path
 NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 

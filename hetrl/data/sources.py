@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from hetrl.schema import InputError, show, unknown_keys_error
+from hetrl.schema import PYTHON, InputError, show, unknown_keys_error
 
 from .checks import READERS, check_prompts
 from .rewards import builtin, builtin_rewards, completion_text, extract_answer
@@ -346,15 +346,14 @@ def held_out_label(data, eval_data) -> str:
     return "eval_data"
 
 
-def input_problems(cfg, rewards: list, train_dataset=None, eval_dataset=None,
-                   passed: str = "<python>") -> tuple[list[str], dict]:
+def input_problems(cfg, rewards: list, train_dataset=None, eval_dataset=None) -> tuple[list[str], dict]:
     """Every problem in a run's data and reward code found before the model loads, all of them together: the task
     and its task_config; each file (or dataset passed from Python) read and its prompts checked; held out from the
     data itself, enough rows left to train on; each reward function imported and its signature checked; the
     columns the rewards read, in every row. One check for `hetrl train` (run.up_front raises them) and
-    `hetrl validate` (which adds the tools'). `cfg`: a RunConfig; `rewards`: the run's reward specs or callables;
-    `passed`: the marker a field holds when its data came from Python. -> (problems, the rows read by field:
-    "data", "eval_data", where read, so the run reads them once)."""
+    `hetrl validate` (which adds the tools'). `cfg`: a RunConfig; `rewards`: the run's reward specs or callables
+    (a field holding PYTHON, data passed from Python and not given again, is not read). -> (problems, the rows
+    read by field: "data", "eval_data", where read, so the run reads them once)."""
     from .rewards import columns_problems, load_rewards
 
     problems: list[str] = []
@@ -377,7 +376,7 @@ def input_problems(cfg, rewards: list, train_dataset=None, eval_dataset=None,
              f"eval_data={held_out}" if cfg.eval_data is not None else f"data={cfg.data} (its held-out split)"}
     rows = {}
     for key, value in given.items():
-        if value is None or (isinstance(value, str) and value == passed):
+        if value is None or (isinstance(value, str) and value == PYTHON):
             continue
         try:
             rows[key] = read_checked(value, key, cfg.prompt_key)

@@ -25,7 +25,7 @@ from hetrl.algo import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGGREGATIONS, PO
 from hetrl.algo.advantages import check_options, options_of
 from hetrl.algo.losses import from_trl
 from hetrl.planner.spec import check_group_size, check_max_leaves
-from hetrl.schema import NUMBER, InputError, bounded, check, read_yaml, rule, unknown_keys_error
+from hetrl.schema import NUMBER, PYTHON, InputError, bounded, check, read_yaml, rule, unknown_keys_error
 
 ALGORITHMS = ("grpo", "dapo", "ppo", "gspo", "dr_grpo", "rloo", "reinforce_pp", "cispo")
 LR_SCHEDULES = ("constant", "linear", "cosine")   # transformers' get_scheduler names (with warmup)
@@ -33,7 +33,6 @@ LR_SCHEDULES = ("constant", "linear", "cosine")   # transformers' get_scheduler 
 # math_verify compare with the answer column (answer_key); format: the reply is exactly its final answer.
 BUILTIN_REWARDS = ("verifier", "partial", "exact_match", "math_verify", "format")
 TASK_REWARDS = ("verifier", "partial")
-PYTHON = "<python>"   # data or a reward passed to hetrl.train() from Python, not by a path
 
 
 def from_python(cfg) -> list[str]:

@@ -82,9 +82,15 @@ def evaluate(cfg: RunConfig, source: Source, rewards: RewardSet, worker: Generat
     means |= episodes.episode_metrics([s for g in outputs for s in g], prefix="eval_")
     if len(values) < len(total):
         means["eval_unscored"] = len(total) - len(values)
-    per_prompt = [math.nan if c is None else float(c) for c in scores.correct] if scores.correct is not None else \
-        [math.nan if t is None else t for t in total]
-    return per_prompt, means
+    return paired_scores(rows), means
+
+
+def paired_scores(rows: list[dict]) -> list[float]:
+    """Each held-out prompt's score for the paired test, from the rows `evaluate` writes (eval_step_N.jsonl):
+    correct or not where a built-in check judged the replies (a row it could not judge: NaN), else the weighted
+    reward (NaN where none scored it)."""
+    key = "correct" if any("correct" in r for r in rows) else "reward"
+    return [math.nan if r.get(key) is None else float(r[key]) for r in rows]
 
 
 def greedy_rewards(cfg: RunConfig, rewards: RewardSet, worker, episode_worker, examples: list[Example]) -> list[float]:

@@ -373,7 +373,7 @@ def up_front(cfg: RunConfig, train_dataset, eval_dataset, reward_funcs):
     for build_source (what was given where nothing was read)."""
     if cfg.critic_model is not None:
         build.critic_model_problem(cfg)
-    problems, rows = input_problems(cfg, run_rewards(cfg, reward_funcs), train_dataset, eval_dataset, PYTHON)
+    problems, rows = input_problems(cfg, run_rewards(cfg, reward_funcs), train_dataset, eval_dataset)
     if problems:
         raise InputError("; ".join(problems))
     return rows.get("data", train_dataset), rows.get("eval_data", eval_dataset)
