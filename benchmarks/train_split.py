@@ -71,14 +71,14 @@ def run_job(model: str, device: str, steps: int, work: pathlib.Path, extra: list
 def peak_flops(device: str, precision: str) -> tuple[float, str]:
     import torch
 
-    from hetrl.planner.catalog import GPUS
+    from hetrl.planner.catalog import GPUS, device_type
 
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
-        for key, g in GPUS.items():
-            if key.split("-")[0] in name:
-                return g.dense_bf16_flops, f"catalog {key} ({g.source})"
-        raise ValueError(f"{name} is not in the planner catalog; add it to compare MFU")
+        key = device_type(name)
+        if key is None:
+            raise ValueError(f"{name} is not in the planner catalog; add it to compare MFU")
+        return GPUS[key].dense_bf16_flops, f"catalog {key} ({GPUS[key].source})"
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
     return (harness.matmul_gflops(dtype, 1024, 3.0) * 1e9,
             f"measured 1024^3 {str(dtype).removeprefix('torch.')} matmul here")

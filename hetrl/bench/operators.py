@@ -43,7 +43,7 @@ import torch
 
 from hetrl.bench.harness import machine, seconds, utc_now
 from hetrl.planner import optables
-from hetrl.planner.catalog import GPUS
+from hetrl.planner.catalog import device_type
 from hetrl.planner.spec import PRESETS
 
 FIELDS = optables.FIELDS   # the catalog's table form: a CUDA run's file can go into HETRL_OPERATOR_TABLES as it is
@@ -309,7 +309,7 @@ def measure(device: str, out: str | pathlib.Path, models: list[str], budget_s: f
         w.writerows(rows)
     (out / f"operators_{dev.type}.json").write_text(json.dumps(res, indent=1))
     priced = engine_rows(rows, tokens)
-    if dev.type == "cuda" and priced and (name := catalog_name(torch.cuda.get_device_name(dev))):
+    if dev.type == "cuda" and priced and (name := device_type(torch.cuda.get_device_name(dev))):
         # the rows that price the engine's kernels, named as the cost model loads them (HETRL_OPERATOR_TABLES)
         with open(out / f"hetrl-measured_{name}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, FIELDS)
@@ -330,17 +330,6 @@ def engine_rows(rows: list[dict], tokens=TOKENS) -> list[dict]:
     for r in graphed:
         ms.setdefault(optables.series_of(r), set()).add(r["m"])
     return [r for r in graphed if ms[optables.series_of(r)] >= set(tokens)]
-
-
-def catalog_name(device_name: str) -> str | None:
-    """The catalog's name for a CUDA device ("NVIDIA H100 80GB HBM3" -> "H100"), None when it has none."""
-    words = device_name.replace("-", " ").split()
-    for whole in (True, False):   # "A100-40G" where the name says 40GB, else the type's first entry
-        for name in GPUS:
-            base, *rest = name.split("-")
-            if base in words and (not whole or all(any(w.startswith(r) for w in words) for r in rest)):
-                return name
-    return None
 
 
 def main() -> None:

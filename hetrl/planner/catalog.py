@@ -109,6 +109,19 @@ def spelling(name: str, own: Iterable[str] = ()) -> str:
     return next((k for k in known if k.casefold() == name.casefold()), name)
 
 
+def device_type(device_name: str) -> str | None:
+    """The catalog's name for a device as its driver names it (`torch.cuda.get_device_name`: "NVIDIA H100 80GB
+    HBM3" -> "H100", "NVIDIA A100-SXM4-40GB" -> "A100-40G"), None when the catalog has no such type. One rule for
+    every place that asks which catalog GPU it runs on (a benchmark's MFU peak, the operator tables' file name)."""
+    words = device_name.replace("-", " ").split()
+    for whole in (True, False):   # "A100-40G" where the name says 40GB, else the type's first entry
+        for name in GPUS:
+            base, *rest = name.split("-")
+            if base in words and (not whole or all(any(w.startswith(r) for w in words) for r in rest)):
+                return name
+    return None
+
+
 def gpu(name: str) -> GPUType:
     """Look a GPU type up by name or alias, in any case; unknown names list the known ones."""
     key = ALIASES.get(spelling(name), spelling(name))

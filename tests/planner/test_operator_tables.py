@@ -213,11 +213,27 @@ def test_a_plan_priced_before_the_tables_change_is_priced_again(monkeypatch):
 
 
 def test_a_measured_cuda_device_is_named_as_the_catalog_names_it():
-    from hetrl.bench.operators import catalog_name
-    assert catalog_name("NVIDIA H100 80GB HBM3") == "H100"
-    assert catalog_name("NVIDIA A100-SXM4-40GB") == "A100-40G"
-    assert catalog_name("NVIDIA H200") == "H200"
-    assert catalog_name("NVIDIA GeForce RTX 4090") is None
+    """One rule (catalog.device_type) for the operator tables' file name and the train-split benchmark's MFU peak;
+    the latter had its own, which read an A100 40GB as the 80GB type and an H200 as whichever of H20 / H200 the
+    catalog listed first."""
+    import sys
+    import types
+
+    from benchmarks import train_split
+    from hetrl.planner.catalog import device_type
+    assert device_type("NVIDIA H100 80GB HBM3") == "H100"
+    assert device_type("NVIDIA A100-SXM4-40GB") == "A100-40G"
+    assert device_type("NVIDIA A100-SXM4-80GB") == "A100-80G"
+    assert device_type("NVIDIA H200") == "H200"
+    assert device_type("NVIDIA H20") == "H20"
+    assert device_type("NVIDIA GeForce RTX 4090") is None
+    for name, want in (("NVIDIA A100-SXM4-40GB", "A100-40G"), ("NVIDIA H200", "H200"), ("NVIDIA H20", "H20")):
+        fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_device_name=lambda _d, n=name: n),
+                                     device=lambda d: d)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(sys.modules, "torch", fake)
+            peak, source = train_split.peak_flops("cuda", "bf16-mixed")
+        assert peak == GPUS[want].dense_bf16_flops and source.startswith(f"catalog {want} ")
 
 
 def test_a_measured_fused_moe_layer_comes_back_as_measured_and_other_gpus_scale_by_their_roofline():
