@@ -175,6 +175,10 @@ def source_of(gpu, op: str) -> str:
         return "no table (roofline constants)"
     files = sorted({r["file"] for r in tables()[src][op]})
     if src == gpu.name:
+        if op == "gemm" and (same := _architecture_gemms(src)):
+            theirs = sorted({r["file"] for r in tables()[same[0]][op]})
+            return (f"{', '.join(files)}; the shapes it lacks from {', '.join(theirs)}, scaled from {same[0]} by "
+                    f"peak FLOP/s and HBM bandwidth")
         return ", ".join(files)
     if op == "engine_step":   # host work: the engine's CPU time is not scaled by the GPU
         return f"{', '.join(files)} ({src}'s host time, not scaled)"
@@ -202,19 +206,30 @@ def _roofline(gpu, m: float, n: float, k: float, vb: float) -> float:
     return max(2 * m * n * k / gpu.dense_bf16_flops, vb * (m * k + k * n + m * n) / gpu.hbm_bytes_per_s)
 
 
+def _architecture_gemms(src: str) -> tuple[str, ...]:
+    """The GPU whose GEMM table fills the shapes `src`'s own table lacks: its architecture's (SAME_ARCHITECTURE),
+    where that has one. A lent H200's few measured shapes (hetrl-measured_H200.csv) price those shapes, and every
+    other shape keeps the H100 profile's efficiency, as the H200 was priced before it had a table of its own."""
+    same = SAME_ARCHITECTURE.get(src)
+    return (same,) if same and "gemm" in tables().get(same, {}) else ()
+
+
 @functools.cache
 def _gemm_series(src: str) -> tuple[dict, tuple[tuple[float, tuple, tuple], ...]]:
     """`src`'s GEMM efficiencies (roofline time / measured time, the median of repeats): by measured shape
     {(n, k): (ms, efficiencies)}, and by weight size [(log(n k), ms, efficiencies)] sorted, the shapes that share a
     weight size (4096 x 11008 and 11008 x 4096) joined by the geometric mean of their efficiencies at each M."""
     from .catalog import gpu as gpu_type
-    g = gpu_type(src)
-    shapes: dict[tuple[int, int], dict[int, list[float]]] = {}
-    for r in tables()[src]["gemm"]:
-        shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["m"], []).append(r["seconds"])
+    shapes: dict[tuple[int, int], tuple[str, dict[int, list[float]]]] = {}
+    for owner in (src, *_architecture_gemms(src)):   # the shapes src lacks from its architecture's table
+        for r in tables()[owner]["gemm"]:
+            mine, by_m = shapes.setdefault((r["n"], r["k"]), (owner, {}))
+            if mine == owner:
+                by_m.setdefault(r["m"], []).append(r["seconds"])
     exact, by_size = {}, {}
-    for (n, k), by_m in shapes.items():
+    for (n, k), (owner, by_m) in shapes.items():
         ms = sorted(by_m)
+        g = gpu_type(owner)   # an efficiency is against the roofline of the GPU that measured it
         eff = [_roofline(g, m, n, k, 2) / float(np.median(by_m[m])) for m in ms]
         exact[(n, k)] = (tuple(ms), tuple(eff))
         for m, e in zip(ms, eff):

@@ -148,6 +148,31 @@ def test_a_users_series_replace_the_same_series_and_join_the_rest(own_tables):
     assert {r["file"] for r in optables.tables()["H100"]["attention_decode"]} == {"hetrl-measured_H100.csv"}
 
 
+def test_a_gpus_own_few_shapes_leave_its_architectures_others_in_place(own_tables):
+    """A lent H200's measured file (hetrl-measured_H200.csv) holds a few GEMM shapes. Those shapes are priced from
+    it; every other shape keeps what priced the H200 before it had a table (the H100 profile's efficiency on the
+    H200's roofline), rather than being interpolated from the few shapes by weight size."""
+    h200 = gpu("H200")
+    mine_shape = (4096, 4096)
+    others = sorted({(r["n"], r["k"]) for r in optables.tables()["H100"]["gemm"]} - {mine_shape})
+    probe = [(m, *shape) for shape in (others[0], others[len(others) // 2], others[-1]) for m in (1, 300, 8192)]
+    probe += [(64, 5000, 3000), (64, 50_000, 8192)]                        # shapes no table measured
+    before = {x: optables.gemm_s(h200, *x) for x in probe}
+    own_tables([{"op": "gemm", "dtype": "bfloat16", "m": m, "n": 4096, "k": 4096, "seconds": sec,
+                 "source": "measured: NVIDIA H200"} for m, sec in ((1, 9e-6), (4096, 1.5e-4))],
+               name="hetrl-measured_H200.csv")
+    assert optables.nearest_measured(h200, "gemm") == "H200"
+    assert optables.gemm_s(h200, 1, *mine_shape) == pytest.approx(9e-6, rel=1e-12)
+    assert optables.gemm_s(h200, 4096, *mine_shape) == pytest.approx(1.5e-4, rel=1e-12)
+    for x in probe[:9]:
+        assert optables.gemm_s(h200, *x) == pytest.approx(before[x], rel=1e-12), x
+    for x in probe[9:]:   # interpolated by weight size over both tables' shapes: finite, near what it was
+        assert 0.5 < optables.gemm_s(h200, *x) / before[x] < 2, x
+    assert optables.source_of(h200, "gemm") == ("hetrl-measured_H200.csv; the shapes it lacks from vidur_H100.csv, "
+                                                "scaled from H100 by peak FLOP/s and HBM bandwidth")
+    assert optables.gemm_s(gpu("H100"), 1, *mine_shape) == pytest.approx(_measured("H100", *mine_shape, 1))
+
+
 def test_only_graph_timed_gemms_of_whole_series_price_the_engine():
     """hetrl-measured_GPU.csv holds what prices an inference engine's kernels: CUDA-graph GEMMs of shapes measured at
     every M; a shape the budget cut part-way, launch-timed rows, and torch's SDPA decode and grouped-GEMM MoE (not
