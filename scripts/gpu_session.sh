@@ -12,7 +12,8 @@
 # Single stages (checks, train, paper, qwen3, ops) run alone, with the whole call's budget each.
 # Before the call, here: `bash scripts/gpu_wheels.sh` (writes the git-ignored .whl/). The call:
 #   device run, carry [".whl"], timeout_s 580, command "bash scripts/gpu_session.sh all"
-# Then copy what came back under benchmarks/results/gpu/ and commit it. The CPU smoke run (tests/test_gpu_call.py):
+# Then land what came back (python -m benchmarks.gpu_land FILES_AT --command ...: a folder of its own under
+# benchmarks/results/gpu/) and commit it. The CPU smoke run (tests/test_gpu_call.py):
 # `OUT=/tmp/o GPU_SESSION_DEVICE=cpu bash scripts/gpu_session.sh all` (tiny sizes, a minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,37 +1,56 @@
-"""The cost model's predictions beside what the first lent GPU measured (issue 46 item 3): stage b (`hetrl train`'s
-phases on one H100) and stage d (the operator rows). Stage c's comparison is in its own page (the layer benchmark
-prints the cost model's compute term beside each cell). Nothing is fitted: the committed GPU files are read, the
-cost model prices the same shapes, and the ratio is printed.
+"""The cost model's predictions beside what a lent GPU measured (issue 46 item 3): stage b (`hetrl train`'s phases
+on that GPU) and stage d (the operator rows). Stage c's comparison is in its own page (the layer benchmark prints
+the cost model's compute term beside each cell). Nothing is fitted: the committed GPU files of one call's folder
+are read, the cost model prices the same shapes on the catalog type of the GPU that ran them, and the ratio is
+printed.
 
-    python -m benchmarks.studies.gpu_vs_cost_model      # -> benchmarks/results/gpu/cost_model.md
+    python -m benchmarks.studies.gpu_vs_cost_model [--dir benchmarks/results/gpu/h100-2026-11-28]
+    # -> DIR/cost_model.md and .json (benchmarks/results/gpu/h100-2026-11-28/cost_model.md), with
+    #    NOTES[DIR's name] (what the numbers say) appended
 
-Stage b: each run's planner workload is `placement.run_workload` of its own config (model shape, batch, lengths,
-precision, old log-prob passes), on one H100 with every task on GPU 0 at TP = PP = DP = 1, scored by
-`hetrl.planner.evaluate`: actor_gen against the measured rollout, actor_infer (+ ref_infer) against log-probs,
-actor_train against the update. Stage d: GEMMs against `optables.gemm_s` (Vidur's H100 profile where it measured the
-shape, else interpolated by weight size) and the bare roofline at the catalog's datasheet peaks; decode attention
-against `optables.attention_decode_s` (the committed decode-attention table); prefill attention against the roofline
-(the cost model prices prefill at its compute MFU, no table).
+Run it before that call's hetrl-measured_GPU.csv joins hetrl/planner/data/operators/: afterwards the GEMM rows
+would be priced from themselves (the page names the tables that priced each op). Stage b: each run's planner
+workload is `placement.run_workload` of its own config (model shape, batch, lengths, precision, old log-prob
+passes), on one GPU of that type with every task on GPU 0 at TP = PP = DP = 1, scored by `hetrl.planner.evaluate`:
+actor_gen against the measured rollout, actor_infer (+ ref_infer) against log-probs, actor_train against the update.
+Stage d: GEMMs against `optables.gemm_s` and the bare roofline at the catalog's datasheet peaks; decode attention
+against `optables.attention_decode_s`; prefill attention against the roofline (the cost model prices prefill at its
+compute MFU, no table).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 import pathlib
 import statistics
 
+from hetrl.bench.operators import GRAPHED
 from hetrl.models import CONFIG, config_of
 from hetrl.planner import evaluate, optables, plan_from_dict
-from hetrl.planner.catalog import gpu
+from hetrl.planner.catalog import GPUS, device_type
 from hetrl.planner.spec import TokenLengths, cluster_from_dict
 from hetrl.trainer.config import RunConfig
 from hetrl.trainer.placement import model_spec_from_hf, run_workload
 
-GPU_DIR = pathlib.Path(__file__).resolve().parents[1] / "results" / "gpu"
-H100 = {"name": "one-h100", "nodes": [{"name": "n", "region": "local", "gpu": "H100", "count": 1,
-                                       "intra_node": "nvlink", "network_gbps": 100}]}
+GPU_ROOT = pathlib.Path(__file__).resolve().parents[1] / "results" / "gpu"   # one folder per lent call
+FIRST = GPU_ROOT / "h100-2026-11-28"
+
+
+def one_gpu(name: str) -> dict:
+    """A one-GPU cluster of catalog type `name`."""
+    return {"name": f"one-{name.lower()}", "nodes": [{"name": "n", "region": "local", "gpu": name, "count": 1,
+                                                      "intra_node": "nvlink", "network_gbps": 100}]}
+
+
+def gpu_of(split: dict) -> str:
+    """The catalog type of the GPU a call ran on (its train-split results name the device)."""
+    name = device_type(split.get("device_name", ""))
+    if name is None:
+        raise SystemExit(f"{split.get('device_name')!r} is not a catalog GPU: the cost model has nothing to price")
+    return name
 
 
 def _spec(model: str):
@@ -39,8 +58,8 @@ def _spec(model: str):
 
 
 def train_rows(split: dict) -> list[dict]:
-    """Stage b: per run, the measured phase seconds beside the cost model's task times on one H100."""
-    cluster = cluster_from_dict(H100)
+    """Stage b: per run, the measured phase seconds beside the cost model's task times on one such GPU."""
+    cluster = cluster_from_dict(one_gpu(gpu_of(split)))
     out = []
     for model, run in split["runs"].items():
         cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
@@ -67,27 +86,27 @@ def train_rows(split: dict) -> list[dict]:
     return out
 
 
-def operator_rows(rows: list[dict]) -> list[dict]:
-    """Stage d: each measured row beside the table the cost model prices H100 from, and the roofline."""
-    h100 = gpu("H100")
+def operator_rows(rows: list[dict], name: str) -> list[dict]:
+    """Stage d: each measured row beside the table the cost model prices GPU type `name` from, and the roofline."""
+    g = GPUS[name]
     out = []
     for r in rows:
         op, s = r["op"], float(r["seconds"])
         if op == "gemm":
             m, n, k = (int(r[x]) for x in "mnk")
-            table = optables.gemm_s(h100, m, n, k)
-            roof = optables._roofline(h100, m, n, k, 2)
+            table = optables.gemm_s(g, m, n, k)
+            roof = optables._roofline(g, m, n, k, 2)
             what = f"{m} x {n} x {k}"
         elif op == "attention_decode":
             b, c, kvh, d = (int(r[x]) for x in ("batch", "context", "kv_heads", "head_dim"))
             kv_bytes = 2 * b * c * kvh * d * 2
-            table = optables.attention_decode_s(h100, kv_bytes)
-            roof = kv_bytes / h100.hbm_bytes_per_s
+            table = optables.attention_decode_s(g, kv_bytes)
+            roof = kv_bytes / g.hbm_bytes_per_s
             what = f"batch {b} x context {c}"
         elif op == "attention_prefill":
             c, h, d = (int(r[x]) for x in ("context", "heads", "head_dim"))
             table = None
-            roof = 2 * 2 * h * d * c * c / 2 / h100.dense_bf16_flops
+            roof = 2 * 2 * h * d * c * c / 2 / g.dense_bf16_flops
             what = f"length {c}"
         else:
             continue
@@ -104,7 +123,8 @@ def _dedupe(rows: list[dict]) -> list[dict]:
             for group in by.values()]
 
 
-ANALYSIS = """## What it says
+# What each call's numbers say, by its folder's name (written after reading them; appended to its page)
+NOTES = {"h100-2026-11-28": """## What it says
 
 - **Stage b: hetrl's trainer on an H100 is 7-27x slower per phase, 9-10x per step, than the cost model prices the
   same job** (step 1.61 s measured, 0.18 s predicted at qwen2.5-1.5b's shape). The job is a toy for an H100 (64
@@ -127,7 +147,7 @@ ANALYSIS = """## What it says
   paged measurement at large batch (FlashInfer's or FA3's own benchmark on a lent GPU) would settle it.
 - Prefill attention (causal SDPA) runs at 1.5-1.7x its roofline at 8-16K tokens (590-654 TFLOP/s); the cost model
   prices it inside the pass's MFU, no table.
-"""
+"""}
 
 
 def _us(x):
@@ -138,25 +158,35 @@ def _err(pred, meas):
     return "-" if pred is None else f"{(pred - meas) / meas:+.0%}"
 
 
-def markdown(train: list[dict], ops: list[dict], split: dict) -> str:
-    lines = ["# The cost model beside the first lent GPU (one H100 80GB HBM3, 2026-11-28)", "",
-             f"`python -m benchmarks.studies.gpu_vs_cost_model` over the committed files in this folder "
+def markdown(train: list[dict], ops: list[dict], split: dict, ops_rows: list[dict], folder: pathlib.Path,
+             notes: str = "") -> str:
+    name = gpu_of(split)
+    g = GPUS[name]
+    when = str(split.get("date", "")).split()[0]
+    graphed = sum(GRAPHED in r.get("source", "") for r in ops_rows)
+    timing = ("each row a CUDA graph's replay (or calls back to back where the operator syncs with the host), its "
+              "source says which" if graphed else
+              "each row timed one call between two CUDA events, so rows under ~50 us carry the host's launch: see "
+              "README.md")
+    arg = "" if folder.resolve() == FIRST.resolve() else f" --dir {_shown(folder)}"
+    lines = [f"# The cost model beside a lent GPU ({split['device_name']}, {when})", "",
+             f"`python -m benchmarks.studies.gpu_vs_cost_model{arg}` over the committed files in this folder "
              f"({split['device_name']}, torch {split['torch']}). Nothing fitted; error = (predicted - measured) / "
              f"measured.", "",
              "## Stage b: `hetrl train`'s phases (the default job, random weights of real shapes)", "",
              "The planner's workload of each run (`placement.run_workload`: its model, batch, lengths, bf16, old "
-             "log-prob passes) on one H100, every task on GPU 0, scored by `hetrl.planner.evaluate`. The cost model "
-             "prices generation as vLLM runs it (measured kernels, CUDA graphs, the engine's measured step "
+             f"log-prob passes) on one {name}, every task on GPU 0, scored by `hetrl.planner.evaluate`. The cost "
+             "model prices generation as vLLM runs it (measured kernels, CUDA graphs, the engine's measured step "
              "overhead); hetrl's rollout is still its own HF loop, launched from Python.", "",
              "| model | phase | measured s | predicted s | error |", "|---|---|---:|---:|---:|"]
     for r in train:
         lines.append(f"| {r['model']} | {r['phase']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
                      f"{_err(r['predicted_s'], r['measured_s'])} |")
     lines += ["", "## Stage d: operators", "",
-              "Each measured row (the first call timed one call between two CUDA events, so rows under ~50 us carry "
-              "the host's launch: see README.md) beside the table the cost model prices an H100 from "
-              "(`optables.gemm_s`: Vidur's H100 profile; `optables.attention_decode_s`: decode-attention_H100.csv) "
-              "and the roofline at the catalog's datasheet peaks (989 TFLOP/s, 3.35 TB/s).", "",
+              f"Each measured row ({timing}) beside the table the cost model prices an {name} from "
+              f"(`optables.gemm_s`: {optables.source_of(g, 'gemm')}; `optables.attention_decode_s`: "
+              f"{optables.source_of(g, 'attention_decode')}) and the roofline at the catalog's datasheet peaks "
+              f"({g.dense_bf16_flops / 1e12:,.0f} TFLOP/s, {g.hbm_bytes_per_s / 1e12:.3g} TB/s).", "",
               "| op | shape | measured us | cost model's table us | error | roofline us | measured / roofline |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for r in ops:
@@ -168,18 +198,34 @@ def markdown(train: list[dict], ops: list[dict], split: dict) -> str:
         errs = sorted(abs(r["table_s"] - r["measured_s"]) / r["measured_s"] for r in big)
         lines += ["", f"Rows measured at 200 us or more (kernel-bound, {len(big)}): the cost model's tables are "
                       f"within a median {statistics.median(errs):.0%} (largest {errs[-1]:.0%})."]
-    return "\n".join(lines) + "\n\n" + ANALYSIS
+    return "\n".join(lines) + "\n" + (f"\n{notes}" if notes else "")
 
 
-def main() -> None:
-    split = json.loads((GPU_DIR / "train_split_cuda.json").read_text())
-    with open(GPU_DIR / "operators_cuda.csv", newline="") as f:
+def _shown(folder: pathlib.Path) -> str:
+    try:
+        return str(folder.resolve().relative_to(pathlib.Path.cwd().resolve()))
+    except ValueError:
+        return str(folder)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=pathlib.Path, default=FIRST,
+                    help="one call's folder under benchmarks/results/gpu/ (default: the first lent GPU's)")
+    args = ap.parse_args(argv)
+    folder = args.dir
+    for need in ("train_split_cuda.json", "operators_cuda.csv"):
+        if not (folder / need).is_file():
+            raise SystemExit(f"--dir {folder}: no {need} (a call's folder holds what stages b and d wrote)")
+    split = json.loads((folder / "train_split_cuda.json").read_text())
+    with open(folder / "operators_cuda.csv", newline="") as f:
         measured = list(csv.DictReader(f))
+    notes = NOTES.get(folder.name, "")
     train = train_rows(split)
-    ops = _dedupe(operator_rows(measured))
-    text = markdown(train, ops, split)
-    (GPU_DIR / "cost_model.md").write_text(text)
-    (GPU_DIR / "cost_model.json").write_text(json.dumps({"train": train, "operators": ops}, indent=1))
+    ops = _dedupe(operator_rows(measured, gpu_of(split)))
+    text = markdown(train, ops, split, measured, folder, notes)
+    (folder / "cost_model.md").write_text(text)
+    (folder / "cost_model.json").write_text(json.dumps({"train": train, "operators": ops}, indent=1))
     print(text)
 
 

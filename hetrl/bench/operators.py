@@ -24,7 +24,7 @@ pass over CALLS. On CUDA the pass is captured once as a CUDA graph and replayed,
 runs, so no host launch sits inside the time; an operator that syncs with the host (the MoE layer's routing) is
 launched back to back instead. Each row's source says which. (The first lent GPU timed one call between two events:
 small GEMMs read 37-46 us where Vidur's H100 profile reads 16-30 us, the wait for Python to launch them;
-benchmarks/results/gpu/README.md.)
+benchmarks/results/gpu/h100-2026-11-28/README.md.)
 
 Hand-written because no library measures these tables in this form: Vidur's profiler (the cost model's published
 source) needs its own GPU setup and Sarathi's kernels; this is its minimal subset on plain torch.

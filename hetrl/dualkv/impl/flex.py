@@ -11,7 +11,7 @@ compile recompiled per length and, past dynamo's recompile limit, fell back to e
 materialises the whole score matrix). The kernel is flex's standard Triton one at every length: left to
 choose, flex sends a stream under 128 tokens to its decoding kernel, which has no config for a training
 pass at small head dims (measured on an H200, torch 2.11: a 98-token bf16 stream at head dim 16 failed to
-compile with NoValidChoicesError; benchmarks/results/gpu/README.md). On CPU torch runs flex forward only
+compile with NoValidChoicesError; benchmarks/results/gpu/h100-2026-11-28/README.md). On CPU torch runs flex forward only
 (it refuses the backward), so the caller must not ask for gradients there.
 """
 
