@@ -18,9 +18,12 @@ written with the results.
     python -m benchmarks.train_variants --variants grpo gspo dr_grpo rloo --steps 16 --seeds 0 1 2 --parallel \
         --work runs/algorithms --name algorithms_default_job --out benchmarks/results
 
-`--seeds S ...` makes each round one seed (`seed=S` for every variant of it), for the held-out comparisons that
-need several; `--work DIR` keeps every run's directory there and reads a run that already finished (summary.json)
-instead of running it again, so a long comparison cut short continues where it stopped.
+`--set KEY=VALUE ...` adds run settings to every variant (`--set precision=fp32`: the comparison at fp32 on a
+machine where `precision=auto` is bf16-mixed); the page states them, and a finished run in `--work` made with other
+settings is refused rather than read. `--seeds S ...` makes each round one seed (`seed=S` for every variant of it),
+for the held-out comparisons that need several; `--work DIR` keeps every run's directory there and reads a run that
+already finished (summary.json) instead of running it again, so a long comparison cut short continues where it
+stopped.
 """
 
 from __future__ import annotations
@@ -88,11 +91,11 @@ print("MARKS " + json.dumps(marks))
 
 
 def run_round(names: list[str], steps: int, work: pathlib.Path, round_: int, parallel: bool,
-              eval_size: int | None = None, seed: int | None = None) -> list[dict]:
+              eval_size: int | None = None, seed: int | None = None, extra: tuple[str, ...] = ()) -> list[dict]:
     """One child per variant, one after another or (`parallel`) all at once, each with an equal share of the CPU
     (only the variants still to run: a finished one in `work` is read)."""
     def one(name):
-        return run_variant(name, steps, work, round_, eval_size, seed)
+        return run_variant(name, steps, work, round_, eval_size, seed, extra)
     if not parallel:
         return [one(name) for name in names]
     with ThreadPoolExecutor(len(names)) as pool:
@@ -100,14 +103,18 @@ def run_round(names: list[str], steps: int, work: pathlib.Path, round_: int, par
 
 
 def run_variant(name: str, steps: int, work: pathlib.Path, round_: int, eval_size: int | None = None,
-                seed: int | None = None) -> dict:
+                seed: int | None = None, extra: tuple[str, ...] = ()) -> dict:
     """`eval_size`: held-out problems (None: 8 for the memory variants, the run's default for the algorithms);
-    `seed`: the run's seed (None: the default). A run that finished in `work` before (summary.json, and the marks
-    its child wrote) is read, not run again; one cut short starts over."""
+    `seed`: the run's seed (None: the default); `extra`: KEY=VALUE settings added to the variant's. A run that
+    finished in `work` before (summary.json, and the marks its child wrote) is read, not run again, if it was made
+    with the same settings (else refused); one cut short starts over."""
     out = work / (f"{name}-{round_}" if seed is None else f"{name}-s{seed}")
     marks_file = out / "variant_marks.json"
     if (out / "summary.json").is_file() and marks_file.is_file():
         done = json.loads(marks_file.read_text())
+        if done.get("extra", []) != list(extra):
+            raise SystemExit(f"{out} was made with --set {' '.join(done.get('extra', [])) or '(nothing)'}, not "
+                             f"{' '.join(extra) or '(nothing)'}: give another --work")
         return row_from_run(name, round_, out, done["wall_s"], done["marks"], seed)
     shutil.rmtree(out, ignore_errors=True)
     if eval_size is None and name in SHORT_EVAL:
@@ -115,12 +122,12 @@ def run_variant(name: str, steps: int, work: pathlib.Path, round_: int, eval_siz
     evals = [] if eval_size is None else [f"eval_size={eval_size}"]
     seeds = [] if seed is None else [f"seed={seed}"]
     proc, wall_s = timed(lambda: subprocess.run([sys.executable, "-c", CHILD, str(out), str(steps), *evals, *seeds,
-                                                 *VARIANTS[name]],
+                                                 *VARIANTS[name], *extra],
                                                 capture_output=True, text=True))
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     marks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MARKS "))[6:])
-    marks_file.write_text(json.dumps({"wall_s": wall_s, "marks": marks}))
+    marks_file.write_text(json.dumps({"wall_s": wall_s, "marks": marks, "extra": list(extra)}))
     return row_from_run(name, round_, out, wall_s, marks, seed)
 
 
@@ -181,6 +188,9 @@ def markdown(result: dict) -> str:
     med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in keys} for v in names}
     base, others = names[0], names[1:]
     eval_flag = f" --eval-size {result['eval_size']}" if result.get("eval_size") else ""
+    set_flag = f" --set {' '.join(result['extra'])}" if result.get("extra") else ""
+    how_precision = ("set by --set" if any(kv.startswith("precision=") for kv in result.get("extra") or ())
+                     else "`precision=auto` on this machine")
     seeds = result.get("seeds")
     rounds_flag = f"--seeds {' '.join(map(str, seeds))}" if seeds else f"--rounds {result['rounds']}"
     rounds_said = (f"seeds {', '.join(map(str, seeds))} (one round each)" if seeds else
@@ -190,15 +200,17 @@ def markdown(result: dict) -> str:
         "",
         f"Made by `python -m benchmarks.train_variants --variants {' '.join(names)} --steps {result['steps']} "
         f"{rounds_flag}{' --parallel' if result.get('parallel') else ''}"
-        f"{eval_flag}{' --work ' + result['work'] if result.get('work') else ''} --name {result['name']} --out "
+        f"{eval_flag}{set_flag}"
+        f"{' --work ' + result['work'] if result.get('work') else ''} --name {result['name']} --out "
         f"benchmarks/results` on {result['machine']}; {result['steps']} steps per run (steps 2.. timed), "
         f"{rounds_said}"
         f"{' (the variants of a round at the same time)' if result.get('parallel') else ''}, medians. "
         f"{result['conditions']}"
-        + (f" Precision (`precision=auto` on this machine): {', '.join(sorted(precisions))}."
+        + (f" Precision ({how_precision}): {', '.join(sorted(precisions))}."
            if (precisions := {r["precision"] for r in rows if r.get("precision")}) else ""),
         "",
         *[f"- {v}: {' '.join(VARIANTS[v]) or 'the default run settings'}" for v in names],
+        *([f"- every variant also: {' '.join(result['extra'])}"] if result.get("extra") else []),
         "",
         f"| | {' | '.join(names)} | {' | '.join(f'{v} / {base}' for v in others)} |",
         "|---|" + "---:|" * (2 * len(names) - 1),
@@ -261,21 +273,26 @@ def main() -> int:
     parser.add_argument("--parallel", action="store_true",
                         help="run each round's variants at the same time (equal CPU shares; step times comparable "
                              "to each other, not to runs alone)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="extra",
+                        help="run settings added to every variant (e.g. precision=fp32)")
     parser.add_argument("--conditions", default="The machine was otherwise idle.",
                         help="how the CPU was shared while this ran (written with the results)")
     args = parser.parse_args()
+    bad = [kv for kv in args.extra if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--set takes KEY=VALUE, got {' '.join(bad)}")
     host = machine()
     seeds = args.seeds or [None] * args.rounds
     result = {"machine": f"{host['model']}, {host['cpus']} cores, Python {host['python']}", "steps": args.steps,
               "rounds": len(seeds), "seeds": args.seeds, "conditions": args.conditions, "work": args.work,
               "parallel": args.parallel, "eval_size": args.eval_size, "variants": args.variants, "name": args.name,
-              "rows": []}
+              "extra": args.extra, "rows": []}
     with contextlib.ExitStack() as stack:
         work = args.work or stack.enter_context(tempfile.TemporaryDirectory(prefix="hetrl-variants-"))
         pathlib.Path(work).mkdir(parents=True, exist_ok=True)
         for round_, seed in enumerate(seeds):
             for row in run_round(args.variants, args.steps, pathlib.Path(work), round_, args.parallel,
-                                 args.eval_size, seed):
+                                 args.eval_size, seed, tuple(args.extra)):
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
     text = markdown(result)
