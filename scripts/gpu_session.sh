@@ -25,9 +25,9 @@ mkdir -p "$OUT"
 if [ "$DEVICE" != cpu ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$OUT/wheels.log" 2>&1 || { echo "installing .whl failed: see wheels.log"; tail -5 "$OUT/wheels.log"; }
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the smoke test's own entries kept (what the device lacks)
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 PY=python3
