@@ -218,7 +218,9 @@ def _architecture_gemms(src: str) -> tuple[str, ...]:
 def _gemm_series(src: str) -> tuple[dict, tuple[tuple[float, tuple, tuple], ...]]:
     """`src`'s GEMM efficiencies (roofline time / measured time, the median of repeats): by measured shape
     {(n, k): (ms, efficiencies)}, and by weight size [(log(n k), ms, efficiencies)] sorted, the shapes that share a
-    weight size (4096 x 11008 and 11008 x 4096) joined by the geometric mean of their efficiencies at each M."""
+    weight size (4096 x 11008 and 11008 x 4096) joined by the geometric mean of their efficiencies at each M. The
+    shapes src did not measure come from its architecture's table (`_architecture_gemms`), each efficiency against
+    the roofline of the GPU that measured it."""
     from .catalog import gpu as gpu_type
     shapes: dict[tuple[int, int], tuple[str, dict[int, list[float]]]] = {}
     for owner in (src, *_architecture_gemms(src)):   # the shapes src lacks from its architecture's table
