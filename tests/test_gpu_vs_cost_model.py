@@ -14,7 +14,7 @@ from hetrl.planner.catalog import gpu
 
 def test_every_phase_of_every_committed_run_is_priced():
     split = json.loads((study.FIRST / "train_split_cuda.json").read_text())
-    rows = study.train_rows(split)
+    rows = study.train_rows(split, "H100")
     assert {(r["model"], r["phase"]) for r in rows} == {
         (m, p) for m in split["runs"] for p in ("rollout", "log-probs", "update", "step")}
     assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rows)
@@ -58,11 +58,20 @@ def test_a_later_calls_folder_is_priced_on_the_gpu_it_ran_on(tmp_path, monkeypat
     ref = {r["shape"]: r["table_s"] for r in h100["operators"]}
     assert one and all(r["table_s"] < ref[r["shape"]] for r in one)   # weight-read bound: the H200's faster HBM
     assert (study.FIRST / "cost_model.md").read_text() == before
+    (folder / "operators_cuda.csv").unlink()           # stage d cut by its budget: stage b's page alone
+    study.main(["--dir", str(folder)])
+    text = (folder / "cost_model.md").read_text()
+    assert "Not measured: the call's stage d wrote no operators_cuda.csv" in text and "| config:qwen2.5-1.5b |" in text
+    shutil.copy(study.FIRST / "operators_cuda.csv", folder)
+    (folder / "train_split_cuda.json").unlink()        # stage b cut: the GPU named by the operator rows' sources
+    study.main(["--dir", str(folder)])
+    text = (folder / "cost_model.md").read_text()
+    assert text.startswith("# The cost model beside a lent GPU (NVIDIA H100 80GB HBM3, 2026-11-28)")
+    assert "Not measured: the call's stage b wrote no train_split_cuda.json" in text and "| gemm |" in text
     (folder / "operators_cuda.csv").unlink()
-    with pytest.raises(SystemExit, match="no operators_cuda.csv"):
+    with pytest.raises(SystemExit, match="neither train_split_cuda.json nor operators_cuda.csv"):
         study.main(["--dir", str(folder)])
     (folder / "train_split_cuda.json").write_text(json.dumps(split | {"device_name": "NVIDIA GeForce RTX 4090"}))
-    shutil.copy(study.FIRST / "operators_cuda.csv", folder)
     with pytest.raises(SystemExit, match="not a catalog GPU"):
         study.main(["--dir", str(folder)])
 

@@ -45,11 +45,22 @@ def one_gpu(name: str) -> dict:
                                                       "intra_node": "nvlink", "network_gbps": 100}]}
 
 
-def gpu_of(split: dict) -> str:
-    """The catalog type of the GPU a call ran on (its train-split results name the device)."""
-    name = device_type(split.get("device_name", ""))
+def device_of(split: dict | None, rows: list[dict]) -> dict:
+    """The device a call ran on, as its stage b results name it, else as its operator rows' sources do
+    ("measured: NVIDIA H200, torch 2.11.0+cu130, 2026-12-09 05:10 UTC; ..."): {name, torch, day}."""
+    if split:
+        return {"name": split.get("device_name", ""), "torch": split.get("torch", "?"),
+                "day": str(split.get("date", "")).split()[0]}
+    head = rows[0].get("source", "").removeprefix("measured: ").split(";")[0].split(", ") if rows else [""]
+    return {"name": head[0], "torch": head[1].removeprefix("torch ") if len(head) > 1 else "?",
+            "day": head[2].split()[0] if len(head) > 2 else ""}
+
+
+def gpu_of(device: dict) -> str:
+    """The catalog type of the GPU a call ran on."""
+    name = device_type(device["name"])
     if name is None:
-        raise SystemExit(f"{split.get('device_name')!r} is not a catalog GPU: the cost model has nothing to price")
+        raise SystemExit(f"{device['name']!r} is not a catalog GPU: the cost model has nothing to price")
     return name
 
 
@@ -57,9 +68,9 @@ def _spec(model: str):
     return model_spec_from_hf(config_of(model.removeprefix(CONFIG))[1], model)
 
 
-def train_rows(split: dict) -> list[dict]:
-    """Stage b: per run, the measured phase seconds beside the cost model's task times on one such GPU."""
-    cluster = cluster_from_dict(one_gpu(gpu_of(split)))
+def train_rows(split: dict, name: str) -> list[dict]:
+    """Stage b: per run, the measured phase seconds beside the cost model's task times on one GPU of type `name`."""
+    cluster = cluster_from_dict(one_gpu(name))
     out = []
     for model, run in split["runs"].items():
         cfg = RunConfig(**{k: v for k, v in run["config"].items() if k in RunConfig.__dataclass_fields__})
@@ -158,20 +169,20 @@ def _err(pred, meas):
     return "-" if pred is None else f"{(pred - meas) / meas:+.0%}"
 
 
-def markdown(train: list[dict], ops: list[dict], split: dict, ops_rows: list[dict], folder: pathlib.Path,
-             notes: str = "") -> str:
-    name = gpu_of(split)
+def markdown(train: list[dict] | None, ops: list[dict] | None, device: dict, ops_rows: list[dict],
+             folder: pathlib.Path, notes: str = "") -> str:
+    """The page; `train` / `ops` None where the call's stage b / d wrote nothing (cut by its budget)."""
+    name = gpu_of(device)
     g = GPUS[name]
-    when = str(split.get("date", "")).split()[0]
     graphed = sum(GRAPHED in r.get("source", "") for r in ops_rows)
     timing = ("each row a CUDA graph's replay (or calls back to back where the operator syncs with the host), its "
               "source says which" if graphed else
               "each row timed one call between two CUDA events, so rows under ~50 us carry the host's launch: see "
               "README.md")
     arg = "" if folder.resolve() == FIRST.resolve() else f" --dir {_shown(folder)}"
-    lines = [f"# The cost model beside a lent GPU ({split['device_name']}, {when})", "",
+    lines = [f"# The cost model beside a lent GPU ({device['name']}, {device['day']})", "",
              f"`python -m benchmarks.studies.gpu_vs_cost_model{arg}` over the committed files in this folder "
-             f"({split['device_name']}, torch {split['torch']}). Nothing fitted; error = (predicted - measured) / "
+             f"({device['name']}, torch {device['torch']}). Nothing fitted; error = (predicted - measured) / "
              f"measured.", "",
              "## Stage b: `hetrl train`'s phases (the default job, random weights of real shapes)", "",
              "The planner's workload of each run (`placement.run_workload`: its model, batch, lengths, bf16, old "
@@ -179,7 +190,9 @@ def markdown(train: list[dict], ops: list[dict], split: dict, ops_rows: list[dic
              "model prices generation as vLLM runs it (measured kernels, CUDA graphs, the engine's measured step "
              "overhead); hetrl's rollout is still its own HF loop, launched from Python.", "",
              "| model | phase | measured s | predicted s | error |", "|---|---|---:|---:|---:|"]
-    for r in train:
+    if train is None:
+        lines[-2:] = ["Not measured: the call's stage b wrote no train_split_cuda.json (cut by its budget)."]
+    for r in train or []:
         lines.append(f"| {r['model']} | {r['phase']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
                      f"{_err(r['predicted_s'], r['measured_s'])} |")
     lines += ["", "## Stage d: operators", "",
@@ -189,6 +202,9 @@ def markdown(train: list[dict], ops: list[dict], split: dict, ops_rows: list[dic
               f"({g.dense_bf16_flops / 1e12:,.0f} TFLOP/s, {g.hbm_bytes_per_s / 1e12:.3g} TB/s).", "",
               "| op | shape | measured us | cost model's table us | error | roofline us | measured / roofline |",
               "|---|---|---:|---:|---:|---:|---:|"]
+    if ops is None:
+        lines[-3:] = ["Not measured: the call's stage d wrote no operators_cuda.csv (cut by its budget)."]
+    ops = ops or []
     for r in ops:
         lines.append(f"| {r['op']} | {r['shape']} | {_us(r['measured_s'])} | {_us(r['table_s'])} | "
                      f"{_err(r['table_s'], r['measured_s'])} | {_us(r['roofline_s'])} | "
@@ -214,18 +230,23 @@ def main(argv=None) -> None:
                     help="one call's folder under benchmarks/results/gpu/ (default: the first lent GPU's)")
     args = ap.parse_args(argv)
     folder = args.dir
-    for need in ("train_split_cuda.json", "operators_cuda.csv"):
-        if not (folder / need).is_file():
-            raise SystemExit(f"--dir {folder}: no {need} (a call's folder holds what stages b and d wrote)")
-    split = json.loads((folder / "train_split_cuda.json").read_text())
-    with open(folder / "operators_cuda.csv", newline="") as f:
-        measured = list(csv.DictReader(f))
-    notes = NOTES.get(folder.name, "")
-    train = train_rows(split)
-    ops = _dedupe(operator_rows(measured, gpu_of(split)))
-    text = markdown(train, ops, split, measured, folder, notes)
+    split_file, ops_file = folder / "train_split_cuda.json", folder / "operators_cuda.csv"
+    if not split_file.is_file() and not ops_file.is_file():
+        raise SystemExit(f"--dir {folder}: neither train_split_cuda.json nor operators_cuda.csv (a call's folder "
+                         f"holds what its stages b and d wrote)")
+    split = json.loads(split_file.read_text()) if split_file.is_file() else None
+    measured = []
+    if ops_file.is_file():
+        with open(ops_file, newline="") as f:
+            measured = list(csv.DictReader(f))
+    device = device_of(split, measured)
+    name = gpu_of(device)
+    train = train_rows(split, name) if split else None
+    ops = _dedupe(operator_rows(measured, name)) if ops_file.is_file() else None
+    text = markdown(train, ops, device, measured, folder, NOTES.get(folder.name, ""))
     (folder / "cost_model.md").write_text(text)
-    (folder / "cost_model.json").write_text(json.dumps({"train": train, "operators": ops}, indent=1))
+    (folder / "cost_model.json").write_text(json.dumps({"device": device, "train": train, "operators": ops},
+                                                       indent=1))
     print(text)
 
 
