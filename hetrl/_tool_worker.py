@@ -90,7 +90,21 @@ def serve(conn) -> None:
         conn.send(reply)
 
 
+def default_signals() -> None:
+    """SIGINT as a fresh interpreter normally has it, whatever the parent was doing when it started this process: an
+    ignored SIGINT is inherited across exec (and Python then installs no KeyboardInterrupt handler), and so is a
+    blocked one. The trainer ignores SIGINT for a moment while it starts its reward workers (containment.WorkerPool)
+    and Python's resource tracker blocks it while it starts; a tool process started by another thread in such a
+    moment would have ignored SIGINT for its whole life."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 if __name__ == "__main__":
     from multiprocessing.connection import Connection
 
+    default_signals()
     serve(Connection(int(sys.argv[1])))

@@ -326,6 +326,36 @@ def test_a_ctrl_c_at_the_terminal_does_not_reach_the_tool_processes(tmp_path):
     assert run_calls([(tools, ToolCall("ok", {"a": 2}))], timeout_s=5.0)[0].content == "3"
 
 
+def test_a_tool_process_started_while_sigint_is_ignored_still_ends_on_sigint(tmp_path):
+    """The trainer ignores SIGINT for a moment while it starts its reward workers (containment.WorkerPool); a tool
+    process started in that moment by another thread inherited the ignored (or blocked) SIGINT and kept it for its
+    whole life. (A clean clone's default suite once timed out in the test above on a tool process that did not end
+    on SIGINT; an inherited SIGINT state is how a fresh interpreter comes to that.) Each tool process now starts
+    with SIGINT as a fresh interpreter has it."""
+    import os
+    import signal
+
+    from hetrl.data.tools import ToolProcesses, locator
+
+    pool = ToolProcesses()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc, conn = pool.take()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, previous)
+    try:
+        (tmp_path / "mytools.py").write_text(TOOLS_SRC)
+        tools = {f.__name__: f for f in load_tools(f"{tmp_path / 'mytools.py'}:ok")}
+        conn.send((locator(tools["ok"]), {"a": 1}))
+        assert conn.recv()[0] == "loaded" and conn.recv()[:2] == ("ok", "2")   # up and serving
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(5) != 0
+    finally:
+        pool.end((proc, conn))
+
+
 def test_tools_of_different_episodes_run_at_once_and_time_out(tools):
     t0 = time.perf_counter()
     got = run_calls([(tools, ToolCall("slow", {"s": 0.6})), (tools, ToolCall("slow", {"s": 0.6})),
