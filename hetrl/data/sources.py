@@ -232,15 +232,18 @@ class TaskSource(_Stream):
                 **builtin_rewards(answer_key)}
 
 
-def load_rows(path: str, what: str = "data") -> list[dict]:
+def load_rows(path: str, what: str = "data", label: str | None = None) -> list[dict]:
     """Rows of a JSONL / JSON / CSV file (hetrl.data.checks: values as written, bounded lines, strict UTF-8), or
     of a Parquet file or `save_to_disk` directory read with `datasets` (offline, its cache in a temporary directory
-    that is removed: nothing is written outside out_dir)."""
+    that is removed: nothing is written outside out_dir). `what` is the field the rows are for (eval_data takes a
+    DatasetDict's held-out split); `label` how messages name them (default `what=path`: a DatasetDict's split read
+    for evaluation out of data= is named as the user gave it, data=DIR)."""
+    name = label or f"{what}={path}"
     p = pathlib.Path(path)
     if p.is_file() and p.suffix.lower() in READERS:
         rows = READERS[p.suffix.lower()](p, what)
         if not rows:
-            raise InputError(f"{what}={path}: holds no rows")
+            raise InputError(f"{name}: holds no rows")
         return rows
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -248,7 +251,7 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
 
     p = pathlib.Path(path)
     if not p.exists():
-        raise InputError(f"{what}={path}: no such file or directory")
+        raise InputError(f"{name}: no such file or directory")
     progress = datasets.utils.logging.is_progress_bar_enabled()
     datasets.utils.logging.disable_progress_bar()
     verbosity = datasets.utils.logging.get_verbosity()
@@ -258,19 +261,19 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
             try:
                 ds = datasets.load_from_disk(str(p), keep_in_memory=True)
             except (FileNotFoundError, ValueError) as e:
-                raise InputError(f"{what}={path}: not a directory written by datasets' save_to_disk "
+                raise InputError(f"{name}: not a directory written by datasets' save_to_disk "
                                  f"({str(e).splitlines()[0]})") from None
             if isinstance(ds, datasets.DatasetDict):   # held-out rows from its split for evaluation, if it has one
                 want = (*EVAL_SPLITS, "train") if what == "eval_data" else ("train",)
                 split = next((s for s in want if s in ds), None)
                 if split is None:
-                    raise InputError(f"{what}={path}: a DatasetDict without a {' or '.join(map(repr, want))} split "
+                    raise InputError(f"{name}: a DatasetDict without a {' or '.join(map(repr, want))} split "
                                      f"(splits: {', '.join(ds)}); save the split you want with save_to_disk")
                 ds = ds[split]
         else:
             kind = DATA_SUFFIXES.get(p.suffix.lower())
             if kind is None:
-                raise InputError(f"{what}={path}: unknown file type {p.suffix!r}; give .jsonl, .json, .parquet, "
+                raise InputError(f"{name}: unknown file type {p.suffix!r}; give .jsonl, .json, .parquet, "
                                  ".csv or a datasets save_to_disk directory")
             with tempfile.TemporaryDirectory(prefix="hetrl-datasets-") as cache:
                 try:
@@ -278,7 +281,7 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
                                                keep_in_memory=True)
                 except Exception as e:   # datasets raises many types for a malformed file; say which file
                     cause = e.__cause__ or e
-                    raise InputError(f"{what}={path}: cannot be read as {p.suffix} ({type(cause).__name__}: "
+                    raise InputError(f"{name}: cannot be read as {p.suffix} ({type(cause).__name__}: "
                                      f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
         rows = ds.to_list()
     finally:
@@ -286,14 +289,14 @@ def load_rows(path: str, what: str = "data") -> list[dict]:
         if progress:
             datasets.utils.logging.enable_progress_bar()
     if not rows:
-        raise InputError(f"{what}={path}: holds no rows")
+        raise InputError(f"{name}: holds no rows")
     return rows
 
 
-def as_rows(data, what: str) -> list[dict]:
-    """A path, a `datasets.Dataset` or a list of dicts -> a list of dicts."""
+def as_rows(data, what: str, label: str | None = None) -> list[dict]:
+    """A path, a `datasets.Dataset` or a list of dicts -> a list of dicts (`label`: load_rows')."""
     if isinstance(data, (str, os.PathLike)):
-        return load_rows(str(data), what)
+        return load_rows(str(data), what, label)
     if hasattr(data, "to_list") and hasattr(data, "column_names"):
         rows = data.to_list()
     elif isinstance(data, (list, tuple)):
@@ -308,11 +311,13 @@ def as_rows(data, what: str) -> list[dict]:
     return rows
 
 
-def read_checked(data, what: str, prompt_key: str) -> list[dict]:
-    """as_rows, then every row's prompt checked (present, text or chat, not empty), naming the file and rows.
-    The loop calls it before the model loads and hands the rows on, so they are read once."""
-    rows = as_rows(data, what)
-    check_prompts(rows, prompt_key, f"{what}={data}" if isinstance(data, (str, os.PathLike)) else what)
+def read_checked(data, what: str, prompt_key: str, label: str | None = None) -> list[dict]:
+    """as_rows, then every row's prompt checked (present, text or chat, not empty), naming the file (as `label`
+    says, for a path) and rows. The loop calls it before the model loads and hands the rows on, so they are read
+    once."""
+    path = isinstance(data, (str, os.PathLike))
+    rows = as_rows(data, what, label if path else None)
+    check_prompts(rows, prompt_key, (label or f"{what}={data}") if path else what)
     return rows
 
 
@@ -378,10 +383,10 @@ def input_problems(cfg, rewards: list, train_dataset=None, eval_dataset=None) ->
     for key, value in given.items():
         if value is None or (isinstance(value, str) and value == PYTHON):
             continue
-        try:
-            rows[key] = read_checked(value, key, cfg.prompt_key)
-        except InputError as e:   # data's own held-out split is named as the user gave it (data=, not eval_data=)
-            problems.append(str(e).replace(f"eval_data={value}", where[key], 1) if key == "eval_data" else str(e))
+        try:   # data's own held-out split is named as the user gave it (data=DIR, not eval_data=)
+            rows[key] = read_checked(value, key, cfg.prompt_key, where[key])
+        except InputError as e:
+            problems.append(str(e))
     if "data" in rows and given["eval_data"] is None:   # held out from the data: some must be left to train on
         attempt(check_eval_size, len(rows["data"]), cfg.eval_size)
     funcs = [f for fs in loaded if fs is not None for f in fs]   # those that loaded: what else is wrong is said too
