@@ -188,32 +188,31 @@ def markdown(train: list[dict] | None, ops: list[dict] | None, device: dict, ops
              "The planner's workload of each run (`placement.run_workload`: its model, batch, lengths, bf16, old "
              f"log-prob passes) on one {name}, every task on GPU 0, scored by `hetrl.planner.evaluate`. The cost "
              "model prices generation as vLLM runs it (measured kernels, CUDA graphs, the engine's measured step "
-             "overhead); hetrl's rollout is still its own HF loop, launched from Python.", "",
-             "| model | phase | measured s | predicted s | error |", "|---|---|---:|---:|---:|"]
+             "overhead); hetrl's rollout is still its own HF loop, launched from Python.", ""]
     if train is None:
-        lines[-2:] = ["Not measured: the call's stage b wrote no train_split_cuda.json (cut by its budget)."]
-    for r in train or []:
-        lines.append(f"| {r['model']} | {r['phase']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
-                     f"{_err(r['predicted_s'], r['measured_s'])} |")
+        lines.append("Not measured: the call's stage b wrote no train_split_cuda.json (cut by its budget).")
+    else:
+        lines += ["| model | phase | measured s | predicted s | error |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['phase']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+                  f"{_err(r['predicted_s'], r['measured_s'])} |" for r in train]
     lines += ["", "## Stage d: operators", "",
               f"Each measured row ({timing}) beside the table the cost model prices an {name} from "
               f"(`optables.gemm_s`: {optables.source_of(g, 'gemm')}; `optables.attention_decode_s`: "
               f"{optables.source_of(g, 'attention_decode')}) and the roofline at the catalog's datasheet peaks "
-              f"({g.dense_bf16_flops / 1e12:,.0f} TFLOP/s, {g.hbm_bytes_per_s / 1e12:.3g} TB/s).", "",
-              "| op | shape | measured us | cost model's table us | error | roofline us | measured / roofline |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+              f"({g.dense_bf16_flops / 1e12:,.0f} TFLOP/s, {g.hbm_bytes_per_s / 1e12:.3g} TB/s).", ""]
     if ops is None:
-        lines[-3:] = ["Not measured: the call's stage d wrote no operators_cuda.csv (cut by its budget)."]
-    ops = ops or []
-    for r in ops:
-        lines.append(f"| {r['op']} | {r['shape']} | {_us(r['measured_s'])} | {_us(r['table_s'])} | "
-                     f"{_err(r['table_s'], r['measured_s'])} | {_us(r['roofline_s'])} | "
-                     f"{r['measured_s'] / r['roofline_s']:.1f}x |")
-    big = [r for r in ops if r["table_s"] is not None and r["measured_s"] >= 2e-4]
-    if big:
-        errs = sorted(abs(r["table_s"] - r["measured_s"]) / r["measured_s"] for r in big)
-        lines += ["", f"Rows measured at 200 us or more (kernel-bound, {len(big)}): the cost model's tables are "
-                      f"within a median {statistics.median(errs):.0%} (largest {errs[-1]:.0%})."]
+        lines.append("Not measured: the call's stage d wrote no operators_cuda.csv (cut by its budget).")
+    else:
+        lines += ["| op | shape | measured us | cost model's table us | error | roofline us | measured / roofline |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['op']} | {r['shape']} | {_us(r['measured_s'])} | {_us(r['table_s'])} | "
+                  f"{_err(r['table_s'], r['measured_s'])} | {_us(r['roofline_s'])} | "
+                  f"{r['measured_s'] / r['roofline_s']:.1f}x |" for r in ops]
+        big = [r for r in ops if r["table_s"] is not None and r["measured_s"] >= 2e-4]
+        if big:
+            errs = sorted(abs(r["table_s"] - r["measured_s"]) / r["measured_s"] for r in big)
+            lines += ["", f"Rows measured at 200 us or more (kernel-bound, {len(big)}): the cost model's tables "
+                          f"are within a median {statistics.median(errs):.0%} (largest {errs[-1]:.0%})."]
     return "\n".join(lines) + "\n" + (f"\n{notes}" if notes else "")
 
 

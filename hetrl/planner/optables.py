@@ -176,8 +176,8 @@ def source_of(gpu, op: str) -> str:
     files = sorted({r["file"] for r in tables()[src][op]})
     if src == gpu.name:
         if op == "gemm" and (same := _architecture_gemms(src)):
-            theirs = sorted({r["file"] for r in tables()[same[0]][op]})
-            return (f"{', '.join(files)}; the shapes it lacks from {', '.join(theirs)}, scaled from {same[0]} by "
+            theirs = sorted({r["file"] for r in tables()[same][op]})
+            return (f"{', '.join(files)}; the shapes it lacks from {', '.join(theirs)}, scaled from {same} by "
                     f"peak FLOP/s and HBM bandwidth")
         return ", ".join(files)
     if op == "engine_step":   # host work: the engine's CPU time is not scaled by the GPU
@@ -206,12 +206,12 @@ def _roofline(gpu, m: float, n: float, k: float, vb: float) -> float:
     return max(2 * m * n * k / gpu.dense_bf16_flops, vb * (m * k + k * n + m * n) / gpu.hbm_bytes_per_s)
 
 
-def _architecture_gemms(src: str) -> tuple[str, ...]:
+def _architecture_gemms(src: str) -> str | None:
     """The GPU whose GEMM table fills the shapes `src`'s own table lacks: its architecture's (SAME_ARCHITECTURE),
     where that has one. A lent H200's few measured shapes (hetrl-measured_H200.csv) price those shapes, and every
     other shape keeps the H100 profile's efficiency, as the H200 was priced before it had a table of its own."""
     same = SAME_ARCHITECTURE.get(src)
-    return (same,) if same and "gemm" in tables().get(same, {}) else ()
+    return same if same and "gemm" in tables().get(same, {}) else None
 
 
 @functools.cache
@@ -223,8 +223,8 @@ def _gemm_series(src: str) -> tuple[dict, tuple[tuple[float, tuple, tuple], ...]
     the roofline of the GPU that measured it."""
     from .catalog import gpu as gpu_type
     shapes: dict[tuple[int, int], tuple[str, dict[int, list[float]]]] = {}
-    for owner in (src, *_architecture_gemms(src)):   # the shapes src lacks from its architecture's table
-        for r in tables()[owner]["gemm"]:
+    for owner in (src, _architecture_gemms(src)):   # the shapes src lacks from its architecture's table
+        for r in tables()[owner]["gemm"] if owner else ():
             mine, by_m = shapes.setdefault((r["n"], r["k"]), (owner, {}))
             if mine == owner:
                 by_m.setdefault(r["m"], []).append(r["seconds"])
